@@ -1,0 +1,62 @@
+"""hpcdp: data, model and pipeline parallelism for numpy/cupy on HPC clusters.
+
+One API over MPI, TCP and simulated (threads) backends; see ``hpcdp.init``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ._launch import spawn
+from ._world import (
+    finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
+)
+from .backends import available_backends, register_backend
+from .collectives import (
+    all_gather, all_gather_object, all_reduce, all_to_all, allgather, allreduce, alltoall,
+    barrier, broadcast, broadcast_object, gather, gather_object, irecv, isend, recv, reduce,
+    reduce_scatter, scatter, send,
+)
+from .errors import (
+    AuthError, BackendUnavailableError, CheckpointError, CollectiveMismatchError,
+    CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
+)
+from .group import ProcessGroup
+from .ops import ReduceOp
+from .work import Work
+
+__version__ = "0.1.0"
+
+# Heavier layers load on first use, so `import hpcdp` stays fast and MPI-free.
+_LAZY = {
+    "DDP": ("hpcdp.ddp", "DDP"),
+    "DistributedDataParallel": ("hpcdp.ddp", "DDP"),
+    "FSDP": ("hpcdp.fsdp", "FSDP"),
+    "nn": ("hpcdp.nn", None),
+    "optim": ("hpcdp.optim", None),
+    "data": ("hpcdp.data", None),
+    "checkpoint": ("hpcdp.checkpoint", None),
+    "utils": ("hpcdp.utils", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        mod_name, attr = _LAZY[name]
+        mod = importlib.import_module(mod_name)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpcdp' has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "finalize", "is_initialized", "rank", "world_size", "local_rank", "new_group",
+    "get_default_group", "spawn", "available_backends", "register_backend", "ProcessGroup",
+    "ReduceOp", "Work", "allreduce", "all_reduce", "broadcast", "reduce", "all_gather",
+    "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",
+    "send", "recv", "isend", "irecv", "broadcast_object", "all_gather_object", "gather_object",
+    "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
+    "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP", "FSDP",
+]

@@ -1,0 +1,68 @@
+"""``HPCDP_DEBUG=detail``: check op, shape, dtype and root across ranks before each collective.
+
+Each rank packs a fingerprint of its call into a fixed-size buffer, so the check itself can never
+mismatch; every rank then sees every fingerprint and all raise the same error together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import CollectiveMismatchError, CommTimeoutError
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+_FP_BYTES = 1024
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def debug_level() -> str:
+    return os.environ.get("HPCDP_DEBUG", "off").strip().lower()
+
+
+def caller_line() -> str:
+    """The first frame outside hpcdp: where the user called the collective."""
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def check_across(group: "ProcessGroup", opname: str, seq: int, **call: Any) -> None:
+    """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
+    mine = {"call": opname, **{k: v for k, v in call.items() if v is not None}}
+    record = dict(mine, rank=group.rank, line=caller_line())
+    raw = json.dumps(record, default=str).encode()[: _FP_BYTES - 1]
+    send = np.zeros(_FP_BYTES, np.uint8)
+    send[: len(raw)] = np.frombuffer(raw, np.uint8)
+    recv = np.empty((group.size, _FP_BYTES), np.uint8)
+    req = group.backend.all_gather(send, recv)
+    if not req.wait(group.timeout):
+        req.abandon()
+        raise CommTimeoutError(
+            f"{opname} #{seq} on group {group.name} (rank {group.rank} of {group.size}): "
+            f"debug check timed out after {group.timeout:g} s: {req.pending()}"
+        )
+    records = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in recv]
+    keys = [{k: v for k, v in r.items() if k not in ("rank", "line")} for r in records]
+    if any(k != keys[0] for k in keys[1:]):
+        lines = "\n".join(
+            f"  rank {r['rank']}: {_fmt(k)} at {r['line']}" for r, k in zip(records, keys)
+        )
+        raise CollectiveMismatchError(
+            f"collective #{seq} on group {group.name}: ranks called different collectives "
+            f"(seen on rank {group.rank}):\n{lines}"
+        )
+
+
+def _fmt(call: dict[str, Any]) -> str:
+    name = call.get("call")
+    args = ", ".join(f"{k}={v}" for k, v in call.items() if k != "call")
+    return f"{name}({args})"

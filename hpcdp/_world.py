@@ -1,0 +1,132 @@
+"""The default process group: ``init``, ``finalize`` and who-am-I queries.
+
+Simulated ranks are threads, so the default group is looked up thread-locally first and then
+process-wide.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Sequence
+
+from .backends import backend_factory
+from .errors import BackendUnavailableError, HpcdpError
+from .group import ProcessGroup
+
+__all__ = [
+    "init", "finalize", "is_initialized", "rank", "world_size", "get_default_group",
+    "new_group", "detect_backend", "local_rank",
+]
+
+_default: ProcessGroup | None = None
+_tls = threading.local()
+_lock = threading.Lock()
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MPI_LOCALNRANKS")
+
+
+def _mpi_env_size() -> int:
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    if os.environ.get("SLURM_STEP_ID") is not None and os.environ.get("SLURM_NTASKS", "").isdigit():
+        return int(os.environ["SLURM_NTASKS"])  # inside an srun step
+    return 1 if "PMIX_RANK" in os.environ else 0
+
+
+def detect_backend() -> str:
+    """The backend ``init()`` picks here: explicit env, then MPI launcher, then TCP env, else sim."""
+    explicit = os.environ.get("HPCDP_BACKEND")
+    if explicit:
+        return explicit
+    if _mpi_env_size() > 0:
+        return "mpi"
+    if os.environ.get("HPCDP_MASTER_ADDR") or (
+        os.environ.get("MASTER_ADDR") and os.environ.get("RANK") and os.environ.get("WORLD_SIZE")
+    ):
+        return "tcp"
+    return "sim"
+
+
+def get_default_group() -> ProcessGroup:
+    """The group collectives use when ``group=None``; initialises the interactive mode if needed."""
+    g = getattr(_tls, "group", None) or _default
+    if g is None:
+        raise HpcdpError("hpcdp is not initialised: call hpcdp.init() first")
+    return g
+
+
+def is_initialized() -> bool:
+    return (getattr(_tls, "group", None) or _default) is not None
+
+
+def init(backend: str | None = None, *, timeout: float | None = None, **options: Any) -> ProcessGroup:
+    """Start the default group and return it.
+
+    Args:
+        backend: "mpi", "tcp" or "sim"; None picks by environment (``detect_backend``).
+        timeout: seconds any blocking call may wait (default ``HPCDP_TIMEOUT`` or 30 minutes).
+        options: passed to the backend factory.
+    """
+    global _default
+    with _lock:
+        current = getattr(_tls, "group", None) or _default
+        name = backend or detect_backend()
+        if current is not None:
+            if current.backend is not None and current.backend.name == name and not options:
+                return current
+            raise HpcdpError(
+                f"init(backend={name!r}): already initialised with {current!r}; call finalize() first"
+            )
+        factory = backend_factory(name)
+        if factory is None:
+            raise BackendUnavailableError(f"init: unknown backend {name!r}")
+        try:
+            be = factory(**options)
+        except BackendUnavailableError:
+            raise
+        except ImportError as exc:
+            raise BackendUnavailableError(f"init: backend {name!r} cannot start here: {exc}") from exc
+        group = ProcessGroup(be, name="world", timeout=timeout)
+        _default = group
+        return group
+
+
+def _set_thread_default(group: ProcessGroup | None) -> None:
+    _tls.group = group
+
+
+def finalize() -> None:
+    """Release the default group's transport; ``init`` may be called again afterwards."""
+    global _default
+    with _lock:
+        g = getattr(_tls, "group", None)
+        if g is not None:
+            _tls.group = None
+        else:
+            g, _default = _default, None
+    if g is not None:
+        g.shutdown()
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 when not initialised)."""
+    return get_default_group().rank if is_initialized() else 0
+
+
+def world_size() -> int:
+    """Ranks in the default group (1 when not initialised)."""
+    return get_default_group().size if is_initialized() else 1
+
+
+def local_rank() -> int:
+    """Rank among the processes of this node, from the launcher's environment."""
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def new_group(ranks: Sequence[int], *, name: str | None = None, timeout: float | None = None) -> ProcessGroup:
+    """Collective over the default group: a group of the given world ranks."""
+    return get_default_group().new_group(ranks, name=name, timeout=timeout)

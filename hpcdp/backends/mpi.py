@@ -1,0 +1,419 @@
+"""MPI backend: mpi4py buffer calls only, nonblocking underneath so every wait has a deadline.
+
+Arrays travel zero-copy with their native MPI datatype (never pickled); ``sendbuf is recvbuf``
+becomes ``MPI.IN_PLACE``. float16, which Open MPI 4 has no type for, moves as raw 16-bit words
+and is reduced in float32. Messages over ``max_message_elements`` are cut into chunks so arrays
+past MPI's 2**31-1 count limit work. cupy arrays go to MPI directly when it is CUDA-aware and are
+staged through reused pinned host buffers otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .._arrays import is_cupy
+from ..errors import BackendUnavailableError
+from ..ops import ReduceOp
+from .base import Backend, Request, poll_until
+
+__all__ = ["MPIBackend", "create_world", "cuda_aware", "set_max_message_elements", "get_mpi"]
+
+_MPI: Any = None
+_MAX_COUNT = int(os.environ.get("HPCDP_MAX_MESSAGE_ELEMENTS", 2**31 - 1))
+
+
+def set_max_message_elements(n: int | None) -> int:
+    """Split messages above ``n`` elements (None: MPI's limit); returns the previous value."""
+    global _MAX_COUNT
+    old, _MAX_COUNT = _MAX_COUNT, (2**31 - 1 if n is None else int(n))
+    if _MAX_COUNT < 1:
+        _MAX_COUNT = old
+        raise ValueError(f"max message elements must be >= 1, got {n}")
+    return old
+
+
+def get_mpi() -> Any:
+    """Import mpi4py's MPI with MPI_THREAD_MULTIPLE (RPC and async work need threads)."""
+    global _MPI
+    if _MPI is None:
+        try:
+            import mpi4py
+        except ImportError as exc:
+            raise BackendUnavailableError(f"the MPI backend needs mpi4py: {exc}") from exc
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+
+        _MPI = MPI
+    return _MPI
+
+
+def cuda_aware() -> bool:
+    """Whether the MPI library takes device pointers (``HPCDP_CUDA_AWARE=0/1`` overrides)."""
+    env = os.environ.get("HPCDP_CUDA_AWARE")
+    if env is not None:
+        return env.strip() not in ("0", "false", "no", "")
+    return _query_cuda_support()
+
+
+@functools.lru_cache(maxsize=1)
+def _query_cuda_support() -> bool:
+    MPI = get_mpi()
+    q = getattr(MPI, "Query_cuda_support", None)
+    if q is not None:
+        try:
+            return bool(q())
+        except Exception:  # noqa: BLE001 - not implemented by this MPI
+            pass
+    try:  # Open MPI's extension, found in the already-loaded libmpi
+        fn = ctypes.CDLL(None).MPIX_Query_cuda_support
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    except (AttributeError, OSError):
+        return False
+
+
+def _datatypes() -> dict[np.dtype, Any]:
+    MPI = get_mpi()
+    t = {
+        "bool": MPI.C_BOOL, "int8": MPI.INT8_T, "int16": MPI.INT16_T, "int32": MPI.INT32_T,
+        "int64": MPI.INT64_T, "uint8": MPI.UINT8_T, "uint16": MPI.UINT16_T,
+        "uint32": MPI.UINT32_T, "uint64": MPI.UINT64_T, "float16": MPI.UINT16_T,
+        "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "complex64": MPI.C_FLOAT_COMPLEX,
+        "complex128": MPI.C_DOUBLE_COMPLEX,
+    }
+    return {np.dtype(k): v for k, v in t.items()}
+
+
+class _MPIRequest(Request):
+    """One or more MPI requests plus host-side work to run once they all completed."""
+
+    __slots__ = ("reqs", "post", "done", "what")
+
+    def __init__(self, reqs: list[Any], post: Callable[[], None] | None = None, what: str = "") -> None:
+        self.reqs = reqs
+        self.post = post
+        self.done = False
+        self.what = what
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        reqs = self.reqs
+        ok = reqs[0].Test() if len(reqs) == 1 else _MPI.Request.Testall(reqs)
+        if ok:
+            self.done = True
+            if self.post is not None:
+                self.post()
+        return ok
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.test():
+            return True
+        return poll_until(self.test, None if timeout is None else time.monotonic() + timeout)
+
+    def pending(self) -> str:
+        return (f"{self.what or 'the MPI operation'} did not complete: at least one rank of the "
+                "group has not made the matching call")
+
+
+class _Staging:
+    """Host copies of cupy buffers for an MPI that is not CUDA-aware, reused across calls."""
+
+    def __init__(self) -> None:
+        self.pool: dict[tuple[str, int, str], np.ndarray] = {}
+
+    def host(self, role: str, dev: Any) -> np.ndarray:
+        key = (role, dev.size, dev.dtype.str)
+        buf = self.pool.get(key)
+        if buf is None:
+            import cupyx  # type: ignore[import-not-found]
+
+            buf = self.pool[key] = cupyx.empty_pinned(dev.shape, dev.dtype).reshape(dev.shape)
+        return buf.reshape(dev.shape)
+
+
+def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[..., Request]]:
+    """Run a method on host copies of cupy arguments when MPI cannot read device memory."""
+
+    def deco(method: Callable[..., Request]) -> Callable[..., Request]:
+        names = method.__code__.co_varnames[1 : method.__code__.co_argcount]
+
+        @functools.wraps(method)
+        def wrapper(self: "MPIBackend", *args: Any) -> Request:
+            if not any(is_cupy(a) for a in args):
+                return method(self, *args)
+            import cupy  # type: ignore[import-not-found]
+
+            cupy.cuda.get_current_stream().synchronize()  # MPI must see finished kernels
+            if self.cuda_aware:
+                return method(self, *args)
+            host: list[Any] = []
+            back: list[tuple[Any, np.ndarray]] = []
+            seen: dict[int, np.ndarray] = {}
+            for name, a in zip(names, args):
+                if not is_cupy(a):
+                    host.append(a)
+                    continue
+                h = seen.get(id(a))
+                if h is None:
+                    h = seen[id(a)] = self._staging.host(name, a)
+                    a.get(out=h)
+                    if name in recv:
+                        back.append((a, h))
+                host.append(h)
+            req = method(self, *host)
+
+            def copy_back() -> None:
+                for dev, h in back:
+                    dev.set(h)
+
+            return _Chain(req, copy_back)
+
+        return wrapper
+
+    return deco
+
+
+class _Chain(Request):
+    def __init__(self, req: Request, then: Callable[[], None]) -> None:
+        self.req, self.then, self.done = req, then, False
+
+    def test(self) -> bool:
+        if not self.done and self.req.test():
+            self.then()
+            self.done = True
+        return self.done
+
+    def wait(self, timeout: float | None) -> bool:
+        if not self.done and self.req.wait(timeout):
+            self.then()
+            self.done = True
+        return self.done
+
+    def pending(self) -> str:
+        return self.req.pending()
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    step = _MAX_COUNT
+    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+
+
+class MPIBackend(Backend):
+    """A group of ranks on one MPI communicator (a private duplicate, never the user's)."""
+
+    name = "mpi"
+    accepts_cupy = True
+
+    def __init__(self, comm: Any, ranks: Sequence[int]) -> None:
+        MPI = get_mpi()
+        self.comm = comm
+        self._p2p = comm.Dup()  # internal traffic of split big messages never meets user tags
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.ranks = tuple(ranks)
+        self.max_tag = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        self._types = _datatypes()
+        self._staging = _Staging()
+        self.cuda_aware = cuda_aware() if _cupy_loaded() else False
+        self._ops = {
+            ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MAX: MPI.MAX,
+            ReduceOp.MIN: MPI.MIN,
+        }
+        self._bool_ops = {
+            ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.PROD: MPI.LAND,
+            ReduceOp.MIN: MPI.LAND,
+        }
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
+        return (self._bool_ops if dtype == np.bool_ else self._ops)[op]
+
+    def _half_staged(self, fn: Callable[..., Request], send: np.ndarray, recv: np.ndarray | None,
+                     *rest: Any) -> Request:
+        """Reduce float16 in float32 (MPI has no half type here), round once at the end."""
+        s32 = send.astype(np.float32)
+        r32 = s32 if send is recv else (None if recv is None else np.empty(recv.shape, np.float32))
+        req = fn(s32, r32, *rest)
+        if recv is None:
+            return req
+
+        def post() -> None:
+            np.copyto(recv, r32, casting="unsafe")
+
+        return _Chain(req, post)
+
+    def _buf(self, a: np.ndarray, lo: int = 0, hi: int | None = None) -> list[Any]:
+        flat = a.reshape(-1)
+        view = flat[lo:hi]
+        return [view, self._types[a.dtype]]
+
+    # -- collectives ------------------------------------------------------------------------
+    @_gpu(recv=("recvbuf",))
+    def allreduce(self, sendbuf, recvbuf, op):
+        if sendbuf.dtype == np.float16:
+            return self._half_staged(lambda s, r, o: self.allreduce(s, r, o), sendbuf, recvbuf, op)
+        mop = self._op(op, sendbuf.dtype)
+        inplace = sendbuf is recvbuf
+        reqs = []
+        for lo, hi in _chunks(recvbuf.size):
+            s = _MPI.IN_PLACE if inplace else self._buf(sendbuf, lo, hi)
+            reqs.append(self.comm.Iallreduce(s, self._buf(recvbuf, lo, hi), mop))
+        return _MPIRequest(reqs, what="allreduce")
+
+    @_gpu(recv=("buf",))
+    def broadcast(self, buf, root):
+        reqs = [self.comm.Ibcast(self._buf(buf, lo, hi), root) for lo, hi in _chunks(buf.size)]
+        return _MPIRequest(reqs, what="broadcast")
+
+    @_gpu(recv=("recvbuf",))
+    def reduce(self, sendbuf, recvbuf, op, root):
+        if sendbuf.dtype == np.float16:
+            return self._half_staged(lambda s, r, o, rt: self.reduce(s, r, o, rt),
+                                     sendbuf, recvbuf, op, root)
+        mop = self._op(op, sendbuf.dtype)
+        me = self.rank == root
+        reqs = []
+        for lo, hi in _chunks(sendbuf.size):
+            if me and sendbuf is recvbuf:
+                s: Any = _MPI.IN_PLACE
+            else:
+                s = self._buf(sendbuf, lo, hi)
+            r = self._buf(recvbuf, lo, hi) if me else None
+            reqs.append(self.comm.Ireduce(s, r, mop, root))
+        return _MPIRequest(reqs, what="reduce")
+
+    @_gpu(recv=("recvbuf",))
+    def all_gather(self, sendbuf, recvbuf):
+        if sendbuf.size <= _MAX_COUNT:
+            req = self.comm.Iallgather(self._buf(sendbuf), self._buf(recvbuf))
+            return _MPIRequest([req], what="all_gather")
+        # Too big for one count: every rank broadcasts its block, in chunks.
+        recvbuf[self.rank] = sendbuf
+        reqs = [self.comm.Ibcast(self._buf(recvbuf[r], lo, hi), r)
+                for r in range(self.size) for lo, hi in _chunks(sendbuf.size)]
+        return _MPIRequest(reqs, what="all_gather")
+
+    @_gpu(recv=("recvbuf",))
+    def gather(self, sendbuf, recvbuf, root):
+        me = self.rank == root
+        if sendbuf.size <= _MAX_COUNT:
+            r = self._buf(recvbuf) if me else None
+            return _MPIRequest([self.comm.Igather(self._buf(sendbuf), r, root)], what="gather")
+        reqs = []
+        if me:
+            recvbuf[root] = sendbuf
+            for src in range(self.size):
+                if src != root:
+                    reqs += [self._p2p.Irecv(self._buf(recvbuf[src], lo, hi), src, i)
+                             for i, (lo, hi) in enumerate(_chunks(sendbuf.size))]
+        else:
+            reqs = [self._p2p.Isend(self._buf(sendbuf, lo, hi), root, i)
+                    for i, (lo, hi) in enumerate(_chunks(sendbuf.size))]
+        return _MPIRequest(reqs or [_MPI.REQUEST_NULL], what="gather")
+
+    @_gpu(recv=("recvbuf",))
+    def scatter(self, sendbuf, recvbuf, root):
+        me = self.rank == root
+        if recvbuf.size <= _MAX_COUNT:
+            s = self._buf(sendbuf) if me else None
+            return _MPIRequest([self.comm.Iscatter(s, self._buf(recvbuf), root)], what="scatter")
+        reqs = []
+        if me:
+            recvbuf[...] = sendbuf[root]
+            for dst in range(self.size):
+                if dst != root:
+                    reqs += [self._p2p.Isend(self._buf(sendbuf[dst], lo, hi), dst, i)
+                             for i, (lo, hi) in enumerate(_chunks(recvbuf.size))]
+        else:
+            reqs = [self._p2p.Irecv(self._buf(recvbuf, lo, hi), root, i)
+                    for i, (lo, hi) in enumerate(_chunks(recvbuf.size))]
+        return _MPIRequest(reqs or [_MPI.REQUEST_NULL], what="scatter")
+
+    @_gpu(recv=("recvbuf",))
+    def reduce_scatter(self, sendbuf, recvbuf, op):
+        if sendbuf.dtype == np.float16:
+            return self._half_staged(lambda s, r, o: self.reduce_scatter(s, r, o), sendbuf, recvbuf, op)
+        mop = self._op(op, sendbuf.dtype)
+        if recvbuf.size <= _MAX_COUNT:
+            req = self.comm.Ireduce_scatter_block(self._buf(sendbuf), self._buf(recvbuf), mop)
+            return _MPIRequest([req], what="reduce_scatter")
+        reqs = []
+        for r in range(self.size):
+            for lo, hi in _chunks(recvbuf.size):
+                rb = self._buf(recvbuf, lo, hi) if r == self.rank else None
+                reqs.append(self.comm.Ireduce(self._buf(sendbuf[r], lo, hi), rb, mop, r))
+        return _MPIRequest(reqs, what="reduce_scatter")
+
+    @_gpu(recv=("recvbuf",))
+    def all_to_all(self, sendbuf, recvbuf):
+        m = sendbuf.shape[1] if sendbuf.ndim == 2 else 0
+        if m <= _MAX_COUNT:
+            req = self.comm.Ialltoall(self._buf(sendbuf), self._buf(recvbuf))
+            return _MPIRequest([req], what="all_to_all")
+        recvbuf[self.rank] = sendbuf[self.rank]
+        reqs = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            for i, (lo, hi) in enumerate(_chunks(m)):
+                reqs.append(self._p2p.Isend(self._buf(sendbuf[peer], lo, hi), peer, i))
+                reqs.append(self._p2p.Irecv(self._buf(recvbuf[peer], lo, hi), peer, i))
+        return _MPIRequest(reqs or [_MPI.REQUEST_NULL], what="all_to_all")
+
+    def barrier(self):
+        return _MPIRequest([self.comm.Ibarrier()], what="barrier")
+
+    # -- point to point ---------------------------------------------------------------------
+    @_gpu(recv=())
+    def send(self, buf, dst, tag):
+        reqs = [self.comm.Isend(self._buf(buf, lo, hi), dst, tag) for lo, hi in _chunks(buf.size)]
+        return _MPIRequest(reqs, what=f"send to rank {dst} (tag {tag})")
+
+    @_gpu(recv=("buf",))
+    def recv(self, buf, src, tag):
+        reqs = [self.comm.Irecv(self._buf(buf, lo, hi), src, tag) for lo, hi in _chunks(buf.size)]
+        return _MPIRequest(reqs, what=f"recv from rank {src} (tag {tag})")
+
+    # -- groups -----------------------------------------------------------------------------
+    def new_group(self, ranks):
+        MPI = get_mpi()
+        member = self.rank in ranks
+        color = 0 if member else MPI.UNDEFINED
+        key = list(ranks).index(self.rank) if member else 0
+        sub = self.comm.Split(color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return MPIBackend(sub, [self.ranks[r] for r in ranks])
+
+    def shutdown(self) -> None:
+        MPI = get_mpi()
+        if MPI.Is_finalized():
+            return
+        for c in (self._p2p, self.comm):
+            if c != MPI.COMM_NULL:
+                c.Free()
+        self.comm = self._p2p = MPI.COMM_NULL
+
+
+def _cupy_loaded() -> bool:
+    import sys
+
+    return "cupy" in sys.modules
+
+
+def create_world(**_: Any) -> MPIBackend:
+    """The world group on a private duplicate of ``COMM_WORLD``."""
+    MPI = get_mpi()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        import warnings
+
+        warnings.warn("MPI was initialised without MPI_THREAD_MULTIPLE; keep hpcdp calls on one thread",
+                      RuntimeWarning, stacklevel=3)
+    world = MPI.COMM_WORLD.Dup()
+    return MPIBackend(world, range(world.Get_size()))

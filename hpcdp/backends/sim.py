@@ -1,0 +1,370 @@
+"""Simulated backend: ranks are threads of one process that meet at shared rendezvous slots.
+
+Each collective is a slot keyed by the group's call counter: every rank deposits a reference to
+its buffer, the last to arrive computes the result once (numpy releases the GIL on large arrays),
+and each rank copies its share out. Nothing is mocked: the same validation, timeouts and peer
+failure rules apply as on the real transports, so the same test bodies run here.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import PeerFailureError
+from ..ops import ReduceOp
+from .base import Backend, Request, register_backend
+
+__all__ = ["SimWorld", "SimBackend"]
+
+
+class SimWorld:
+    """State shared by the threads of one simulated job: a condition and the dead ranks."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"world size must be >= 1, got {size}")
+        self.size = size
+        self.cond = threading.Condition()
+        self.dead: dict[int, str] = {}  # global rank -> why
+        self._ids = itertools.count()
+
+    def mark_dead(self, rank: int, why: str) -> None:
+        with self.cond:
+            self.dead.setdefault(rank, why)
+            self.cond.notify_all()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+
+class _Comm:
+    """What the members of one group share."""
+
+    def __init__(self, world: SimWorld, ranks: tuple[int, ...]) -> None:
+        self.world = world
+        self.ranks = ranks
+        self.slots: dict[int, _Slot] = {}
+        self.mail: dict[tuple[int, int, int], collections.deque[np.ndarray]] = (
+            collections.defaultdict(collections.deque)
+        )
+
+
+class _Slot:
+    __slots__ = ("contribs", "arrived", "ready", "result", "departed", "abandoned_by")
+
+    def __init__(self, n: int) -> None:
+        self.contribs: list[Any] = [None] * n
+        self.arrived = 0
+        self.ready = False
+        self.result: Any = None
+        self.departed = 0
+        self.abandoned_by: int | None = None
+
+
+def _dead_peers(comm: _Comm) -> list[int]:
+    return [r for r in comm.ranks if r in comm.world.dead]
+
+
+class _SlotRequest(Request):
+    def __init__(self, be: SimBackend, key: int, slot: _Slot, extract: Callable[[Any], None]):
+        self.be, self.key, self.slot, self.extract = be, key, slot, extract
+        self.done = False
+
+    def _finish_locked(self) -> bool:
+        slot = self.slot
+        if slot.ready:
+            if isinstance(slot.result, BaseException):
+                raise slot.result
+            return True
+        if slot.abandoned_by is not None:
+            raise PeerFailureError(
+                f"rank {slot.abandoned_by} abandoned this collective after a timeout",
+                peers=[slot.abandoned_by],
+            )
+        dead = [r for r in _dead_peers(self.be.comm)]
+        missing = [self.be.ranks[i] for i, c in enumerate(slot.contribs) if c is None]
+        failed = [r for r in dead if r in missing]
+        if failed:
+            raise PeerFailureError(
+                f"rank(s) {failed} died before joining ({self.be.comm.world.dead[failed[0]]})",
+                peers=failed,
+            )
+        return False
+
+    def _complete(self) -> None:
+        # Copy out after releasing the lock: copies of large arrays run in parallel threads.
+        self.extract(self.slot.result)
+        self.done = True
+        comm = self.be.comm
+        with comm.world.cond:
+            self.slot.departed += 1
+            if self.slot.departed == self.be.size:
+                comm.slots.pop(self.key, None)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        with self.be.comm.world.cond:
+            ready = self._finish_locked()
+        if ready:
+            self._complete()
+        return ready
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.done:
+            return True
+        cond = self.be.comm.world.cond
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with cond:
+            while not self._finish_locked():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                cond.wait(left if left is None else min(left, 1.0))
+        self._complete()
+        return True
+
+    def pending(self) -> str:
+        missing = [self.be.ranks[i] for i, c in enumerate(self.slot.contribs) if c is None]
+        return f"rank(s) {missing} of the group have not joined" if missing else "combining"
+
+    def abandon(self) -> None:
+        with self.be.comm.world.cond:
+            if not self.slot.ready:
+                self.slot.abandoned_by = self.be.ranks[self.be.rank]
+                self.be.comm.world.cond.notify_all()
+
+
+class _RecvRequest(Request):
+    def __init__(self, be: SimBackend, buf: np.ndarray, src: int, tag: int) -> None:
+        self.be, self.buf, self.src, self.tag = be, buf, src, tag
+        self.key = (src, be.rank, tag)
+        self.done = False
+
+    def _try_locked(self) -> bool:
+        box = self.be.comm.mail.get(self.key)
+        if box:
+            msg = box.popleft()
+            if msg.nbytes != self.buf.nbytes:
+                raise ValueError(
+                    f"recv on rank {self.be.ranks[self.be.rank]}: message from rank "
+                    f"{self.be.ranks[self.src]} (tag {self.tag}) has {msg.nbytes} bytes, "
+                    f"buffer has {self.buf.nbytes}"
+                )
+            np.copyto(self.buf.reshape(-1).view(np.uint8), msg)
+            self.done = True
+            return True
+        glob = self.be.ranks[self.src]
+        if glob in self.be.comm.world.dead:
+            raise PeerFailureError(
+                f"rank {glob} died before sending (tag {self.tag})", peers=[glob]
+            )
+        return False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        with self.be.comm.world.cond:
+            return self._try_locked()
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.done:
+            return True
+        cond = self.be.comm.world.cond
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with cond:
+            while not self._try_locked():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                cond.wait(left if left is None else min(left, 1.0))
+        return True
+
+    def pending(self) -> str:
+        return f"no message from rank {self.be.ranks[self.src]} with tag {self.tag}"
+
+
+class _Done(Request):
+    def test(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+
+def _reduce_all(op: ReduceOp, bufs: Sequence[np.ndarray]) -> np.ndarray:
+    """Reduce rank buffers in rank order into a fresh array of the input dtype."""
+    ufunc = op.ufunc
+    out = np.array(bufs[0], copy=True)
+    if out.dtype == np.float16:  # accumulate half in single, round once, like the MPI path
+        acc = out.astype(np.float32)
+        for b in bufs[1:]:
+            ufunc(acc, b, out=acc)
+        return acc.astype(np.float16)
+    for b in bufs[1:]:
+        ufunc(out, b, out=out)
+    return out
+
+
+class SimBackend(Backend):
+    """One rank's view of a simulated group."""
+
+    name = "sim"
+
+    def __init__(self, comm: _Comm, rank: int) -> None:
+        self.comm = comm
+        self.rank = rank
+        self.size = len(comm.ranks)
+        self.ranks = comm.ranks
+        self._calls = itertools.count()
+
+    # -- the rendezvous every collective goes through --------------------------------------
+    def _collective(
+        self,
+        contrib: Any,
+        combine: Callable[[list[Any]], Any],
+        extract: Callable[[Any], None],
+    ) -> Request:
+        key = next(self._calls)
+        comm = self.comm
+        with comm.world.cond:
+            slot = comm.slots.get(key)
+            if slot is None:
+                slot = comm.slots[key] = _Slot(self.size)
+            if slot.abandoned_by is not None:
+                raise PeerFailureError(
+                    f"rank {slot.abandoned_by} abandoned this collective after a timeout",
+                    peers=[slot.abandoned_by],
+                )
+            slot.contribs[self.rank] = (contrib,)
+            slot.arrived += 1
+            last = slot.arrived == self.size
+        if last:
+            try:
+                result = combine([c[0] for c in slot.contribs])
+            except BaseException as exc:  # every rank sees the same failure
+                result = exc
+            with comm.world.cond:
+                slot.result = result
+                slot.ready = True
+                comm.world.cond.notify_all()
+        return _SlotRequest(self, key, slot, extract)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, sendbuf, recvbuf, op):
+        def extract(res):
+            np.copyto(recvbuf, res)
+
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+
+    def broadcast(self, buf, root):
+        me = self.rank
+
+        def combine(bufs):
+            return bufs[root].copy()
+
+        def extract(res):
+            if me != root:
+                np.copyto(buf, res)
+
+        return self._collective(buf, combine, extract)
+
+    def reduce(self, sendbuf, recvbuf, op, root):
+        me = self.rank
+
+        def extract(res):
+            if me == root:
+                np.copyto(recvbuf, res)
+
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+
+    def all_gather(self, sendbuf, recvbuf):
+        return self._collective(sendbuf, np.stack, lambda res: np.copyto(recvbuf, res))
+
+    def gather(self, sendbuf, recvbuf, root):
+        me = self.rank
+
+        def extract(res):
+            if me == root:
+                np.copyto(recvbuf, res)
+
+        return self._collective(sendbuf, np.stack, extract)
+
+    def scatter(self, sendbuf, recvbuf, root):
+        me, n = self.rank, self.size
+
+        def combine(bufs):
+            return bufs[root].reshape(n, *recvbuf.shape).copy()
+
+        def extract(res):
+            np.copyto(recvbuf, res[me])
+
+        return self._collective(sendbuf, combine, extract)
+
+    def reduce_scatter(self, sendbuf, recvbuf, op):
+        me = self.rank
+
+        def extract(res):
+            np.copyto(recvbuf, res.reshape(self.size, *recvbuf.shape)[me])
+
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+
+    def all_to_all(self, sendbuf, recvbuf):
+        me, n = self.rank, self.size
+
+        def combine(bufs):
+            return np.stack([b.reshape(n, -1) for b in bufs])  # [src, dst, ...]
+
+        def extract(res):
+            np.copyto(recvbuf.reshape(n, -1), res[:, me])
+
+        return self._collective(sendbuf, combine, extract)
+
+    def barrier(self):
+        return self._collective(None, lambda bufs: None, lambda res: None)
+
+    # -- point to point: eager and buffered, like MPI's small-message protocol ---------------
+    def send(self, buf, dst, tag):
+        msg = np.ascontiguousarray(buf).reshape(-1).view(np.uint8).copy()
+        with self.comm.world.cond:
+            self.comm.mail[(self.rank, dst, tag)].append(msg)
+            self.comm.world.cond.notify_all()
+        return _Done()
+
+    def recv(self, buf, src, tag):
+        return _RecvRequest(self, buf, src, tag)
+
+    # -- groups -----------------------------------------------------------------------------
+    def new_group(self, ranks):
+        members = tuple(self.ranks[r] for r in ranks)
+
+        def combine(_):
+            return _Comm(self.comm.world, members)
+
+        box: list[_Comm] = []
+        req = self._collective(None, combine, box.append)
+        if not req.wait(None):  # pragma: no cover - wait(None) never times out
+            raise RuntimeError("unreachable")
+        if self.rank not in ranks:
+            return None
+        return SimBackend(box[0], list(ranks).index(self.rank))
+
+
+def _sim_factory(*, world: SimWorld | None = None, rank: int = 0, **_: Any) -> SimBackend:
+    if world is None:
+        world = SimWorld(1)
+    return SimBackend(_Comm(world, tuple(range(world.size))), rank)
+
+
+def _sim_world_factory(world: SimWorld) -> Callable[[int], SimBackend]:
+    """One shared world comm for all ranks of a spawn."""
+    comm = _Comm(world, tuple(range(world.size)))
+    return lambda rank: SimBackend(comm, rank)
+
+
+register_backend("sim", _sim_factory)

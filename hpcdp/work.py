@@ -1,0 +1,104 @@
+"""``Work``: the handle an ``async_op=True`` collective returns."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .backends.base import Request
+from .errors import CommTimeoutError, HpcdpError, PeerFailureError
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+__all__ = ["Work"]
+
+
+class Work:
+    """A collective in flight. ``wait()`` returns its result; buffers are the transport's until then."""
+
+    __slots__ = ("_group", "_op", "_seq", "_req", "_finish", "_done", "_result", "_error")
+
+    def __init__(
+        self,
+        group: "ProcessGroup",
+        op: str,
+        seq: int,
+        req: Request,
+        finish: Callable[[], Any],
+    ) -> None:
+        self._group, self._op, self._seq, self._req, self._finish = group, op, seq, req, finish
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _where(self) -> str:
+        g = self._group
+        return f"{self._op} #{self._seq} on group {g.name} (rank {g.rank} of {g.size})"
+
+    def _complete(self) -> Any:
+        self._result = self._finish()
+        self._done = True
+        self._finish = _nothing
+        return self._result
+
+    def _raise(self, exc: BaseException) -> None:
+        self._error = exc
+        raise exc
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done or ``timeout`` (default: the group's) and return the result."""
+        if self._done:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        t = self._group.timeout if timeout is None else timeout
+        try:
+            ok = self._req.wait(t)
+        except PeerFailureError as exc:
+            self._raise(PeerFailureError(f"{self._where()}: {exc}", peers=exc.peers))
+        except HpcdpError as exc:
+            self._raise(type(exc)(f"{self._where()}: {exc}"))
+        if not ok:
+            pending = self._req.pending()
+            self._req.abandon()
+            self._group._note_timeout(self._op, self._seq)
+            self._raise(
+                CommTimeoutError(f"{self._where()} timed out after {t:g} s: {pending}")
+            )
+        return self._complete()
+
+    def is_completed(self) -> bool:
+        """Make progress without blocking; True once ``wait()`` would return at once."""
+        if self._done:
+            return True
+        if self._error is not None:
+            return True
+        try:
+            if self._req.test():
+                self._complete()
+        except HpcdpError as exc:
+            self._error = exc
+            return True
+        return self._done
+
+    def result(self) -> Any:
+        """The collective's result, waiting for it if needed."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else ("failed" if self._error else "pending")
+        return f"<Work {self._where()} {state}>"
+
+
+def _nothing() -> None:
+    return None
+
+
+class CompletedWork(Work):
+    """A Work that is already complete (world size 1, empty groups)."""
+
+    def __init__(self, group: "ProcessGroup", op: str, seq: int, result: Any) -> None:
+        from .backends.base import CompletedRequest
+
+        super().__init__(group, op, seq, CompletedRequest(), _nothing)
+        self._done = True
+        self._result = result
