@@ -92,13 +92,14 @@ def _datatypes() -> dict[np.dtype, Any]:
 class _MPIRequest(Request):
     """One or more MPI requests plus host-side work to run once they all completed."""
 
-    __slots__ = ("reqs", "post", "done", "what")
+    __slots__ = ("reqs", "post", "done", "what", "keep")
 
     def __init__(self, reqs: list[Any], post: Callable[[], None] | None = None, what: str = "") -> None:
         self.reqs = reqs
         self.post = post
         self.done = False
         self.what = what
+        self.keep: tuple[Any, ...] = ()  # mpi4py does not hold buffers of nonblocking calls
 
     def test(self) -> bool:
         if self.done:
@@ -109,6 +110,7 @@ class _MPIRequest(Request):
             self.done = True
             if self.post is not None:
                 self.post()
+            self.keep = ()
         return ok
 
     def wait(self, timeout: float | None) -> bool:
@@ -146,12 +148,16 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
         @functools.wraps(method)
         def wrapper(self: "MPIBackend", *args: Any) -> Request:
             if not any(is_cupy(a) for a in args):
-                return method(self, *args)
+                req = method(self, *args)
+                req.keep = args
+                return req
             import cupy  # type: ignore[import-not-found]
 
             cupy.cuda.get_current_stream().synchronize()  # MPI must see finished kernels
             if self.cuda_aware:
-                return method(self, *args)
+                req = method(self, *args)
+                req.keep = args
+                return req
             host: list[Any] = []
             back: list[tuple[Any, np.ndarray]] = []
             seen: dict[int, np.ndarray] = {}
@@ -167,6 +173,7 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
                         back.append((a, h))
                 host.append(h)
             req = method(self, *host)
+            req.keep = (args, host)
 
             def copy_back() -> None:
                 for dev, h in back:
@@ -182,6 +189,7 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
 class _Chain(Request):
     def __init__(self, req: Request, then: Callable[[], None]) -> None:
         self.req, self.then, self.done = req, then, False
+        self.keep: Any = ()
 
     def test(self) -> bool:
         if not self.done and self.req.test():
@@ -245,7 +253,9 @@ class MPIBackend(Backend):
 
         def post() -> None:
             np.copyto(recv, r32, casting="unsafe")
+            keep.clear()
 
+        keep = [s32, r32]  # MPI owns these until the request completes
         return _Chain(req, post)
 
     def _buf(self, a: np.ndarray, lo: int = 0, hi: int | None = None) -> list[Any]:
@@ -367,7 +377,7 @@ class MPIBackend(Backend):
         return _MPIRequest(reqs or [_MPI.REQUEST_NULL], what="all_to_all")
 
     def barrier(self):
-        return _MPIRequest([self.comm.Ibarrier()], what="barrier")
+        return _MPIRequest([self.comm.Ibarrier()], what="barrier")  # no buffers to keep
 
     # -- point to point ---------------------------------------------------------------------
     @_gpu(recv=())

@@ -1,0 +1,72 @@
+"""numpy/cupy dispatch for hpcdp.nn and hpcdp.optim (kept local so nn imports nothing else of hpcdp)."""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+__all__ = ["xp_of", "is_cupy", "to_module", "copy_into", "scatter_add", "resolve_xp", "is_float_dtype"]
+
+
+def _cupy() -> ModuleType | None:
+    # Never import cupy ourselves: a cupy array can only exist if the user already imported it.
+    return sys.modules.get("cupy")
+
+
+def is_cupy(x: Any) -> bool:
+    """Tell whether ``x`` is a cupy array without importing cupy."""
+    cp = _cupy()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def xp_of(*arrays: Any) -> ModuleType:
+    """Return cupy if any argument is a cupy array, else numpy (one code path for both)."""
+    for a in arrays:
+        if is_cupy(a):
+            return _cupy()  # type: ignore[return-value]
+    return np
+
+
+def resolve_xp(xp_or_device: Any) -> ModuleType:
+    """Map numpy/cupy modules or the strings "cpu"/"numpy"/"cuda"/"gpu"/"cupy" to an array module."""
+    if isinstance(xp_or_device, ModuleType):
+        if xp_or_device.__name__ in ("numpy", "cupy"):
+            return xp_or_device
+        raise ValueError(f"unsupported array module {xp_or_device.__name__!r}; use numpy or cupy")
+    name = str(xp_or_device).split(":")[0].lower()
+    if name in ("cpu", "numpy", "np"):
+        return np
+    if name in ("cuda", "gpu", "cupy", "cp"):
+        import cupy  # an explicit request for the GPU is the one place we import it
+
+        return cupy
+    raise ValueError(f"unknown device {xp_or_device!r}; expected 'cpu', 'cuda', numpy or cupy")
+
+
+def to_module(x: Any, xp: ModuleType) -> Any:
+    """Return ``x`` as an array of module ``xp`` (no copy when it already is one)."""
+    if xp is np:
+        return x.get() if is_cupy(x) else np.asarray(x)
+    return xp.asarray(x)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy ``src`` into ``dst`` in place, across numpy/cupy when needed."""
+    dst[...] = to_module(src, xp_of(dst))
+
+
+def scatter_add(target: Any, index: Any, values: Any) -> None:
+    """``target[index] += values`` with repeated indices summed (np.add.at / cupyx.scatter_add)."""
+    if is_cupy(target):
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+    else:
+        np.add.at(target, index, values)
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """Tell whether ``dtype`` is a real floating dtype (parameters and gradients must be)."""
+    return np.issubdtype(np.dtype(dtype), np.floating)

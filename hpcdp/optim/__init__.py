@@ -1,0 +1,9 @@
+"""Optimizers (SGD, Adam, AdamW) that update parameters in place, and learning-rate schedules."""
+from __future__ import annotations
+
+from . import lr_scheduler
+from .adam import Adam, AdamW
+from .optimizer import Optimizer
+from .sgd import SGD
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]

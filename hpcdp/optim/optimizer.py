@@ -1,0 +1,141 @@
+"""Optimizer base: torch-style param_groups and a state_dict made only of arrays and scalars."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from ..nn._backend import to_module, xp_of
+
+__all__ = ["Optimizer"]
+
+
+class Optimizer:
+    """Base class holding ``param_groups`` (list of dicts) and per-parameter ``state``.
+
+    Parameters are any objects with ``.data`` and ``.grad`` arrays (``hpcdp.nn.Parameter`` or a
+    wrapper's flat parameter); updates are in place on ``p.data`` because DDP/FSDP hold references
+    to the same arrays. Parameters whose ``.grad is None`` are skipped by ``step``. ``state`` is keyed
+    by the parameter objects, which must hash by identity (``nn.Parameter`` does).
+
+    ``state_dict()`` returns ``{"state": {index: {name: array | scalar}}, "param_groups": [...]}``
+    with integer indices counting parameters across groups in order, exactly like torch, and
+    nothing that needs pickling, so it can be written to HDF5. Arrays in it are the live state
+    arrays (not copies); ``load_state_dict`` copies what it is given.
+    """
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        self.defaults = dict(defaults)
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[Any, dict[str, Any]] = {}
+        params = list(params)
+        if not params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        for g in groups:
+            self.add_param_group(g)
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a group of parameters with its own hyper-parameters (missing ones take the defaults)."""
+        if not isinstance(group, dict):
+            raise TypeError(f"param group must be a dict, got {type(group).__name__}")
+        ps = group["params"]
+        ps = [ps] if hasattr(ps, "data") and hasattr(ps, "grad") else list(ps)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in ps:
+            if not (hasattr(p, "data") and hasattr(p, "grad")):
+                raise TypeError(f"optimizer parameters need .data and .grad, got {type(p).__name__}")
+            if id(p) in seen:
+                raise ValueError("a parameter appears in more than one parameter group (or twice in one)")
+            seen.add(id(p))
+        new = {k: v for k, v in self.defaults.items()}
+        new.update({k: v for k, v in group.items() if k != "params"})
+        new["params"] = ps
+        self.param_groups.append(new)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients of every parameter (``None`` by default, zeros in place otherwise)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad[...] = 0
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter that has a gradient; return ``closure()`` if given."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, group, self.state.setdefault(p, {}))
+        return loss
+
+    def _update(self, p: Any, grad: Any, group: dict[str, Any], state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    # -- state -------------------------------------------------------------------------------------
+    def _index(self) -> dict[int, Any]:
+        return {i: p for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``."""
+        index = self._index()
+        state = {i: dict(self.state[p]) for i, p in index.items() if self.state.get(p)}
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            gd = {k: copy.copy(v) for k, v in g.items() if k != "params"}
+            gd["params"] = list(range(start, start + n))
+            groups.append(gd)
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore hyper-parameters and per-parameter state (arrays copied onto each param's module/dtype)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
+        for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError(
+                    f"param group {i}: loaded state has {len(theirs['params'])} parameters, optimizer has {len(mine['params'])}"
+                )
+        index = self._index()
+        saved_ids = [j for g in groups for j in g["params"]]
+        new_state: dict[Any, dict[str, Any]] = {}
+        # Keys may come back as strings (e.g. from HDF5 group names); map them via the saved order.
+        loaded = {int(k): v for k, v in state_dict["state"].items()}
+        for pos, saved_id in enumerate(saved_ids):
+            if saved_id not in loaded:
+                continue
+            p = index[pos]
+            new_state[p] = {name: self._cast_state(name, v, p) for name, v in loaded[saved_id].items()}
+        for mine, theirs in zip(self.param_groups, groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    # HDF5 gives tuples (Adam's betas) back as arrays; restore the Python type.
+                    if isinstance(mine.get(k), tuple):
+                        v = tuple(v.tolist() if hasattr(v, "tolist") else v)
+                    mine[k] = v
+        self.state = new_state
+
+    @staticmethod
+    def _cast_state(name: str, value: Any, p: Any) -> Any:
+        if not hasattr(value, "shape"):
+            return value
+        xp = xp_of(p.data)
+        if value.ndim == 0 and name == "step":
+            return int(value)
+        arr = to_module(value, xp)
+        dtype = p.data.dtype if np.issubdtype(np.dtype(arr.dtype), np.floating) else arr.dtype
+        return arr.astype(dtype, copy=True)  # always copy: the caller's arrays must not alias our state
+
+    def __repr__(self) -> str:
+        lines = [type(self).__name__ + " ("]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines.extend(f"    {k}: {v}" for k, v in sorted(g.items()) if k != "params")
+        return "\n".join(lines) + "\n)"

@@ -1,0 +1,144 @@
+"""API semantics on every backend: out=, in place, async Work, p2p, groups, errors, timeouts."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import hpcdp
+from bodies import (
+    body_async, body_bad_inputs, body_out_and_inplace, body_out_errors, body_p2p,
+    body_split_messages, body_subgroups,
+)
+from cases import body_mismatch, body_sleepy_timeout
+from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+
+BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
+          body_bad_inputs]
+
+
+def _check(per_rank: list[list[str]]) -> None:
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__[5:])
+def test_api(backend: str, world_size: int, body) -> None:
+    _check(run_ranks(backend, world_size, body))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("body", BODIES + [body_split_messages], ids=lambda b: b.__name__[5:])
+def test_api_mpi(mpi_world, body) -> None:
+    args = (7,) if body is body_split_messages else ()
+    _check(run_mpi(body, *args))
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_timeout_names_op_and_arrives_in_time(backend: str) -> None:
+    out = run_ranks(backend, 3, body_sleepy_timeout, 1, 3.0, 2.0, timeout=30)
+    for o in out:
+        if o["rank"] == 1:
+            continue
+        assert o["result"] == "timeout", o
+        assert 1.9 <= o["elapsed"] <= 3.0, o
+        assert "allreduce" in o["message"] and "timed out" in o["message"], o
+        assert f"rank {o['rank']}" in o["message"], o
+    late = out[1]
+    assert late["result"] in ("peer-failure", "timeout", "ok"), late
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_mpi(mpi_world) -> None:
+    out = run_mpi(body_sleepy_timeout, 1, 3.0, 2.0)
+    for o in out:
+        if o["rank"] != 1:
+            assert o["result"] == "timeout", o
+            assert 1.9 <= o["elapsed"] <= 3.0, o
+            assert "allreduce" in o["message"] and "#" in o["message"], o
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_debug_detail_mismatch(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_DEBUG", "detail")
+    msgs = run_ranks(backend, 3, body_mismatch)
+    for r, m in enumerate(msgs):
+        assert "ranks called different collectives" in m, (r, m)
+        for k in range(3):
+            assert f"rank {k}: allreduce(" in m, m
+        assert "bodies.py" in m or "cases.py" in m, m  # names the user's source line
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_detail_mismatch_mpi(mpi_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_DEBUG", "detail")
+    msgs = run_mpi(body_mismatch)
+    monkeypatch.delenv("HPCDP_DEBUG")
+    for m in msgs:
+        assert "ranks called different collectives" in m, m
+        assert "cases.py" in m
+
+
+def test_sim_rank_failure_does_not_hang() -> None:
+    def body(rank: int) -> None:
+        if rank == 1:
+            raise KeyError("boom")
+        hpcdp.allreduce(np.ones(3))
+
+    with pytest.raises(KeyError, match="boom"):
+        run_ranks("sim", 3, body)
+
+
+def test_interactive_single_rank_mode() -> None:
+    """A plain `python` session: init() picks sim with world size 1 and collectives are identities."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hpcdp, numpy as np\n"
+        "g = hpcdp.init()\n"
+        "assert g.backend.name == 'sim' and hpcdp.world_size() == 1 and hpcdp.rank() == 0\n"
+        "x = np.arange(4.0)\n"
+        "assert np.array_equal(hpcdp.allreduce(x, 'mean'), x)\n"
+        "assert hpcdp.all_gather(x).shape == (1, 4)\n"
+        "assert hpcdp.init() is g\n"
+        "hpcdp.finalize(); assert not hpcdp.is_initialized()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI", "PMIX", "SLURM", "HPCDP_", "MASTER_"))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_explicit_unavailable_backend_raises() -> None:
+    with pytest.raises(hpcdp.BackendUnavailableError):
+        hpcdp.init(backend="nccl-does-not-exist")
+    assert not hpcdp.is_initialized()
+
+
+def test_errors_hierarchy() -> None:
+    assert issubclass(hpcdp.CommTimeoutError, TimeoutError)
+    assert issubclass(hpcdp.CollectiveMismatchError, ValueError)
+    for e in (hpcdp.BackendUnavailableError, hpcdp.CommTimeoutError, hpcdp.PeerFailureError,
+              hpcdp.AuthError, hpcdp.ProtocolError, hpcdp.CheckpointError):
+        assert issubclass(e, hpcdp.HpcdpError) and issubclass(e, RuntimeError)
+
+
+def test_hpcdp_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcdp.group import default_timeout
+
+    monkeypatch.setenv("HPCDP_TIMEOUT", "12.5")
+    assert default_timeout() == 12.5
+    monkeypatch.setenv("HPCDP_TIMEOUT", "soon")
+    with pytest.raises(ValueError):
+        default_timeout()
+
+
+def test_available_backends() -> None:
+    names = hpcdp.available_backends()
+    assert "sim" in names and "mpi" in names
