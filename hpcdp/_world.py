@@ -48,12 +48,18 @@ def detect_backend() -> str:
     return "sim"
 
 
+_thread_groups = 0  # simulated ranks alive; while 0 the thread-local lookup is skipped
+
+
 def get_default_group() -> ProcessGroup:
-    """The group collectives use when ``group=None``; initialises the interactive mode if needed."""
-    g = getattr(_tls, "group", None) or _default
-    if g is None:
+    """The group collectives use when ``group=None``."""
+    if _thread_groups:
+        g = getattr(_tls, "group", None)
+        if g is not None:
+            return g
+    if _default is None:
         raise HpcdpError("hpcdp is not initialised: call hpcdp.init() first")
-    return g
+    return _default
 
 
 def is_initialized() -> bool:
@@ -93,15 +99,19 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
 
 
 def _set_thread_default(group: ProcessGroup | None) -> None:
+    global _thread_groups
+    with _lock:
+        _thread_groups += (group is not None) - (getattr(_tls, "group", None) is not None)
     _tls.group = group
 
 
 def finalize() -> None:
     """Release the default group's transport; ``init`` may be called again afterwards."""
-    global _default
+    global _default, _thread_groups
     with _lock:
         g = getattr(_tls, "group", None)
         if g is not None:
+            _thread_groups -= 1
             _tls.group = None
         else:
             g, _default = _default, None

@@ -1,15 +1,16 @@
 """Collectives on the default group (or ``group=``), numpy style: each returns its result.
 
-These are thin forwards to the ``ProcessGroup`` methods of the same names, which hold the
-validation and the docs.
+Thin forwards to the ``ProcessGroup`` methods of the same names, which validate and document;
+they spell out their signatures so editors and type checkers see them.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
-from ._world import get_default_group
+from ._world import get_default_group as _default
 from .group import ProcessGroup
+from .ops import ReduceOp
+from .work import Work
 
 __all__ = [
     "allreduce", "all_reduce", "broadcast", "reduce", "all_gather", "allgather", "gather",
@@ -17,33 +18,100 @@ __all__ = [
     "irecv", "broadcast_object", "all_gather_object", "gather_object",
 ]
 
-
-def _forward(name: str) -> Callable[..., Any]:
-    method = getattr(ProcessGroup, name)
-
-    @functools.wraps(method)
-    def call(*args: Any, group: ProcessGroup | None = None, **kwargs: Any) -> Any:
-        return method(group if group is not None else get_default_group(), *args, **kwargs)
-
-    return call
+Group = ProcessGroup | None
+Op = ReduceOp | str
 
 
-allreduce = _forward("allreduce")
+def allreduce(x: Any, op: Op = "sum", *, out: Any = None, group: Group = None,
+              async_op: bool = False, timeout: float | None = None) -> Any:
+    """Reduce ``x`` elementwise across ranks; every rank gets the result."""
+    return (group or _default()).allreduce(x, op, out=out, async_op=async_op, timeout=timeout)
+
+
+def broadcast(x: Any, root: int = 0, *, out: Any = None, group: Group = None,
+              async_op: bool = False, timeout: float | None = None) -> Any:
+    """Every rank gets root's ``x``; fills ``x`` (or ``out=``) in place when it can."""
+    return (group or _default()).broadcast(x, root, out=out, async_op=async_op, timeout=timeout)
+
+
+def reduce(x: Any, op: Op = "sum", root: int = 0, *, out: Any = None, group: Group = None,
+           async_op: bool = False, timeout: float | None = None) -> Any:
+    """Reduce ``x`` across ranks onto ``root``; other ranks get None."""
+    return (group or _default()).reduce(x, op, root, out=out, async_op=async_op, timeout=timeout)
+
+
+def all_gather(x: Any, *, out: Any = None, group: Group = None, async_op: bool = False,
+               timeout: float | None = None) -> Any:
+    """Stack every rank's ``x``: shape ``(world_size, *x.shape)``."""
+    return (group or _default()).all_gather(x, out=out, async_op=async_op, timeout=timeout)
+
+
+def gather(x: Any, root: int = 0, *, out: Any = None, group: Group = None,
+           async_op: bool = False, timeout: float | None = None) -> Any:
+    """Stack every rank's ``x`` on ``root``; other ranks get None."""
+    return (group or _default()).gather(x, root, out=out, async_op=async_op, timeout=timeout)
+
+
+def scatter(x: Any, root: int = 0, *, out: Any = None, group: Group = None,
+            async_op: bool = False, timeout: float | None = None) -> Any:
+    """Split root's ``x`` along axis 0; rank i gets part i."""
+    return (group or _default()).scatter(x, root, out=out, async_op=async_op, timeout=timeout)
+
+
+def reduce_scatter(x: Any, op: Op = "sum", *, out: Any = None, group: Group = None,
+                   async_op: bool = False, timeout: float | None = None) -> Any:
+    """Reduce ``x`` across ranks; rank i gets part i of axis 0."""
+    return (group or _default()).reduce_scatter(x, op, out=out, async_op=async_op, timeout=timeout)
+
+
+def all_to_all(x: Any, *, out: Any = None, group: Group = None, async_op: bool = False,
+               timeout: float | None = None) -> Any:
+    """Part j of ``x`` goes to rank j; the result stacks what each rank sent."""
+    return (group or _default()).all_to_all(x, out=out, async_op=async_op, timeout=timeout)
+
+
+def barrier(*, group: Group = None, async_op: bool = False, timeout: float | None = None) -> Any:
+    """Return once every rank of the group has called ``barrier``."""
+    return (group or _default()).barrier(async_op=async_op, timeout=timeout)
+
+
+def isend(x: Any, dst: int, tag: int = 0, *, group: Group = None) -> Work:
+    """Start sending ``x`` to ``dst``; do not modify ``x`` until ``wait()``."""
+    return (group or _default()).isend(x, dst, tag)
+
+
+def irecv(buf: Any, src: int, tag: int = 0, *, group: Group = None) -> Work:
+    """Start receiving into ``buf`` from ``src``."""
+    return (group or _default()).irecv(buf, src, tag)
+
+
+def send(x: Any, dst: int, tag: int = 0, *, group: Group = None, timeout: float | None = None) -> None:
+    """Send ``x`` to ``dst``; returns once ``x`` may be reused."""
+    return (group or _default()).send(x, dst, tag, timeout=timeout)
+
+
+def recv(buf: Any, src: int, tag: int = 0, *, group: Group = None, timeout: float | None = None) -> Any:
+    """Receive into ``buf`` from ``src``; returns ``buf``."""
+    return (group or _default()).recv(buf, src, tag, timeout=timeout)
+
+
+def broadcast_object(obj: Any = None, root: int = 0, *, group: Group = None,
+                     timeout: float | None = None) -> Any:
+    """Every rank gets root's picklable ``obj``."""
+    return (group or _default()).broadcast_object(obj, root, timeout=timeout)
+
+
+def all_gather_object(obj: Any, *, group: Group = None, timeout: float | None = None) -> list[Any]:
+    """A list of every rank's picklable ``obj``."""
+    return (group or _default()).all_gather_object(obj, timeout=timeout)
+
+
+def gather_object(obj: Any, root: int = 0, *, group: Group = None,
+                  timeout: float | None = None) -> list[Any] | None:
+    """Every rank's ``obj`` as a list on ``root``; None elsewhere."""
+    return (group or _default()).gather_object(obj, root, timeout=timeout)
+
+
 all_reduce = allreduce
-broadcast = _forward("broadcast")
-reduce = _forward("reduce")
-all_gather = _forward("all_gather")
 allgather = all_gather
-gather = _forward("gather")
-scatter = _forward("scatter")
-reduce_scatter = _forward("reduce_scatter")
-all_to_all = _forward("all_to_all")
 alltoall = all_to_all
-barrier = _forward("barrier")
-send = _forward("send")
-recv = _forward("recv")
-isend = _forward("isend")
-irecv = _forward("irecv")
-broadcast_object = _forward("broadcast_object")
-all_gather_object = _forward("all_gather_object")
-gather_object = _forward("gather_object")

@@ -42,6 +42,20 @@ def default_timeout() -> float:
     return t
 
 
+def _none() -> None:
+    return None
+
+
+#: dtypes and ops for which the allreduce fast path needs no further checks
+_FAST_DTYPES = frozenset(np.dtype(t) for t in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float32", "float64"))
+_FAST_OPS: dict[Any, ReduceOp] = {}
+for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
+    _FAST_OPS[_o] = _o
+    _FAST_OPS[_o.value] = _o
+
+
 def _contig(x: Any) -> Any:
     xp = xp_of(x)
     return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
@@ -68,6 +82,8 @@ class ProcessGroup:
         self._groups = itertools.count(1)
         self._broken: str | None = None
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
+        #: "off" or "detail"; read from HPCDP_DEBUG when the group is made, settable afterwards
+        self.debug = _debug.debug_level()
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -99,9 +115,8 @@ class ProcessGroup:
             )
         if self._broken:
             raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
-        with self._lock:
-            seq = next(self._seq)
-        if _debug.debug_level() == "detail":
+        seq = next(self._seq)  # itertools.count is atomic under the GIL
+        if self.debug == "detail":
             _debug.check_across(self, opname, seq, **call)
         return seq
 
@@ -153,6 +168,25 @@ class ProcessGroup:
     def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                   async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
+        # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
+        # checks as below, in fewer Python operations, because small allreduces are latency-bound.
+        rop = _FAST_OPS.get(op)
+        if (rop is not None and type(x) is np.ndarray and not async_op and self.debug == "off"
+                and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and self.backend is not None
+                and self._broken is None and (out is None or (
+                    type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
+                    and out.flags.c_contiguous and out.flags.writeable))):
+            if out is None:
+                out = np.empty_like(x)
+            seq = next(self._seq)
+            if x.ndim == 1:
+                req = self.backend.allreduce(x, out, rop)
+            else:
+                rflat = out.reshape(-1)
+                req = self.backend.allreduce(rflat if out is x else x.reshape(-1), rflat, rop)
+            if not req.wait(self.timeout if timeout is None else timeout):
+                Work(self, "allreduce", seq, req, _none).wait(0.0)  # raises CommTimeoutError
+            return out
         where = self._where("allreduce")
         rop = as_op(op)
         check_array(where, x)
@@ -404,8 +438,11 @@ class ProcessGroup:
         gname = name or f"{self.name}.{next(self._groups)}{ranks}"
         sub = self.backend.new_group(ranks)
         members = [self.ranks[r] for r in ranks]
-        return ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
-                            members=members)
+        child = ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
+                             members=members)
+        if self.debug == "detail":
+            child.debug = "detail"
+        return child
 
     def shutdown(self) -> None:
         if self.backend is not None:

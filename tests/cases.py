@@ -182,11 +182,11 @@ def body_sleepy_timeout(rank: int, late: int, sleep: float, timeout: float) -> d
     return out
 
 
-def body_mismatch(rank: int) -> str:
+def body_mismatch(rank: int, group: Any = None) -> str:
     """Ranks disagree on the shape; with HPCDP_DEBUG=detail every rank must raise."""
     x = np.ones(3 + rank)
     try:
-        hpcdp.allreduce(x)
+        hpcdp.allreduce(x, group=group)
     except hpcdp.CollectiveMismatchError as exc:
         return str(exc)
     return "no error"

@@ -74,9 +74,10 @@ def test_debug_detail_mismatch(backend: str, monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.mpi(min_size=2)
 def test_debug_detail_mismatch_mpi(mpi_world, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HPCDP_DEBUG", "detail")
-    msgs = run_mpi(body_mismatch)
-    monkeypatch.delenv("HPCDP_DEBUG")
+    monkeypatch.setenv("HPCDP_DEBUG", "detail")  # read when a group is made
+    group = hpcdp.new_group(list(range(mpi_world.size)))
+    assert group.debug == "detail"
+    msgs = run_mpi(body_mismatch, group)
     for m in msgs:
         assert "ranks called different collectives" in m, m
         assert "cases.py" in m

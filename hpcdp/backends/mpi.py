@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from .base import Backend, Request, poll_until
 __all__ = ["MPIBackend", "create_world", "cuda_aware", "set_max_message_elements", "get_mpi"]
 
 _MPI: Any = None
+_modules = sys.modules
 _MAX_COUNT = int(os.environ.get("HPCDP_MAX_MESSAGE_ELEMENTS", 2**31 - 1))
 
 
@@ -114,8 +116,16 @@ class _MPIRequest(Request):
         return ok
 
     def wait(self, timeout: float | None) -> bool:
-        if self.test():
+        if self.done:
             return True
+        reqs = self.reqs
+        if len(reqs) == 1 and self.post is None:  # small messages finish in this spin
+            r = reqs[0]
+            for _ in range(32):
+                if r.Test():
+                    self.done = True
+                    self.keep = ()
+                    return True
         return poll_until(self.test, None if timeout is None else time.monotonic() + timeout)
 
     def pending(self) -> str:
@@ -147,7 +157,7 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
 
         @functools.wraps(method)
         def wrapper(self: "MPIBackend", *args: Any) -> Request:
-            if not any(is_cupy(a) for a in args):
+            if "cupy" not in _modules or not any(is_cupy(a) for a in args):
                 req = method(self, *args)
                 req.keep = args
                 return req
@@ -240,7 +250,7 @@ class MPIBackend(Backend):
 
     # -- helpers ----------------------------------------------------------------------------
     def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
-        return (self._bool_ops if dtype == np.bool_ else self._ops)[op]
+        return (self._bool_ops if dtype.kind == "b" else self._ops)[op]
 
     def _half_staged(self, fn: Callable[..., Request], send: np.ndarray, recv: np.ndarray | None,
                      *rest: Any) -> Request:
@@ -270,6 +280,10 @@ class MPIBackend(Backend):
             return self._half_staged(lambda s, r, o: self.allreduce(s, r, o), sendbuf, recvbuf, op)
         mop = self._op(op, sendbuf.dtype)
         inplace = sendbuf is recvbuf
+        if recvbuf.size <= _MAX_COUNT:
+            t = self._types[recvbuf.dtype]
+            s = _MPI.IN_PLACE if inplace else [sendbuf, t]
+            return _MPIRequest([self.comm.Iallreduce(s, [recvbuf, t], mop)], None, "allreduce")
         reqs = []
         for lo, hi in _chunks(recvbuf.size):
             s = _MPI.IN_PLACE if inplace else self._buf(sendbuf, lo, hi)

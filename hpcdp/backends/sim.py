@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -219,6 +220,11 @@ class SimBackend(Backend):
         self.size = len(comm.ranks)
         self.ranks = comm.ranks
         self._calls = itertools.count()
+        if os.environ.get("HPCDP_SIM_ALGORITHMS") == "p2p":
+            # opt-in: run the shared ring/tree algorithms over send/recv, to test them here
+            from . import _algorithms
+
+            _algorithms.attach(self, _algorithms.BackendP2P(self))
 
     # -- the rendezvous every collective goes through --------------------------------------
     def _collective(

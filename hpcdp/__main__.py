@@ -1,0 +1,68 @@
+"""``python -m hpcdp info``: versions, MPI library, CUDA-awareness, h5py MPI support, backends."""
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+
+
+def _version(mod: str) -> str:
+    try:
+        m = importlib.import_module(mod)
+    except Exception as exc:  # noqa: BLE001 - report, never fail
+        return f"not available ({type(exc).__name__}: {exc})"
+    return str(getattr(m, "__version__", "?"))
+
+
+def info() -> dict[str, str]:
+    """What a bug report needs, as name -> value."""
+    import hpcdp
+
+    out = {
+        "hpcdp": hpcdp.__version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "numpy": _version("numpy"),
+        "mpi4py": _version("mpi4py"),
+        "h5py": _version("h5py"),
+        "cupy": _version("cupy"),
+        "backends": ", ".join(hpcdp.available_backends()),
+        "detected backend": hpcdp._world.detect_backend(),
+    }
+    try:
+        from hpcdp.backends.mpi import cuda_aware, get_mpi
+
+        MPI = get_mpi()
+        out["MPI library"] = MPI.Get_library_version().splitlines()[0].strip()
+        out["MPI standard"] = "%d.%d" % MPI.Get_version()
+        out["MPI thread level"] = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+                                   MPI.THREAD_SERIALIZED: "serialized",
+                                   MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?")
+        out["MPI CUDA-aware"] = str(cuda_aware())
+    except Exception as exc:  # noqa: BLE001
+        out["MPI library"] = f"not available ({exc})"
+    try:
+        import h5py
+
+        cfg = h5py.get_config()
+        out["h5py MPI support"] = str(bool(cfg.mpi))
+        out["HDF5"] = ".".join(map(str, h5py.version.hdf5_version_tuple))
+    except Exception as exc:  # noqa: BLE001
+        out["h5py MPI support"] = f"unknown ({exc})"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["info"]:
+        print("usage: python -m hpcdp info", file=sys.stderr)
+        return 2
+    rows = info()
+    width = max(map(len, rows))
+    for k, v in rows.items():
+        print(f"{k:<{width}} : {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m hpcdp.bench {collectives,ddp,checkpoint} ...`` (see ../shared/PERF.md)."""

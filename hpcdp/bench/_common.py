@@ -1,0 +1,166 @@
+"""Measurement helpers shared by every benchmark (the method of ../shared/PERF.md).
+
+The machine is noisy, so figures are ratios against a baseline timed in the same launch on the
+same pre-touched buffers, over interleaved trials (baseline, candidate, baseline, ...), quoting
+the median of the per-trial ratios.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "SIZES", "sizes", "Row", "time_loop", "interleaved", "busbw_factor", "print_header",
+    "print_row", "JsonSink", "fmt_size",
+]
+
+#: 8 B to 64 MiB by x4, as PERF.md asks.
+SIZES: tuple[int, ...] = tuple(8 * 4**k for k in range(13))
+
+
+def sizes(lo: int = 8, hi: int = 64 << 20) -> list[int]:
+    return [s for s in SIZES if lo <= s <= hi]
+
+
+def fmt_size(n: int) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):g} {unit}"
+    return f"{n} B"
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests bus bandwidth factors."""
+    if op == "allreduce":
+        return 2 * (n - 1) / n if n > 1 else 1.0
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n if n > 1 else 1.0
+    return 1.0
+
+
+def iters_for(seconds_per_op: float, min_time: float = 0.05, min_iters: int = 20,
+              max_iters: int = 10_000) -> int:
+    """Enough back-to-back operations for >= min_time and >= min_iters."""
+    if seconds_per_op <= 0:
+        return max_iters
+    return int(min(max_iters, max(min_iters, min_time / seconds_per_op)))
+
+
+def time_loop(fn: Callable[[], Any], iters: int, sync: Callable[[], Any] | None = None) -> float:
+    """Seconds per call of ``fn`` over ``iters`` back-to-back calls (after a sync)."""
+    if sync is not None:
+        sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if sync is not None:
+        sync()
+    return (time.perf_counter() - t0) / iters
+
+
+@dataclass
+class Trials:
+    """Per-trial times of a baseline and a candidate, interleaved."""
+
+    base: list[float] = field(default_factory=list)
+    cand: list[float] = field(default_factory=list)
+
+    @property
+    def ratios(self) -> list[float]:
+        """candidate time / baseline time, per trial."""
+        return [c / b for b, c in zip(self.base, self.cand)]
+
+    @property
+    def median_ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def base_median(self) -> float:
+        return statistics.median(self.base)
+
+    @property
+    def cand_median(self) -> float:
+        return statistics.median(self.cand)
+
+
+def interleaved(base: Callable[[], float], cand: Callable[[], float], trials: int = 5) -> Trials:
+    """Run ``base`` and ``cand`` (each returns seconds per op) alternately ``trials`` times."""
+    t = Trials()
+    for i in range(trials):
+        if i % 2 == 0:
+            t.base.append(base())
+            t.cand.append(cand())
+        else:
+            t.cand.append(cand())
+            t.base.append(base())
+    return t
+
+
+@dataclass
+class Row:
+    """One nccl-tests-style result row."""
+
+    bench: str
+    op: str
+    size: int
+    count: int
+    dtype: str
+    redop: str
+    root: int
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    base_time_us: float
+    ratio: float  # hpcdp time / baseline time (median of per-trial ratios)
+    ranks: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def print_header(title: str, out: Any = sys.stdout) -> None:
+    print(f"# {title}", file=out)
+    print(f"# {'size':>10} {'count':>10} {'type':>8} {'redop':>6} {'root':>4} "
+          f"{'time(us)':>10} {'algbw':>8} {'busbw':>8} {'base(us)':>10} {'t/base':>7}", file=out)
+    print(f"# {'(B)':>10} {'(elems)':>10} {'':>8} {'':>6} {'':>4} {'':>10} {'(GB/s)':>8} "
+          f"{'(GB/s)':>8} {'':>10} {'':>7}", file=out)
+
+
+def print_row(r: Row, out: Any = sys.stdout) -> None:
+    print(f"  {r.size:>10} {r.count:>10} {r.dtype:>8} {r.redop:>6} {r.root:>4} "
+          f"{r.time_us:>10.2f} {r.algbw_gbs:>8.3f} {r.busbw_gbs:>8.3f} {r.base_time_us:>10.2f} "
+          f"{r.ratio:>7.3f}", file=out, flush=True)
+
+
+class JsonSink:
+    """JSON lines to a file (``--json PATH``), one object per row or summary."""
+
+    def __init__(self, path: str | None) -> None:
+        self.fh = open(path, "a") if path else None
+
+    def write(self, obj: Any) -> None:
+        if self.fh is None:
+            return
+        if hasattr(obj, "__dataclass_fields__"):
+            obj = asdict(obj)
+        self.fh.write(json.dumps(obj) + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def pretouch(*arrays: np.ndarray) -> None:
+    """Fault the pages in so neither side of a comparison pays for first touch."""
+    for a in arrays:
+        a.reshape(-1).view(np.uint8)[::4096] = 0
+
+
+def summary_line(name: str, ratios: Sequence[float], target: str) -> str:
+    med = statistics.median(ratios) if ratios else float("nan")
+    return f"# {name}: median ratio {med:.3f} (target {target})"

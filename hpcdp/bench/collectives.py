@@ -1,0 +1,183 @@
+"""``mpirun -n 2 python -m hpcdp.bench collectives``: hpcdp vs raw mpi4py on the same buffers.
+
+Reports nccl-tests-style rows per op and size, then the PERF.md ratios:
+A1 allreduce busbw >= 1 MiB, A2 allreduce latency 8 B - 1 KiB, A3 all_gather / reduce_scatter /
+broadcast busbw >= 1 MiB, A5 an 8 B collective vs mpi4py's pickle-based ``allreduce``.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import hpcdp
+
+from ._common import JsonSink, Row, busbw_factor, fmt_size, interleaved, pretouch, print_header, print_row, sizes
+
+OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpcdp.bench collectives")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--min-size", type=int, default=8)
+    p.add_argument("--max-size", type=int, default=64 << 20)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed loop")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--json", default=None, help="append JSON lines here")
+    return p.parse_args(argv)
+
+
+class _Case:
+    """The same pre-touched buffers for the baseline and the candidate of one op and size."""
+
+    def __init__(self, op: str, nbytes: int, dtype: np.dtype, comm: Any, n: int, rank: int) -> None:
+        from mpi4py import MPI
+
+        item = dtype.itemsize
+        count = max(nbytes // item, 1)
+        if op in ("all_gather", "reduce_scatter"):
+            count = max(count // n, 1) * n  # the full array splits into n parts
+        self.op, self.count, self.nbytes = op, count, count * item
+        part = count // n
+        if op == "allreduce":
+            self.x, self.out = np.ones(count, dtype), np.empty(count, dtype)
+            self.base = lambda: comm.Allreduce(self.x, self.out, MPI.SUM)
+            self.cand = lambda: hpcdp.allreduce(self.x, out=self.out)
+        elif op == "all_gather":
+            self.x, self.out = np.full(part, rank, dtype), np.empty((n, part), dtype)
+            self.base = lambda: comm.Allgather(self.x, self.out)
+            self.cand = lambda: hpcdp.all_gather(self.x, out=self.out)
+        elif op == "reduce_scatter":
+            self.x, self.out = np.ones(count, dtype), np.empty(part, dtype)
+            self.base = lambda: comm.Reduce_scatter_block(self.x, self.out, MPI.SUM)
+            self.cand = lambda: hpcdp.reduce_scatter(self.x, out=self.out)
+        elif op == "broadcast":
+            self.x = self.out = np.ones(count, dtype)
+            self.base = lambda: comm.Bcast(self.x, 0)
+            self.cand = lambda: hpcdp.broadcast(self.x, 0)
+        else:
+            raise ValueError(f"unknown op {op}")
+        pretouch(self.x, self.out)
+
+
+def _bandwidth_trial(fn: Callable[[], Any], iters: int, comm: Any) -> float:
+    """Seconds per op over ``iters`` back-to-back ops; the slowest rank's figure."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = (time.perf_counter() - t0) / iters
+    return comm.allreduce(dt, op=MPI.MAX)
+
+
+def _latency_trial(fn: Callable[[], Any], iters: int, comm: Any) -> float:
+    """Mean seconds per call, a barrier between calls; averaged over ranks."""
+    total = 0.0
+    for _ in range(iters):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        total += time.perf_counter() - t0
+    return comm.allreduce(total / iters) / comm.Get_size()
+
+
+def _iters(fn: Callable[[], Any], comm: Any, min_time: float) -> int:
+    from mpi4py import MPI
+
+    for _ in range(3):
+        fn()
+    t = _bandwidth_trial(fn, 5, comm)
+    iters = int(min(20_000, max(20, min_time / max(t, 1e-9))))
+    return comm.allreduce(iters, op=MPI.MAX)  # every rank runs the same count
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    from mpi4py import MPI
+
+    hpcdp.init("mpi")
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    dtype = np.dtype(args.dtype)
+    sink = JsonSink(args.json if rank == 0 else None)
+    ops = [o for o in args.ops.split(",") if o]
+    rows: list[Row] = []
+    if rank == 0:
+        print(f"# hpcdp {hpcdp.__version__} collectives vs mpi4py, {n} ranks, {dtype}, "
+              f"{args.trials} interleaved trials, median ratio t(hpcdp)/t(mpi4py)")
+    for op in ops:
+        if rank == 0:
+            print_header(f"{op}: bandwidth (back-to-back ops)")
+        for size in sizes(args.min_size, args.max_size):
+            case = _Case(op, size, dtype, comm, n, rank)
+            iters = _iters(case.base, comm, args.min_time)
+            _iters(case.cand, comm, args.min_time)  # warm-up
+            tr = interleaved(lambda: _bandwidth_trial(case.base, iters, comm),
+                             lambda: _bandwidth_trial(case.cand, iters, comm), args.trials)
+            t = tr.cand_median
+            algbw = case.nbytes / t / 1e9
+            row = Row("collectives", op, case.nbytes, case.count, dtype.name,
+                      "sum" if op in ("allreduce", "reduce_scatter") else "none",
+                      0 if op == "broadcast" else -1, t * 1e6, algbw, algbw * busbw_factor(op, n),
+                      tr.base_median * 1e6, tr.median_ratio, n, {"ratios": tr.ratios})
+            rows.append(row)
+            if rank == 0:
+                print_row(row)
+                sink.write(row)
+    # A2: latency of small allreduces, a barrier between calls
+    lat: list[tuple[int, float, float, float]] = []
+    if "allreduce" in ops:
+        if rank == 0:
+            print("# allreduce latency (barrier between calls): size, hpcdp us, mpi4py us, diff us")
+        for size in sizes(8, 1024):
+            case = _Case("allreduce", size, dtype, comm, n, rank)
+            tr = interleaved(lambda: _latency_trial(case.base, 2000, comm),
+                             lambda: _latency_trial(case.cand, 2000, comm), args.trials)
+            diffs = [c - b for b, c in zip(tr.base, tr.cand)]
+            lat.append((case.nbytes, tr.cand_median * 1e6, tr.base_median * 1e6,
+                        statistics.median(diffs) * 1e6))
+            if rank == 0:
+                print(f"  {case.nbytes:>10} {lat[-1][1]:>10.2f} {lat[-1][2]:>10.2f} {lat[-1][3]:>+8.2f}")
+                sink.write({"bench": "latency", "op": "allreduce", "size": case.nbytes,
+                            "time_us": lat[-1][1], "base_time_us": lat[-1][2], "diff_us": lat[-1][3]})
+    # A5: an 8 B ndarray collective vs mpi4py's pickle path
+    x8 = np.ones(2, np.float32)
+    a5 = interleaved(lambda: _latency_trial(lambda: comm.allreduce(x8), 2000, comm),
+                     lambda: _latency_trial(lambda: hpcdp.allreduce(x8), 2000, comm), args.trials)
+    if rank == 0:
+        big = [r for r in rows if r.size >= 1 << 20]
+
+        def med(op: str) -> float:
+            vals = [1.0 / r.ratio for r in big if r.op == op]  # busbw ratio = base time / time
+            return statistics.median(vals) if vals else float("nan")
+
+        summary = {
+            "A1 allreduce busbw ratio (>= 1 MiB)": (med("allreduce"), ">= 0.97"),
+            "A3 all_gather busbw ratio (>= 1 MiB)": (med("all_gather"), ">= 0.95"),
+            "A3 reduce_scatter busbw ratio (>= 1 MiB)": (med("reduce_scatter"), ">= 0.95"),
+            "A3 broadcast busbw ratio (>= 1 MiB)": (med("broadcast"), ">= 0.95"),
+            "A2 allreduce latency overhead us (8 B - 1 KiB, worst size)":
+                (max((d for *_, d in lat), default=float("nan")), "<= +3 us"),
+            "A5 8 B allreduce time / pickle allreduce time": (a5.median_ratio, "<= 0.1"),
+        }
+        busbw = [r.busbw_gbs for r in rows]
+        print(f"# Avg bus bandwidth    : {statistics.mean(busbw) if busbw else 0:.4f} GB/s")
+        for k, (v, target) in summary.items():
+            print(f"# {k}: {v:.3f} (target {target})")
+            sink.write({"bench": "summary", "name": k, "value": v, "target": target, "ranks": n})
+        print(f"# sizes {fmt_size(args.min_size)} - {fmt_size(args.max_size)}; "
+              "pickle allreduce 8 B: %.2f us, hpcdp: %.2f us" % (a5.base_median * 1e6, a5.cand_median * 1e6))
+    sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
