@@ -145,6 +145,11 @@ class ProcessGroup:
     def _where(self, op: str) -> str:
         return f"{op} (rank {self.rank} of group {self.name})"
 
+    def _check_module(self, where: str, x: Any) -> None:
+        if self.backend is not None and not self.backend.accepts_cupy and is_cupy(x):
+            raise TypeError(f"{where}: the {self.backend.name} backend takes numpy arrays; "
+                            "move cupy arrays to the host (x.get()) or use the MPI backend")
+
     def _result_buffer(self, where: str, out: Any, shape: tuple, dtype: np.dtype, xp: Any) -> tuple[Any, Any]:
         """(user-visible result, contiguous buffer the backend writes)."""
         if out is None:
@@ -190,6 +195,7 @@ class ProcessGroup:
         where = self._where("allreduce")
         rop = as_op(op)
         check_array(where, x)
+        self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
@@ -211,6 +217,7 @@ class ProcessGroup:
         where = self._where("broadcast")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
+        self._check_module(where, x)
         xp = xp_of(x)
         if out is not None:
             target = check_out(where, out, x.shape, x.dtype, xp)
@@ -232,6 +239,7 @@ class ProcessGroup:
         rop = as_op(op)
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
+        self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         is_root = self.rank == root
@@ -255,6 +263,7 @@ class ProcessGroup:
         """Stack every rank's ``x``: shape ``(size, *x.shape)``."""
         where = self._where("all_gather")
         check_array(where, x)
+        self._check_module(where, x)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp)
         seq = self._begin("all_gather", shape=x.shape, dtype=str(x.dtype))
@@ -269,6 +278,7 @@ class ProcessGroup:
         where = self._where("gather")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
+        self._check_module(where, x)
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
@@ -300,6 +310,7 @@ class ProcessGroup:
                 raise ValueError(f"{where}: out= must have at least one axis")
         else:
             check_array(where, x)
+            self._check_module(where, x)
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
         result, buf = self._result_buffer(where, out, shape, dtype, xp)
@@ -314,6 +325,7 @@ class ProcessGroup:
         where = self._where("reduce_scatter")
         rop = as_op(op)
         check_array(where, x)
+        self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
@@ -330,6 +342,7 @@ class ProcessGroup:
         """Part j of ``x`` (axis 0) goes to rank j; part i of the result came from rank i."""
         where = self._where("all_to_all")
         check_array(where, x)
+        self._check_module(where, x)
         check_divisible(where, x, self.size)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
@@ -356,6 +369,7 @@ class ProcessGroup:
         dst = check_rank(where, "dst", dst, self.size)
         tag = check_tag(where, tag, getattr(self.backend, "max_tag", 2**31 - 1))
         check_array(where, x)
+        self._check_module(where, x)
         buf = _contig(x)
         req = self.backend.send(buf.reshape(-1), dst, tag)
         return Work(self, f"send(dst={dst}, tag={tag})", 0, req, lambda: None)
