@@ -37,7 +37,8 @@ def caller_line() -> str:
 
 def check_across(group: "ProcessGroup", opname: str, seq: int, **call: Any) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
-    mine = {"call": opname, **{k: v for k, v in call.items() if v is not None}}
+    mine = {"call": opname, **{k: (list(v) if isinstance(v, tuple) else str(v) if not isinstance(v, (int, float)) else v)
+                               for k, v in call.items() if v is not None}}
     record = dict(mine, rank=group.rank, line=caller_line())
     raw = json.dumps(record, default=str).encode()[: _FP_BYTES - 1]
     send = np.zeros(_FP_BYTES, np.uint8)

@@ -45,6 +45,8 @@ def check_out(where: str, out: Any, shape: tuple[int, ...], dtype: np.dtype, xp:
 
 
 def check_rank(where: str, what: str, r: Any, size: int) -> int:
+    if type(r) is int and 0 <= r < size:  # the common case, without the ABC check
+        return r
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"{where}: {what} must be an int, got {type(r).__name__}")
     r = int(r)

@@ -199,7 +199,7 @@ class ProcessGroup:
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
-        seq = self._begin("allreduce", op=rop.value, shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("allreduce", op=rop.value, shape=x.shape, dtype=x.dtype)
         send = buf if (out is x and buf is x) else _contig(x)
         n = self.size
         post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
@@ -225,7 +225,7 @@ class ProcessGroup:
             target = xp.array(x, copy=True)
         else:
             target = x
-        seq = self._begin("broadcast", root=root, shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("broadcast", root=root, shape=x.shape, dtype=x.dtype)
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
@@ -247,7 +247,7 @@ class ProcessGroup:
             result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
         else:
             result = buf = None
-        seq = self._begin("reduce", op=rop.value, root=root, shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("reduce", op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
         send = buf if (is_root and out is x and buf is x) else _contig(x)
         n = self.size
         post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
@@ -266,7 +266,7 @@ class ProcessGroup:
         self._check_module(where, x)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp)
-        seq = self._begin("all_gather", shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("all_gather", shape=x.shape, dtype=x.dtype)
         req = self.backend.all_gather(_contig(x).reshape(-1), buf.reshape(self.size, -1))
         return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, timeout)
 
@@ -285,7 +285,7 @@ class ProcessGroup:
             result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp)
         else:
             result = buf = None
-        seq = self._begin("gather", root=root, shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("gather", root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
         req = self.backend.gather(_contig(x).reshape(-1), rbuf, root)
         finish = self._finish_into(result, buf) if is_root else (lambda: None)
@@ -314,7 +314,7 @@ class ProcessGroup:
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
         result, buf = self._result_buffer(where, out, shape, dtype, xp)
-        seq = self._begin("scatter", root=root, shape=full, dtype=str(dtype))
+        seq = self._begin("scatter", root=root, shape=full, dtype=dtype)
         send = _contig(x).reshape(self.size, -1) if is_root else None
         req = self.backend.scatter(send, buf.reshape(-1), root)
         return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, timeout)
@@ -330,7 +330,7 @@ class ProcessGroup:
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp)
-        seq = self._begin("reduce_scatter", op=rop.value, shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("reduce_scatter", op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
         bop = ReduceOp.SUM if rop is ReduceOp.MEAN else rop
@@ -348,7 +348,7 @@ class ProcessGroup:
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
         if buf is x or (out is x):  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
-        seq = self._begin("all_to_all", shape=x.shape, dtype=str(x.dtype))
+        seq = self._begin("all_to_all", shape=x.shape, dtype=x.dtype)
         n = self.size
         req = self.backend.all_to_all(_contig(x).reshape(n, -1), buf.reshape(n, -1))
         return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, timeout)

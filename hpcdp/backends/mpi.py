@@ -275,9 +275,9 @@ class MPIBackend(Backend):
         return _Chain(req, post)
 
     def _buf(self, a: np.ndarray, lo: int = 0, hi: int | None = None) -> list[Any]:
-        flat = a.reshape(-1)
-        view = flat[lo:hi]
-        return [view, self._types[a.dtype]]
+        if hi is None and lo == 0:
+            return [a, self._types[a.dtype]]
+        return [a.reshape(-1)[lo:hi], self._types[a.dtype]]
 
     # -- collectives ------------------------------------------------------------------------
     @_gpu(recv=("recvbuf",))
@@ -298,6 +298,8 @@ class MPIBackend(Backend):
 
     @_gpu(recv=("buf",))
     def broadcast(self, buf, root):
+        if buf.size <= _MAX_COUNT:
+            return _MPIRequest([self.comm.Ibcast([buf, self._types[buf.dtype]], root)], None, "broadcast")
         reqs = [self.comm.Ibcast(self._buf(buf, lo, hi), root) for lo, hi in _chunks(buf.size)]
         return _MPIRequest(reqs, what="broadcast")
 
