@@ -21,7 +21,7 @@ from ._validate import check_array, check_divisible, check_out, check_rank, chec
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError
 from .ops import ReduceOp, as_op, check_op_dtype
-from .work import CompletedWork, Work
+from .work import CompletedWork, Work, timeout_error
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -40,10 +40,6 @@ def default_timeout() -> float:
     if t <= 0:
         raise ValueError(f"HPCDP_TIMEOUT={raw!r} must be positive")
     return t
-
-
-def _none() -> None:
-    return None
 
 
 #: dtypes and ops for which the allreduce fast path needs no further checks
@@ -189,8 +185,9 @@ class ProcessGroup:
             else:
                 rflat = out.reshape(-1)
                 req = self.backend.allreduce(rflat if out is x else x.reshape(-1), rflat, rop)
-            if not req.wait(self.timeout if timeout is None else timeout):
-                Work(self, "allreduce", seq, req, _none).wait(0.0)  # raises CommTimeoutError
+            t = self.timeout if timeout is None else timeout
+            if not req.wait(t):
+                raise timeout_error(self, "allreduce", seq, req, t)
             return out
         where = self._where("allreduce")
         rop = as_op(op)

@@ -58,12 +58,7 @@ class Work:
         except HpcdpError as exc:
             self._raise(type(exc)(f"{self._where()}: {exc}"))
         if not ok:
-            pending = self._req.pending()
-            self._req.abandon()
-            self._group._note_timeout(self._op, self._seq)
-            self._raise(
-                CommTimeoutError(f"{self._where()} timed out after {t:g} s: {pending}")
-            )
+            self._raise(timeout_error(self._group, self._op, self._seq, self._req, t))
         return self._complete()
 
     def is_completed(self) -> bool:
@@ -91,6 +86,17 @@ class Work:
 
 def _nothing() -> None:
     return None
+
+
+def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request, t: float) -> CommTimeoutError:
+    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank."""
+    pending = req.pending()
+    req.abandon()
+    group._note_timeout(op, seq)
+    return CommTimeoutError(
+        f"{op} #{seq} on group {group.name} (rank {group.rank} of {group.size}) "
+        f"timed out after {t:g} s: {pending}"
+    )
 
 
 class CompletedWork(Work):

@@ -101,9 +101,9 @@ def _iters(fn: Callable[[], Any], comm: Any, min_time: float) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    hpcdp.init("mpi")  # first: it picks MPI settings that must precede MPI_Init
     from mpi4py import MPI
 
-    hpcdp.init("mpi")
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     dtype = np.dtype(args.dtype)
