@@ -1,0 +1,264 @@
+"""TCP backend: rendezvous through rank 0's store, an authenticated full mesh, shared algorithms.
+
+Startup (``create_world``), in order, on every rank:
+
+1. read ``RANK``, ``WORLD_SIZE``, ``HPCDP_MASTER_ADDR``/``MASTER_ADDR``, ``..._PORT`` and
+   ``HPCDP_SECRET`` (required); rank 0 starts the store on the master address;
+2. listen on loopback (local jobs) or on the interface that routes to the master, publish
+   ``host:port`` in the store;
+3. connect to every higher rank and accept every lower one, each connection authenticated;
+4. publish ``ready/<rank>`` and wait for every rank's, so no rank starts before the mesh exists.
+
+Collectives run ``_algorithms`` on a per-group worker thread; ``send``/``recv`` post directly.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, CommTimeoutError, HpcdpError, PeerFailureError
+from . import _algorithms as algo
+from . import _tcp_wire as wire
+from ._tcp_store import StoreClient, StoreServer
+from ._tcp_transport import COLL, P2P, Transport
+from .base import Backend, Request
+
+__all__ = ["TCPBackend", "create_world", "spawn_processes", "bind_address"]
+
+DEFAULT_PORT = 29500
+
+
+def _env(*names: str, default: str | None = None) -> str | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v:
+            return v
+    return default
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return socket.gethostbyname(host).startswith("127.")
+    except OSError:
+        return False
+
+
+def bind_address(master: str) -> str:
+    """Loopback for local jobs; else the address of the interface that routes to the master."""
+    explicit = os.environ.get("HPCDP_BIND_ADDR")
+    if explicit:
+        return explicit
+    if _is_loopback(master):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(master), 9))  # no packet is sent for UDP connect
+        return s.getsockname()[0]
+
+
+class _GroupP2P:
+    """The ``_algorithms`` p2p interface for one group: group ranks, its collective channel."""
+
+    def __init__(self, be: "TCPBackend") -> None:
+        self.be = be
+        self.t = be.transport
+        self.rank, self.size = be.rank, be.size
+        self.ranks = be.ranks
+        self._waiting: Any = None
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
+        g = self.ranks[dst]
+        return self.t.isend(buf, g, COLL, self.be.channel, tag,
+                            f"collective send to rank {g} on group {self.be.channel}")
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
+        g = self.ranks[src]
+        return self.t.irecv(buf, g, COLL, self.be.channel, tag,
+                            f"no collective message from rank {g} (tag {tag}) on group "
+                            f"{self.be.channel}")
+
+    def wait(self, reqs: Sequence[Any]) -> None:
+        for rq in reqs:
+            self._waiting = rq
+            try:
+                # a peer that dies anywhere in the group fails the collective within the tick
+                while not rq.wait(0.2):
+                    self.check_usable("collective")
+            except PeerFailureError:
+                time.sleep(0.05)  # name the crashed rank, not a peer that gave up because of it
+                self.check_usable("collective")
+                raise
+        self._waiting = None
+
+    def check_usable(self, what: str) -> None:
+        t = self.t
+        dead = [r for r in self.ranks if r in t.crashed]
+        if dead:
+            raise PeerFailureError(f"{what} on rank {t.rank}: rank {dead[0]} {t.dead[dead[0]]}",
+                                   peers=dead)
+        why = t.aborted.get((COLL, self.be.channel))
+        if why:
+            raise PeerFailureError(f"{what} on rank {t.rank}: {why}")
+
+    def pending(self) -> str:
+        rq = self._waiting
+        return rq.pending() if rq is not None else "between messages"
+
+    def abort(self, why: str) -> None:
+        self.t.abort_channel(COLL, self.be.channel, f"rank {self.t.rank}: {why}", self.ranks,
+                             notify=True)
+
+
+class TCPBackend(algo.P2PCollectives, Backend):
+    """One group on the mesh; sub-groups share the sockets and differ by channel id."""
+
+    name = "tcp"
+    max_tag = 2**31 - 1
+
+    def __init__(self, world: "_World", ranks: tuple[int, ...], channel: int) -> None:
+        self.world = world
+        self.transport = world.transport
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.rank = ranks.index(world.transport.rank)
+        self.channel = channel
+        self._subgroups = 0
+        self._p2p = _GroupP2P(self)
+        self._runner = algo.Runner(self._p2p, f"tcp{world.transport.rank}-ch{channel}")
+
+    def send(self, buf: np.ndarray, dst: int, tag: int) -> Request:
+        g = self.ranks[dst]
+        return self.transport.isend(buf, g, P2P, self.channel, tag, f"send to rank {g} tag {tag}")
+
+    def recv(self, buf: np.ndarray, src: int, tag: int) -> Request:
+        g = self.ranks[src]
+        return self.transport.irecv(buf, g, P2P, self.channel, tag,
+                                    f"no message from rank {g} with tag {tag}")
+
+    def new_group(self, ranks: Sequence[int]) -> "TCPBackend | None":
+        # every member of this group calls new_group in the same order, so the id agrees
+        self._subgroups += 1
+        channel = zlib.crc32(f"{self.channel}/{self._subgroups}".encode()) & 0x7FFFFFFF
+        if self.rank not in ranks:
+            return None
+        return TCPBackend(self.world, tuple(self.ranks[r] for r in ranks), channel)
+
+    def shutdown(self) -> None:
+        self._runner.stop()
+        if self.channel == 0:
+            self.world.close()
+
+    def describe(self) -> str:
+        return f"tcp(rank {self.rank} of {self.size}, channel {self.channel})"
+
+
+class _World:
+    """Process-wide state: the store (rank 0), the listener and the transport."""
+
+    def __init__(self, rank: int, size: int, master: str, port: int, secret: bytes,
+                 timeout: float) -> None:
+        self.rank, self.size = rank, size
+        self.secret = secret
+        self.server: StoreServer | None = None
+        self.transport = Transport(rank, size, wire.max_frame())
+        self._closed = False
+        self._mesh_done = threading.Event()
+        self._expected = set(range(rank))
+        self._cv = threading.Condition()
+        host = bind_address(master)
+        if rank == 0:
+            store_host = host if not _is_loopback(master) else "127.0.0.1"
+            self.server = StoreServer(store_host, port, secret)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind((host, 0))
+        self.listener.listen(max(16, size))
+        threading.Thread(target=self._accept_loop, name=f"hpcdp-accept-{rank}", daemon=True).start()
+        self.store = StoreClient(master, port, secret, rank, timeout)
+        lhost, lport = self.listener.getsockname()
+        self.store.set(f"addr/{rank}", f"{lhost}:{lport}".encode())
+        deadline = time.monotonic() + timeout
+        for peer in range(rank + 1, size):
+            h, p = self.store.get(f"addr/{peer}", max(0.0, deadline - time.monotonic())).decode().rsplit(":", 1)
+            sock = socket.create_connection((h, int(p)), timeout=max(0.1, deadline - time.monotonic()))
+            wire.client_handshake(sock, secret, wire.ROLE_PEER, rank, peer, wire.handshake_timeout())
+            self.transport.add_peer(peer, sock)
+        with self._cv:
+            while self._expected:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(
+                        f"tcp rendezvous (rank {rank}): ranks {sorted(self._expected)} did not "
+                        f"connect within {timeout:g} s")
+                self._cv.wait(left)
+        self.store.set(f"ready/{rank}", b"1")
+        for r in range(size):
+            self.store.get(f"ready/{r}", max(0.0, deadline - time.monotonic()))
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(conn, addr), daemon=True,
+                             name="hpcdp-admit").start()
+
+    def _admit(self, conn: socket.socket, addr: object) -> None:
+        try:
+            claimed = wire.server_handshake(conn, self.secret, wire.ROLE_PEER, self.rank,
+                                            wire.handshake_timeout())
+            with self._cv:
+                if claimed not in self._expected:
+                    raise wire.ProtocolError(f"unexpected connection claiming rank {claimed} "
+                                             f"(mesh of rank {self.rank} has no slot for it)")
+                self._expected.discard(claimed)
+                self.transport.add_peer(claimed, conn)
+                self._cv.notify_all()
+        except (OSError, HpcdpError, TimeoutError) as exc:
+            wire.log_rejection(addr, f"rank {self.rank} peer listener", exc)
+            conn.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()
+        for s in (self.listener,):
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.store.close()
+        if self.server is not None:
+            self.server.close()
+
+
+def create_world(*, timeout: float | None = None, connect_timeout: float | None = None,
+                 **_: Any) -> TCPBackend:
+    """The world backend of this process, from the torchrun-style environment."""
+    secret = wire.get_secret()
+    master = _env("HPCDP_MASTER_ADDR", "MASTER_ADDR")
+    rank_s, size_s = _env("RANK", "HPCDP_RANK"), _env("WORLD_SIZE", "HPCDP_WORLD_SIZE")
+    if not master or rank_s is None or size_s is None:
+        raise BackendUnavailableError(
+            "tcp backend: set HPCDP_MASTER_ADDR (or MASTER_ADDR), RANK and WORLD_SIZE, "
+            "or start the job with hpcdp-run")
+    port = int(_env("HPCDP_MASTER_PORT", "MASTER_PORT", default=str(DEFAULT_PORT)) or DEFAULT_PORT)
+    rank, size = int(rank_s), int(size_s)
+    if not 0 <= rank < size:
+        raise BackendUnavailableError(f"tcp backend: RANK={rank} is outside WORLD_SIZE={size}")
+    ct = connect_timeout or float(os.environ.get("HPCDP_CONNECT_TIMEOUT", "60"))
+    world = _World(rank, size, master, port, secret, ct)
+    return TCPBackend(world, tuple(range(size)), 0)
+
+
+def spawn_processes(*args: Any, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, ...)`` on local TCP ranks (see ``hpcdp.backends._tcp_spawn``)."""
+    from ._tcp_spawn import spawn_processes as impl
+
+    return impl(*args, **kwargs)

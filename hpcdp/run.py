@@ -1,0 +1,241 @@
+"""``hpcdp-run``: start local TCP ranks like torchrun, or run one rank in-process under mpirun.
+
+::
+
+    hpcdp-run -n 4 train.py --lr 0.1            # 4 local ranks, output lines prefixed "[rank N] "
+    hpcdp-run -n 4 --nnodes 2 --node-rank 0 --master-addr node01 train.py
+    mpirun -n 4 python -m hpcdp.run train.py    # in-process; an unhandled error aborts the job
+
+When one rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL after a grace
+period) and exits with that rank's code, so a failed job never hangs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import runpy
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import IO, Sequence
+
+__all__ = ["main", "parse_nodelist", "launch"]
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+GRACE = 3.0
+
+
+def parse_nodelist(spec: str) -> list[str]:
+    """Expand a SLURM nodelist such as ``node[01-03,7],gpu7`` into host names."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?", spec):
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                a, b = part.split("-", 1)
+                hosts += [f"{prefix}{i:0{len(a)}d}" for i in range(int(a), int(b) + 1)]
+            else:
+                hosts.append(prefix + part)
+    return hosts
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcdp-run", description=__doc__.split("\n")[0])
+    p.add_argument("-n", "--nproc-per-node", "--nproc", type=int, default=None,
+                   help="ranks to start on this node (omit under mpirun/srun: run in-process)")
+    p.add_argument("--nnodes", type=int, default=None)
+    p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--grace", type=float, default=GRACE,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: the rank gets SIGKILL if the launcher dies, so no rank outlives its job."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str = "127.0.0.1", master_port: int | None = None,
+           grace: float = GRACE) -> int:
+    """Start ``nproc`` ranks of ``cmd`` on this node; return the job's exit code."""
+    world = nproc * nnodes
+    port = master_port or (_free_port() if nnodes == 1 else 29500)
+    secret = os.environ.get("HPCDP_SECRET") if nnodes > 1 else None
+    if nnodes > 1 and not secret:
+        raise SystemExit("hpcdp-run: multi-node jobs need the same HPCDP_SECRET exported on "
+                         "every node (e.g. python -c 'import secrets; print(secrets.token_hex(32))')")
+    secret = secret or secrets.token_hex(32)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for local in range(nproc):
+        rank = node_rank * nproc + local
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                   HPCDP_SECRET=secret, HPCDP_BACKEND="tcp", PYTHONUNBUFFERED="1")
+        for k in ("HPCDP_MASTER_ADDR", "HPCDP_MASTER_PORT"):
+            env.pop(k, None)
+        p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, preexec_fn=_die_with_parent)
+        procs.append(p)
+        prefix = f"[rank {rank}] ".encode()
+        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+            t = threading.Thread(target=_pump, args=(stream, prefix, out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+
+    def stop_all(sig: int = signal.SIGTERM) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_all(signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    for s in old:
+        signal.signal(s, on_signal)
+    code = 0
+    try:
+        while True:
+            alive = [p for p in procs if p.poll() is None]
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0].returncode
+                code = code if code > 0 else 128 - code  # killed by a signal: 128 + signum
+                stop_all(signal.SIGTERM)
+                deadline = time.monotonic() + grace
+                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                stop_all(signal.SIGKILL)
+                break
+            if not alive:
+                break
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        stop_all(signal.SIGKILL)
+        code = 130
+    finally:
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        for t in pumps:
+            t.join(1.0)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return code
+
+
+def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int:
+    """Run ``script`` as ``__main__`` here; under MPI, abort the whole job on an unhandled error."""
+    under_mpi = any(k in os.environ for k in _MPI_ENV)
+    sys.argv = [script, *args]
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code and under_mpi:
+            _abort(code)
+        return code
+    except BaseException:  # noqa: BLE001 - the point is to catch everything
+        rank = _rank_label()
+        text = traceback.format_exc()
+        sys.stderr.write("".join(f"{rank}{line}\n" for line in text.rstrip("\n").split("\n")))
+        sys.stderr.flush()
+        if under_mpi:
+            _abort(1)
+        return 1
+    return 0
+
+
+def _rank_label() -> str:
+    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK"):
+        if os.environ.get(k, "").isdigit():
+            return f"[rank {os.environ[k]}] "
+    return ""
+
+
+def _abort(code: int) -> None:
+    """``MPI_Abort`` so ranks blocked in a collective or in MPI_Finalize cannot hang the job."""
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(code)
+    except ImportError:
+        pass
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``hpcdp-run`` and ``python -m hpcdp.run``."""
+    ns = _parser().parse_args(argv)
+    args = list(ns.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if ns.nproc_per_node is None:
+        return run_inprocess(ns.script, args, ns.module)
+    nnodes, node_rank, master = ns.nnodes, ns.node_rank, ns.master_addr
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NODELIST"):
+        hosts = parse_nodelist(os.environ["SLURM_JOB_NODELIST"])
+        nnodes = nnodes or int(os.environ.get("SLURM_NNODES", len(hosts)))
+        node_rank = node_rank if node_rank is not None else int(os.environ.get("SLURM_NODEID", 0))
+        master = master or hosts[0]
+    nnodes, node_rank = nnodes or 1, node_rank or 0
+    master = master or "127.0.0.1"
+    if not 0 <= node_rank < nnodes:
+        raise SystemExit(f"hpcdp-run: --node-rank {node_rank} is outside --nnodes {nnodes}")
+    cmd = [sys.executable, "-u"] + (["-m", ns.script] if ns.module else [ns.script]) + args
+    return launch(cmd, ns.nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master,
+                  master_port=ns.master_port, grace=ns.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

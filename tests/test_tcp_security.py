@@ -1,0 +1,170 @@
+"""Hostile clients against a running TCP job: each is dropped, logged once, and the job finishes.
+
+The job (2 ranks doing checked allreduces in a loop) runs in a thread of the test; the attacker
+connects to the rendezvous store on rank 0 and to rank 1's peer listener.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hpcdp
+from hpcdp.backends import _tcp_wire as wire
+from hpcdp.backends._tcp_spawn import free_port, spawn_processes
+
+SECRET = secrets.token_hex(32)
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def job(rank: int, info: str) -> dict:
+    """Allreduce in a loop until the test writes ``stop``; returns counts and the rejection log."""
+    handler = _Collect()
+    logging.getLogger("hpcdp.tcp").addHandler(handler)
+    be = hpcdp.get_default_group().backend
+    Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
+    stop = Path(info, "stop")
+    n, bad, t0 = 0, 0, time.monotonic()
+    while True:
+        done = hpcdp.broadcast(np.array([stop.exists() or time.monotonic() - t0 > 30]), root=0)
+        if done[0]:
+            break
+        x = np.arange(50_000, dtype=np.float64) * (rank + 1)
+        bad += int(not np.array_equal(hpcdp.allreduce(x), np.arange(50_000) * 3.0))
+        n += 1
+    hpcdp.barrier()
+    return {"n": n, "bad": bad, "log": handler.messages}
+
+
+def _hello(target: int, nonce: bytes | None = None) -> bytes:
+    return struct.pack("<4sBBHii32s", b"HPCD", 1, wire.ROLE_STORE if target < 0 else wire.ROLE_PEER,
+                       0, 5, target, nonce or secrets.token_bytes(32))
+
+
+def _closed_by_server(sock: socket.socket, within: float = 5.0) -> bool:
+    sock.settimeout(within)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def attack_random(port: int, target: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(os.urandom(300))
+    return s
+
+
+def attack_wrong_hmac(port: int, target: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(_hello(target))
+    wire.recv_exact(s, 64)
+    s.sendall(os.urandom(32))
+    return s
+
+
+def attack_replay(port: int, target: int) -> socket.socket:
+    # a legitimate client's bytes, captured ...
+    legit = socket.create_connection(("127.0.0.1", port))
+    hello = _hello(target)
+    legit.sendall(hello)
+    chal = bytes(wire.recv_exact(legit, 64))
+    resp = hmac.new(SECRET.encode(), b"cli" + hello + chal[:32], hashlib.sha256).digest()
+    legit.sendall(resp)
+    assert bytes(wire.recv_exact(legit, 4)) == b"OK\0\0"
+    legit.close()
+    # ... replayed by someone without the secret: the server's fresh nonce makes it fail
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(hello)
+    wire.recv_exact(s, 64)
+    s.sendall(resp)
+    return s
+
+
+def attack_huge_frame(port: int, target: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    if target < 0:  # authenticated (knows the secret), then announces 1 TiB
+        wire.client_handshake(s, SECRET.encode(), wire.ROLE_STORE, 5, -1, 5.0)
+    s.sendall(wire.pack_header(10, 0, 0, 0, 2**40))
+    return s
+
+
+def attack_silent(port: int, target: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port))
+
+
+ATTACKS = {"random": attack_random, "wrong_hmac": attack_wrong_hmac, "replay": attack_replay,
+           "huge_frame": attack_huge_frame, "silent": attack_silent}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attacker_is_dropped_and_job_finishes(attack: str, tmp_path) -> None:
+    port = free_port()
+    env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "1"}
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["res"] = spawn_processes(job, 2, args=(str(tmp_path),), timeout=30,
+                                         join_timeout=60, env=env)
+        except BaseException as exc:  # noqa: BLE001
+            out["err"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "port1").exists():
+            assert time.monotonic() < deadline and t.is_alive(), out
+            time.sleep(0.02)
+        time.sleep(0.05)
+        peer_port = int((tmp_path / "port1").read_text())
+        targets = {"store": (port, -1), "peer": (peer_port, 1)}
+        names = {}
+        for where, (p, tgt) in targets.items():
+            s = ATTACKS[attack](p, tgt)
+            names[where] = str(s.getsockname())
+            assert _closed_by_server(s), f"{attack} on {where} was not dropped"
+            s.close()
+    finally:
+        (tmp_path / "stop").write_text("")
+        t.join(60)
+    assert "err" not in out, out.get("err")
+    res = out["res"]
+    assert all(r["bad"] == 0 and r["n"] > 0 for r in res)
+    store_log = [m for m in res[0]["log"] if names["store"] in m]
+    peer_log = [m for m in res[1]["log"] if names["peer"] in m]
+    assert len(store_log) == 1, res[0]["log"]
+    assert len(peer_log) == 1, res[1]["log"]
+
+
+def test_init_without_secret_is_a_clear_error(monkeypatch) -> None:
+    monkeypatch.delenv("HPCDP_SECRET", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(hpcdp.BackendUnavailableError, match="HPCDP_SECRET"):
+        hpcdp.init(backend="tcp")
