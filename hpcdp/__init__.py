@@ -30,12 +30,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "DDP": ("hpcdp.ddp", "DDP"),
     "DistributedDataParallel": ("hpcdp.ddp", "DDP"),
-    "FSDP": ("hpcdp.fsdp", "FSDP"),
     "nn": ("hpcdp.nn", None),
     "optim": ("hpcdp.optim", None),
     "data": ("hpcdp.data", None),
     "checkpoint": ("hpcdp.checkpoint", None),
-    "utils": ("hpcdp.utils", None),
+    "progress": ("hpcdp.progress", "progress"),
+    "get_logger": ("hpcdp.progress", "get_logger"),
 }
 
 
@@ -58,5 +58,6 @@ __all__ = [
     "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",
     "send", "recv", "isend", "irecv", "broadcast_object", "all_gather_object", "gather_object",
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
-    "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP", "FSDP",
+    "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
+    "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",
 ]

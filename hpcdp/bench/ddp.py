@@ -1,0 +1,260 @@
+"""``python -m hpcdp.bench ddp``: D1, D2, D4 of PERF.md and the share of communication hidden by backward.
+
+Run on 2 ranks bound to cores, one BLAS thread each::
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -n 2 --bind-to core python -m hpcdp.bench ddp
+
+* D1: DDP gradient sync of 1000 small tensors vs one blocking allreduce per tensor.
+* D2: DDP gradient sync with 25 MB buckets vs one mpi4py ``Allreduce`` of a pre-flattened buffer.
+  "Sync" is what DDP adds after the gradients exist: the hooks' bookkeeping, the bucket
+  reductions and the averaging, driven by calling DDP's gradient hook for each parameter in
+  backward order (no model compute, so the figure is DDP's overhead over the raw transport).
+* D4: weak scaling, MLP 784-1024-1024-10, batch 64 per rank, SGD: t1 = one rank training alone
+  (the other waits at a barrier), t2 = both ranks training with DDP; efficiency = t1 / t2.
+* hidden: (t_sync + t_backward - t_backward_with_ddp) / t_sync on the D4 model.
+
+Every figure is the median over interleaved trials of per-trial ratios (PERF.md's method).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import hpcdp
+from hpcdp import nn, optim
+
+from ._common import JsonSink, Row, interleaved, print_header, print_row, time_loop
+
+__all__ = ["main"]
+
+
+def _limit_blas() -> str:
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
+        return "threadpoolctl: 1 BLAS thread"
+    except ImportError:
+        import os
+
+        n = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        return f"BLAS threads from environment: {n or 'unset (set OMP_NUM_THREADS=1)'}"
+
+
+class _Params(nn.Module):
+    """A bag of parameters of given sizes (for driving DDP's sync without a model)."""
+
+    def __init__(self, sizes: list[int], dtype: Any = np.float32) -> None:
+        super().__init__()
+        for i, n in enumerate(sizes):
+            setattr(self, f"p{i}", nn.Parameter(np.ones(n, dtype=dtype)))
+
+
+def _ddp_sync(ddp: Any) -> Callable[[], None]:
+    """One DDP sync: fire the gradient hook of every parameter in backward order, then finish."""
+    order = [p for _, p in reversed(ddp._named)]
+    for p in order:
+        if p.grad is None:
+            p.grad = np.ones_like(p.data)
+    ddp._point_grads_at_buckets()
+
+    def run() -> None:
+        ddp._begin_pass(True)
+        for p in order:
+            ddp._on_grad(p)
+        ddp._finish_sync_pass()
+        ddp._in_backward = False
+
+    run()  # the first pass counts hooks; later passes overlap
+    return run
+
+
+def _gather_max(t: float) -> float:
+    return float(hpcdp.allreduce(np.array([t]), "max")[0])
+
+
+def bench_d1(g: Any, trials: int, sink: JsonSink, ntensors: int = 1000, elems: int = 256) -> float:
+    module = _Params([elems] * ntensors)
+    ddp = hpcdp.DDP(module, group=g)
+    sync = _ddp_sync(ddp)
+    grads = [np.ones(elems, np.float32) for _ in range(ntensors)]
+
+    def per_tensor() -> None:
+        for x in grads:
+            g.allreduce(x, "mean", out=x)
+
+    iters = 5
+    t = interleaved(lambda: _gather_max(time_loop(per_tensor, iters, g.barrier)),
+                    lambda: _gather_max(time_loop(sync, iters, g.barrier)), trials)
+    nbytes = ntensors * elems * 4
+    row = Row("ddp", "D1 sync 1000 tensors", nbytes, ntensors * elems, "float32", "mean", -1,
+              t.cand_median * 1e6, nbytes / t.cand_median / 1e9, 0.0, t.base_median * 1e6,
+              t.median_ratio, g.size, {"buckets": len(ddp.buckets), "target": "<= 0.5"})
+    if g.rank == 0:
+        print_row(row)
+    sink.write(row)
+    return t.median_ratio
+
+
+def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: int = 50) -> float:
+    from mpi4py import MPI
+
+    comm = getattr(g.backend, "comm", None) or MPI.COMM_WORLD
+    n = total_mb * (1 << 20) // 4
+    sizes = [n // 16] * 16
+    module = _Params(sizes)
+    ddp = hpcdp.DDP(module, group=g, bucket_cap_mb=25)
+    sync = _ddp_sync(ddp)
+    flat = np.ones(sum(sizes), np.float32)
+
+    def raw() -> None:
+        comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+
+    iters = 5
+    t = interleaved(lambda: _gather_max(time_loop(raw, iters, g.barrier)),
+                    lambda: _gather_max(time_loop(sync, iters, g.barrier)), trials)
+    nbytes = flat.nbytes
+    algbw = nbytes / t.cand_median / 1e9
+    row = Row("ddp", "D2 sync 25MB buckets", nbytes, flat.size, "float32", "mean", -1,
+              t.cand_median * 1e6, algbw, algbw * 2 * (g.size - 1) / g.size, t.base_median * 1e6,
+              t.median_ratio, g.size, {"buckets": [round(b.nbytes / 2**20, 2) for b in ddp.buckets],
+                                       "target": "<= 1.3"})
+    if g.rank == 0:
+        print_row(row)
+    sink.write(row)
+    return t.median_ratio
+
+
+def _mlp(seed: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 1024, seed=seed), nn.ReLU(), nn.Linear(1024, 1024, seed=seed + 1),
+                         nn.ReLU(), nn.Linear(1024, 10, seed=seed + 2))
+
+
+def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 10) -> dict[str, float]:
+    rng = np.random.default_rng(g.rank)
+    x = rng.normal(size=(batch, 784)).astype(np.float32)
+    y = rng.integers(0, 10, batch)
+    loss = nn.CrossEntropyLoss()
+    # t1 runs the same code path (DDP, bucket-view gradients) on a one-rank group, so the ratio
+    # measures scaling, not the plain model's gradient allocation (DDP reuses bucket memory).
+    solo = g.new_group([0])
+    alone = hpcdp.DDP(_mlp(0), group=solo) if g.rank == 0 else _mlp(0)
+    alone_opt = optim.SGD(alone.parameters(), lr=1e-3)
+    model = _mlp(0)
+    ddp = hpcdp.DDP(model, group=g)
+    opt = optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def step_alone() -> None:
+        loss(alone(x), y)
+        alone.backward(loss.backward())
+        alone_opt.step()
+        alone_opt.zero_grad()
+
+    def step_ddp() -> None:
+        loss(ddp(x), y)
+        ddp.backward(loss.backward())
+        opt.step()
+        opt.zero_grad()
+
+    def t1() -> float:
+        # The idle ranks sleep (not spin) while rank 0 works: 2 cores may be hyperthreads of one.
+        g.barrier()
+        box = np.zeros(1)
+        if g.rank == 0:
+            box[0] = time_loop(step_alone, iters)
+            works = [g.isend(box, r, tag=77) for r in range(1, g.size)]
+            for w in works:
+                w.wait()
+        else:
+            req = g.irecv(box, 0, tag=77)
+            while not req.is_completed():
+                time.sleep(1e-3)
+        return float(box[0])
+
+    def t2() -> float:
+        return _gather_max(time_loop(step_ddp, iters, g.barrier))
+
+    step_alone()
+    step_ddp()
+    tr = interleaved(t1, t2, trials)
+    eff = statistics.median(b / c for b, c in zip(tr.base, tr.cand))
+
+    # Hidden communication: backward alone, sync alone, backward with DDP (all ranks at once).
+    def bwd_alone() -> float:
+        vals = []
+        for _ in range(iters):
+            loss(alone(x), y)
+            g.barrier()
+            t0 = time.perf_counter()
+            alone.backward(loss.backward())
+            vals.append(time.perf_counter() - t0)
+            alone.zero_grad()
+        return _gather_max(statistics.median(vals))
+
+    def bwd_ddp() -> float:
+        vals = []
+        for _ in range(iters):
+            loss(ddp(x), y)
+            g.barrier()
+            t0 = time.perf_counter()
+            ddp.backward(loss.backward())
+            vals.append(time.perf_counter() - t0)
+            ddp.zero_grad()
+        return _gather_max(statistics.median(vals))
+
+    sync = _ddp_sync(hpcdp.DDP(_mlp(0), group=g))
+
+    def sync_alone() -> float:
+        return _gather_max(time_loop(sync, iters, g.barrier))
+
+    hidden, tb, ts, to = [], [], [], []
+    for _ in range(trials):
+        b, s, o = bwd_alone(), sync_alone(), bwd_ddp()
+        tb.append(b), ts.append(s), to.append(o)
+        hidden.append(min(1.0, max(0.0, (s + b - o) / s)))
+    res = {"efficiency": eff, "t1_ms": tr.base_median * 1e3, "t2_ms": tr.cand_median * 1e3,
+           "hidden": statistics.median(hidden), "t_backward_ms": statistics.median(tb) * 1e3,
+           "t_sync_ms": statistics.median(ts) * 1e3, "t_backward_ddp_ms": statistics.median(to) * 1e3,
+           "buckets_mb": [round(b.nbytes / 2**20, 2) for b in ddp.buckets]}
+    if g.rank == 0:
+        print(f"# D4 weak scaling ({g.size} ranks vs 1, batch {batch}/rank): t1 {res['t1_ms']:.2f} ms, "
+              f"t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} (target >= 0.85)")
+        print(f"# hidden communication: backward {res['t_backward_ms']:.2f} ms, sync alone "
+              f"{res['t_sync_ms']:.2f} ms, backward+DDP {res['t_backward_ddp_ms']:.2f} ms -> "
+              f"{100 * res['hidden']:.0f}% of the sync time hidden behind backward (buckets {res['buckets_mb']} MiB)")
+    sink.write({"bench": "ddp", "op": "D4", "ranks": g.size, **res})
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run D1, D2, D4 and the hidden-communication share; print rows and summaries."""
+    p = argparse.ArgumentParser(prog="python -m hpcdp.bench ddp")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--json", default=None, help="append JSON lines to this file")
+    p.add_argument("--only", default="D1,D2,D4", help="comma-separated subset of D1,D2,D4")
+    args = p.parse_args(argv)
+    blas = _limit_blas()
+    g = hpcdp.init()
+    sink = JsonSink(args.json if g.rank == 0 else None)
+    only = {s.strip().upper() for s in args.only.split(",")}
+    if g.rank == 0:
+        print(f"# hpcdp DDP benchmark: {g.size} {g.backend.name} ranks, {blas}, {args.trials} interleaved trials")
+        print_header("DDP gradient sync (time = DDP, base = baseline, t/base = median ratio)")
+    ok = True
+    if "D1" in only:
+        r = bench_d1(g, args.trials, sink)
+        ok &= r <= 0.5
+    if "D2" in only and g.backend.name == "mpi":
+        r = bench_d2(g, args.trials, sink)
+        ok &= r <= 1.3
+    if "D4" in only:
+        res = bench_d4(g, args.trials, sink)
+        ok &= res["efficiency"] >= 0.85
+    if g.rank == 0:
+        print(f"# targets {'met' if ok else 'NOT met'}")
+    sink.close()
+    return 0

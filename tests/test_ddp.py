@@ -1,0 +1,151 @@
+"""DDP: parity with one process, overlap, unused parameters, join, compression hooks, sub-groups."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hpcdp
+from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from ddp_bodies import (
+    body_comm_hook, body_join, body_many_buckets, body_overlap, body_parity, body_subgroups,
+    body_unused,
+)
+from hpcdp.ddp._buckets import assign_buckets
+from hpcdp.ddp.comm_hooks import from_bf16, to_bf16
+
+SMALL_CAP = 200 / 2**20   # one or two parameters per bucket
+
+
+def _check(per_rank: list[list[str]]) -> None:
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+PARITY = [  # (model, optimizer, bucket cap MiB, no_sync accumulation steps, bucket view)
+    ("mlp", "sgd", 25.0, 1, True),
+    ("mlp", "adam", SMALL_CAP, 1, True),
+    ("mlp", "sgd", SMALL_CAP, 3, True),
+    ("mlp", "adam", 25.0, 2, False),
+    ("tied", "sgd", SMALL_CAP, 2, True),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: "-".join(map(str, c)))
+def test_parity_sim(world_size: int, case: tuple) -> None:
+    model, opt, cap, accum, view = case
+    _check(run_ranks("sim", world_size, body_parity, model, opt, cap, accum, 3, 4, view))
+
+
+@pytest.mark.parametrize("backend", [b for b in SPAWN_BACKENDS if b != "sim"])
+def test_parity_other_spawn_backends(backend: str) -> None:
+    _check(run_ranks(backend, 3, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
+
+
+def test_single_rank_is_plain_training() -> None:
+    _check(run_ranks("sim", 1, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: "-".join(map(str, c)))
+def test_parity_mpi(mpi_world, case: tuple) -> None:
+    model, opt, cap, accum, view = case
+    _check(run_mpi(body_parity, model, opt, cap, accum, 3, 4, view))
+
+
+def test_bucket_assignment() -> None:
+    # first bucket capped at 1 MiB, later ones at the cap; dtypes never mix; order of readiness
+    mib = 1 << 20
+    got = assign_buckets([mib // 2, mib // 2, mib, 3 * mib, mib], ["f"] * 5, cap_bytes=4 * mib)
+    assert got == [[0, 1], [2, 3], [4]]
+    got = assign_buckets([8, 8, 8, 8], ["a", "b", "a", "b"], cap_bytes=16, first_cap_bytes=16)
+    assert got == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError):
+        assign_buckets([1], ["a"], cap_bytes=0)
+
+
+def test_many_buckets_reverse_order() -> None:
+    _check(run_ranks("sim", 2, body_many_buckets))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_overlap_sim(world_size: int) -> None:
+    _check(run_ranks("sim", world_size, body_overlap))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlap_mpi(mpi_world) -> None:
+    _check(run_mpi(body_overlap))
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unused_parameters(world_size: int, find_unused: bool) -> None:
+    _check(run_ranks("sim", world_size, body_unused, find_unused))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_unused_parameters_mpi(mpi_world, find_unused: bool) -> None:
+    _check(run_mpi(body_unused, find_unused))
+
+
+@pytest.mark.parametrize("divide_initial", [True, False])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_join_uneven_inputs(world_size: int, divide_initial: bool) -> None:
+    _check(run_ranks("sim", world_size, body_join, divide_initial, timeout=20))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("divide_initial", [True, False])
+def test_join_mpi(mpi_world, divide_initial: bool) -> None:
+    _check(run_mpi(body_join, divide_initial))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_compression_hooks(world_size: int, kind: str) -> None:
+    _check(run_ranks("sim", world_size, body_comm_hook, kind))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_compression_hooks_mpi(mpi_world, kind: str) -> None:
+    _check(run_mpi(body_comm_hook, kind))
+
+
+def test_bf16_rounding() -> None:
+    x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5, 0.0, np.inf, 1e-40, 3.4e38], np.float32)
+    u = to_bf16(x)
+    back = from_bf16(u)
+    # 1 + 2^-8 is a tie between 1 and 1 + 2^-7: nearest even is 1; 1 + 3*2^-8 rounds up to 1 + 2^-6
+    assert back[0] == 1.0 and back[1] == 1.0 and back[2] == 1.0 + 2**-6
+    assert back[3] == -2.5 and back[4] == 0.0 and np.isinf(back[5])
+    assert np.isnan(from_bf16(to_bf16(np.array([np.nan], np.float32))))[0]
+    rng = np.random.default_rng(0).normal(size=10000).astype(np.float32)
+    rel = np.abs(from_bf16(to_bf16(rng)) - rng) / np.abs(rng)
+    assert rel.max() <= 2**-8
+
+
+def test_subgroups() -> None:
+    _check(run_ranks("sim", 4, body_subgroups))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_subgroups_mpi(mpi_world) -> None:
+    _check(run_mpi(body_subgroups))
+
+
+def test_errors() -> None:
+    with pytest.raises(TypeError):
+        hpcdp.DDP(object())
+
+    def body(rank: int) -> list[str]:
+        from ddp_bodies import make_mlp
+        try:
+            hpcdp.DDP(make_mlp(0), bucket_cap_mb=0)
+        except ValueError:
+            return []
+        return ["bucket_cap_mb=0 accepted"]
+
+    _check(run_ranks("sim", 2, body))
