@@ -99,6 +99,8 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     if d == group.size:
         return HookFuture(group.allreduce(flat, "mean", out=flat, async_op=True))
     work = group.allreduce(flat, "sum", out=flat, async_op=True)
+    if d == 1:  # pre-divided by DDP
+        return HookFuture(work)
 
     def scale(res: Any) -> Any:
         res *= 1.0 / d
