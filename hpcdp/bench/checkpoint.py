@@ -1,0 +1,156 @@
+"""``mpirun -n 2 python -m hpcdp.bench checkpoint``: G1 (save) and G2 (load) against raw MPI-IO.
+
+The state is ``--arrays`` float32 arrays of ``--total`` bytes in all, each sharded by rows across
+the ranks (every rank writes and reads its own rows). Baseline, in the same launch on the same
+pre-touched buffers: ``MPI.File.Open`` + one ``Write_at_all`` per array at the same offsets +
+``Sync`` + ``Close`` (G1), and ``Read_at_all`` of the same bytes into pre-touched buffers (G2).
+The checkpoint save includes everything ``save`` does (plan checks, CRC32s, fsync of the files and
+the directory, rename). G2 is reported twice: reading a file just written (page cache), and after
+``posix_fadvise(DONTNEED)`` evicted both files' pages before each trial (from the device).
+Trials alternate baseline and candidate; the figure is the median of the per-trial time ratios,
+each trial timed as the slowest rank's time between two barriers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import hpcdp
+
+from ._common import JsonSink, Row, fmt_size, interleaved, pretouch
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpcdp.bench checkpoint")
+    p.add_argument("--total", type=int, default=256 << 20, help="bytes in the whole state")
+    p.add_argument("--arrays", type=int, default=4)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where to write (default: ./.bench-ckpt)")
+    p.add_argument("--mode", default=None, help="checkpoint mode: mpio, vds or auto")
+    p.add_argument("--json", default=None, help="append JSON lines here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    from mpi4py import MPI
+
+    from hpcdp.checkpoint import Shard, load, save
+    from hpcdp.checkpoint._plan import row_bounds
+
+    g = hpcdp.init("mpi")
+    comm = g.backend.comm
+    rank, n = g.rank, g.size
+    root = os.path.abspath(args.dir or ".bench-ckpt")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+    comm.Barrier()
+
+    cols = 1024
+    rows = max(n, args.total // args.arrays // (cols * 4))
+    lo, hi = row_bounds(rows, n)[rank]
+    bufs = [np.full((hi - lo, cols), k + rank, np.float32) for k in range(args.arrays)]
+    rbufs = [np.empty_like(b) for b in bufs]
+    pretouch(*bufs, *rbufs)
+    state = {"model": {f"w{k}": Shard(b, (rows, cols), (lo, 0)) for k, b in enumerate(bufs)}, "step": 1}
+    like = {"model": {f"w{k}": Shard(b, (rows, cols), (lo, 0)) for k, b in enumerate(rbufs)}, "step": 0}
+    total = rows * cols * 4 * args.arrays
+    raw_path = os.path.join(root, "raw.bin")
+    ck = os.path.join(root, "ckpt", "step-1")
+
+    def timed(fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> float:
+        if before is not None:
+            before()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        comm.Barrier()
+        return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+
+    def raw_write() -> None:
+        fh = MPI.File.Open(comm, raw_path, MPI.MODE_CREATE | MPI.MODE_WRONLY)
+        for k, b in enumerate(bufs):
+            fh.Write_at_all((k * rows + lo) * cols * 4, b)
+        fh.Sync()
+        fh.Close()
+
+    def raw_read() -> None:
+        fh = MPI.File.Open(comm, raw_path, MPI.MODE_RDONLY)
+        for k, b in enumerate(rbufs):
+            fh.Read_at_all((k * rows + lo) * cols * 4, b)
+        fh.Close()
+
+    def clean_raw() -> None:
+        if rank == 0 and os.path.exists(raw_path):
+            os.unlink(raw_path)
+
+    def clean_ck() -> None:
+        if rank == 0:
+            shutil.rmtree(os.path.dirname(ck), ignore_errors=True)
+
+    def ck_save() -> None:
+        save(ck, state, mode=args.mode)
+
+    def ck_load() -> None:
+        out = load(ck, like=like)
+        assert out["model"]["w0"].local[0, 0] == rank
+
+    # warm-up (imports, first-touch of the file system paths)
+    timed(raw_write, clean_raw)
+    timed(ck_save, clean_ck)
+    g1 = interleaved(lambda: timed(raw_write, clean_raw), lambda: timed(ck_save, clean_ck), args.trials)
+    timed(raw_write, clean_raw)
+    g2 = interleaved(lambda: timed(raw_read), lambda: timed(ck_load), args.trials)
+
+    def evict() -> None:
+        """Drop the files' pages from the page cache (posix_fadvise DONTNEED: no root needed)."""
+        if rank != 0:
+            return
+        paths = [raw_path] + [os.path.join(ck, f) for f in os.listdir(ck)]
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    g2c = interleaved(lambda: timed(raw_read, evict), lambda: timed(ck_load, evict), args.trials)
+
+    sink = JsonSink(args.json)
+    if rank == 0:
+        import h5py
+
+        mode = args.mode or os.environ.get("HPCDP_CKPT_MODE") or "auto"
+        print(f"# hpcdp checkpoint benchmark: {n} ranks, {fmt_size(total)} in {args.arrays} sharded "
+              f"float32 arrays, mode {mode}, h5py {h5py.__version__} (mpi={h5py.get_config().mpi}), "
+              f"{args.trials} interleaved trials, dir {root}")
+        print(f"# {'what':<34} {'base(ms)':>10} {'hpcdp(ms)':>10} {'base GB/s':>10} "
+              f"{'hpcdp GB/s':>10} {'bw ratio':>9}  per-trial bw ratios")
+        for name, op, t, target in (("G1 save (+fsync) vs Write_at_all+Sync", "save", g1, 0.8),
+                                    ("G2 load (page cache) vs Read_at_all", "load", g2, 0.8),
+                                    ("G2 load (evicted) vs Read_at_all", "load-cold", g2c, 0.8)):
+            ratio = 1.0 / t.median_ratio  # bandwidth ratio = baseline time / hpcdp time
+            per = " ".join(f"{1 / r:.3f}" for r in t.ratios)
+            print(f"  {name:<34} {t.base_median * 1e3:>10.1f} {t.cand_median * 1e3:>10.1f} "
+                  f"{total / t.base_median / 1e9:>10.3f} {total / t.cand_median / 1e9:>10.3f} "
+                  f"{ratio:>9.3f}  {per}")
+            sink.write(Row("checkpoint", op, total, total // 4, "float32", "-", 0,
+                           t.cand_median * 1e6, total / t.cand_median / 1e9, total / t.cand_median / 1e9,
+                           t.base_median * 1e6, t.median_ratio, n,
+                           {"bw_ratio": ratio, "target": target, "trial_bw_ratios": [1 / r for r in t.ratios]}))
+            print(f"# {name.split()[0]}: median bandwidth ratio {ratio:.3f} (target >= {target})")
+        shutil.rmtree(root, ignore_errors=True)
+    sink.close()
+    comm.Barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Sharded checkpoints in one parallel-HDF5 file: atomic, verified, loadable on any number of ranks.
+
+    save("ckpt/step-100", {"model": ddp.state_dict(), "optim": opt.state_dict(), "step": 100})
+    state = load("ckpt/step-100", like=current_state)    # any world size; reshards
+    latest("ckpt")                                       # newest committed checkpoint or None
+"""
+from __future__ import annotations
+
+from ._commit import latest, list_checkpoints
+from ._format import Shard
+from ._reader import load
+from ._save import AsyncSave, save
+
+__all__ = ["save", "load", "latest", "list_checkpoints", "Shard", "AsyncSave"]

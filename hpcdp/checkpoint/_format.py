@@ -1,0 +1,295 @@
+"""The file format: state <-> (tree, leaves), dataset names, dtypes, and the manifest.
+
+A checkpoint's state is a tree of dicts (str or int keys), lists and tuples whose leaves are arrays,
+``Shard``s and scalars. ``flatten`` turns it into a JSON-able *tree* (containers, scalar values, and
+for every array the HDF5 path of its dataset) plus the list of array leaves in a fixed order.
+The manifest (JSON, stored as the uint8 dataset ``/_hpcdp_manifest`` with a CRC32 attribute) holds
+the tree, every dataset's shape, dtype and per-slab CRC32s: a reader needs nothing else, and no
+object is ever pickled.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._arrays import is_cupy
+from ..errors import CheckpointError
+
+__all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
+           "encode_manifest", "decode_manifest", "storage_dtype", "type_note", "crc32_of",
+           "BF16_META"]
+
+MANIFEST = "_hpcdp_manifest"
+MANIFEST_CRC_ATTR = "crc32"
+FORMAT = "hpcdp-checkpoint"
+FORMAT_VERSION = 1
+#: numpy dtype metadata that marks a uint16 array as raw bfloat16 bits (when ml_dtypes is absent)
+BF16_META = {"hpcdp_type": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's block ``local`` of an array of ``global_shape``, starting at ``offsets``.
+
+    Args:
+        local: numpy or cupy array, the block this rank holds (may be empty).
+        global_shape: shape of the whole array.
+        offsets: index of ``local[0, 0, ...]`` in the whole array, one per axis.
+    """
+
+    local: Any
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "global_shape", tuple(int(s) for s in self.global_shape))
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        shape = tuple(getattr(self.local, "shape", ()))
+        if not hasattr(self.local, "dtype") or not hasattr(self.local, "shape"):
+            raise TypeError(f"Shard: local must be an array, got {type(self.local).__name__}")
+        if len(shape) != len(self.global_shape) or len(self.offsets) != len(shape):
+            raise ValueError(f"Shard: local shape {shape}, global_shape {self.global_shape} and "
+                             f"offsets {self.offsets} must have the same number of axes")
+        for ax, (o, n, g) in enumerate(zip(self.offsets, shape, self.global_shape)):
+            if o < 0 or (n > 0 and o + n > g):
+                raise ValueError(f"Shard: block {shape} at offsets {self.offsets} does not fit in "
+                                 f"global shape {self.global_shape} (axis {ax})")
+
+
+@dataclass
+class Leaf:
+    """One array of the state: where it lives in the file and this rank's data for it."""
+
+    path: str               # HDF5 dataset path
+    kind: str               # "replicated" or "shard"
+    shape: tuple[int, ...]  # global shape
+    dtype: str              # storage dtype (numpy dtype.str)
+    note: str               # "" or "bfloat16"
+    data: Any               # host numpy array: the whole array, or this rank's block
+    offsets: tuple[int, ...] = field(default_factory=tuple)  # shard block offsets
+
+    def spec(self) -> tuple:
+        """What every rank must agree on."""
+        return (self.path, self.kind, self.shape, self.dtype, self.note)
+
+
+# -- names and dtypes -----------------------------------------------------------------------
+def _h5name(key: str) -> str:
+    name = key.replace("%", "%25").replace("/", "%2F")
+    if name in ("", ".", ".."):
+        name = {"": "%00", ".": "%2E", "..": "%2E%2E"}[name]
+    return name
+
+
+def type_note(dtype: np.dtype) -> str:
+    if dtype.name == "bfloat16" or (dtype.metadata or {}).get("hpcdp_type") == "bfloat16":
+        return "bfloat16"
+    return ""
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """What goes into HDF5: bfloat16 as its raw uint16 bits, everything else as is."""
+    if type_note(dtype) == "bfloat16":
+        return np.dtype("<u2")
+    if dtype.kind not in "biufc" or dtype.fields is not None or dtype.subdtype is not None:
+        raise TypeError(f"dtype {dtype} is not supported (numbers and bool only)")
+    return dtype
+
+
+def memory_dtype(storage: str, note: str) -> np.dtype:
+    """The dtype a loaded array gets when there is no ``like`` to copy it from."""
+    if note == "bfloat16":
+        try:
+            import ml_dtypes  # optional
+
+            return np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            return np.dtype("<u2", metadata=dict(BF16_META))
+    return np.dtype(storage)
+
+
+def to_host(x: Any, *, copy: bool) -> np.ndarray:
+    """A C-contiguous host numpy array of ``x`` (a copy when asked)."""
+    if is_cupy(x):
+        return np.require(x.get(), requirements="C")
+    a = np.asarray(x)
+    return np.array(a, order="C", copy=True) if copy else np.require(a, requirements="C")
+
+
+def as_storage(a: np.ndarray) -> np.ndarray:
+    return a.view(np.dtype("<u2")) if type_note(a.dtype) == "bfloat16" else a
+
+
+def crc32_of(a: np.ndarray) -> int:
+    """CRC32 of the array's bytes in C order."""
+    a = np.require(a, requirements="C")
+    return zlib.crc32(a.reshape(-1).view(np.uint8)) if a.size else 0
+
+
+# -- state <-> tree -----------------------------------------------------------------------------
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _scalar_node(v: Any, where: str) -> dict:
+    if isinstance(v, np.generic):
+        dt = np.dtype(v.dtype)
+        if dt.kind not in "biufc":
+            raise CheckpointError(f"save: unsupported numpy scalar {dt} at {where}")
+        val = v.item()
+        if dt.kind == "c":
+            val = [val.real, val.imag]
+        return {"t": "scalar", "type": "np", "dtype": dt.str, "value": val}
+    if isinstance(v, complex):
+        return {"t": "scalar", "type": "complex", "value": [v.real, v.imag]}
+    return {"t": "scalar", "type": type(v).__name__ if v is not None else "none", "value": v}
+
+
+def scalar_value(node: dict) -> Any:
+    t, v = node["type"], node["value"]
+    if t == "np":
+        dt = np.dtype(node["dtype"])
+        return dt.type(complex(*v) if dt.kind == "c" else v)
+    if t == "complex":
+        return complex(*v)
+    if t == "int":
+        return int(v)
+    if t == "float":
+        return float(v)
+    return v
+
+
+def flatten(state: Any, *, copy: bool) -> tuple[dict, list[Leaf]]:
+    """(tree, array leaves in tree order) of a nested state."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"save: state must be a dict, got {type(state).__name__}")
+    leaves: list[Leaf] = []
+
+    def walk(v: Any, path: str, where: str) -> dict:
+        if isinstance(v, dict):
+            items = []
+            names: set[str] = set()
+            for k, child in v.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise CheckpointError(f"save: key {k!r} at {where or '/'} is not a str or int")
+                name = _h5name(str(k))
+                if not path and name.startswith("_hpcdp"):
+                    raise CheckpointError(f"save: top-level key {k!r} is reserved")
+                if name in names:
+                    raise CheckpointError(f"save: keys at {where or '/'} collide as {name!r}")
+                names.add(name)
+                items.append({"k": k, "kt": "int" if isinstance(k, int) else "str", "h": name,
+                              "v": walk(child, f"{path}/{name}" if path else name, f"{where}[{k!r}]")})
+            return {"t": "dict", "items": items}
+        if isinstance(v, (list, tuple)):
+            return {"t": "list" if isinstance(v, list) else "tuple",
+                    "items": [walk(c, f"{path}/{i}" if path else str(i), f"{where}[{i}]")
+                              for i, c in enumerate(v)]}
+        if isinstance(v, Shard):
+            local = as_storage_src(v.local, where)
+            leaves.append(Leaf(path, "shard", v.global_shape, storage_dtype(local.dtype).str,
+                               type_note(local.dtype), as_storage(to_host(local, copy=copy)),
+                               v.offsets))
+            return {"t": "shard", "path": path}
+        if hasattr(v, "__array_interface__") or is_cupy(v) or isinstance(v, np.ndarray):
+            if isinstance(v, np.generic):
+                return _scalar_node(v, where)
+            a = as_storage_src(v, where)
+            leaves.append(Leaf(path, "replicated", tuple(a.shape), storage_dtype(a.dtype).str,
+                               type_note(a.dtype), as_storage(to_host(a, copy=copy))))
+            return {"t": "array", "path": path}
+        if isinstance(v, (_SCALARS, np.generic)):
+            return _scalar_node(v, where)
+        raise CheckpointError(f"save: unsupported value of type {type(v).__name__} at {where} "
+                              "(arrays, Shard, int, float, bool, complex, str, None, dict, list, tuple)")
+
+    tree = walk(state, "", "state")
+    return tree, leaves
+
+
+def as_storage_src(a: Any, where: str) -> Any:
+    try:
+        storage_dtype(np.dtype(a.dtype))
+    except TypeError as exc:
+        raise CheckpointError(f"save: {where}: {exc}") from None
+    return a
+
+
+def unflatten(tree: dict, arrays: dict[str, Any]) -> Any:
+    """Rebuild the state from a tree and ``{dataset path: array}``."""
+    t = tree["t"]
+    if t == "dict":
+        return {(int(it["k"]) if it["kt"] == "int" else it["k"]): unflatten(it["v"], arrays)
+                for it in tree["items"]}
+    if t in ("list", "tuple"):
+        items = [unflatten(c, arrays) for c in tree["items"]]
+        return items if t == "list" else tuple(items)
+    if t in ("array", "shard"):
+        return arrays[tree["path"]]
+    return scalar_value(tree)
+
+
+def scalar_attrs(tree: dict, path: str = "") -> list[tuple[str, str, Any]]:
+    """(group path, attribute name, value) for every scalar, for people browsing the file."""
+    out: list[tuple[str, str, Any]] = []
+    kids: list[tuple[str, dict]] = []
+    if tree["t"] == "dict":
+        kids = [(it["h"], it["v"]) for it in tree["items"]]
+    elif tree["t"] in ("list", "tuple"):
+        kids = [(str(i), c) for i, c in enumerate(tree["items"])]
+    for name, child in kids:
+        if child["t"] == "scalar":
+            out.append((path or "/", name, _attr_value(child)))
+        elif child["t"] in ("dict", "list", "tuple"):
+            out.extend(scalar_attrs(child, f"{path}/{name}" if path else name))
+    return out
+
+
+def _attr_value(node: dict) -> Any:
+    v = scalar_value(node)
+    if v is None:
+        return "None"
+    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
+        return str(v)
+    return v
+
+
+def container_groups(tree: dict, path: str = "") -> list[str]:
+    """HDF5 groups to create, parents first (every container that is not the root)."""
+    out: list[str] = []
+    kids: list[tuple[str, dict]] = []
+    if tree["t"] == "dict":
+        kids = [(it["h"], it["v"]) for it in tree["items"]]
+    elif tree["t"] in ("list", "tuple"):
+        kids = [(str(i), c) for i, c in enumerate(tree["items"])]
+    for name, child in kids:
+        if child["t"] in ("dict", "list", "tuple"):
+            p = f"{path}/{name}" if path else name
+            out.append(p)
+            out.extend(container_groups(child, p))
+    return out
+
+
+# -- manifest -----------------------------------------------------------------------------
+def encode_manifest(manifest: dict) -> tuple[np.ndarray, int]:
+    raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return np.frombuffer(raw, np.uint8), zlib.crc32(raw)
+
+
+def decode_manifest(raw: np.ndarray, crc: int | None, where: str) -> dict:
+    data = np.asarray(raw, np.uint8).tobytes()
+    if crc is None or zlib.crc32(data) != int(crc):
+        raise CheckpointError(f"{where}: the manifest fails its CRC32 check (corrupt file)")
+    try:
+        m = json.loads(data)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: the manifest is not valid JSON: {exc}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: not an hpcdp checkpoint (manifest format {m.get('format')!r})")
+    if int(m.get("format_version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"{where}: format version {m['format_version']} is newer than this "
+                              f"hpcdp reads ({FORMAT_VERSION})")
+    return m

@@ -1,0 +1,61 @@
+"""Small h5py helpers shared by the writers and the reader (low-level calls, no fill values)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import h5py
+import numpy as np
+
+__all__ = ["dcpl", "create_dataset", "write_slab", "read_slab", "file_space"]
+
+
+def dcpl() -> Any:
+    """Contiguous, allocated at creation, never filled: the writer covers every byte anyway."""
+    p = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    p.set_layout(h5py.h5d.CONTIGUOUS)
+    p.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    p.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return p
+
+
+def create_dataset(f: Any, path: str, shape: Sequence[int], dtype: Any) -> Any:
+    if len(shape) == 0 or 0 in shape:
+        return f.create_dataset(path, shape=tuple(shape), dtype=dtype)
+    return f.create_dataset(path, shape=tuple(shape), dtype=dtype, dcpl=dcpl())
+
+
+def file_space(dset: Any, offsets: Sequence[int] | None, shape: Sequence[int] | None) -> Any:
+    space = dset.id.get_space()
+    if offsets is None:
+        space.select_none()
+    elif len(shape) > 0:
+        space.select_hyperslab(tuple(offsets), tuple(shape))
+    return space
+
+
+def _mem_space(shape: Sequence[int] | None) -> Any:
+    if shape is None:
+        m = h5py.h5s.create_simple((1,))
+        m.select_none()
+        return m
+    if len(shape) == 0:
+        return h5py.h5s.create(h5py.h5s.SCALAR)
+    return h5py.h5s.create_simple(tuple(shape))
+
+
+def write_slab(dset: Any, data: np.ndarray | None, offsets: Sequence[int] | None, dxpl: Any = None) -> None:
+    """Write ``data`` at ``offsets``; ``data=None`` takes part in a collective write with nothing."""
+    if data is None or data.size == 0:
+        buf = np.zeros(1, dset.dtype)
+        dset.id.write(_mem_space(None), file_space(dset, None, None), buf, dxpl=dxpl)
+        return
+    data = np.require(data, requirements="C")
+    dset.id.write(_mem_space(data.shape), file_space(dset, offsets, data.shape), data, dxpl=dxpl)
+
+
+def read_slab(dset: Any, out: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
+    """Read the block of ``out.shape`` at ``offsets`` into ``out`` (C-contiguous)."""
+    if out.size == 0:
+        return out
+    dset.id.read(_mem_space(out.shape), file_space(dset, offsets, out.shape), out)
+    return out

@@ -1,0 +1,92 @@
+"""Fallback write without MPI-enabled h5py (and on the sim and TCP backends).
+
+Each rank writes its slabs to ``rank-NNNNN.h5`` of its own (independently, in parallel); after the
+slabs' checksums are gathered, rank 0 writes ``data.h5``: the groups, attributes and manifest, every
+dataset written by rank 0 alone as a plain dataset, and every other dataset as an HDF5 virtual
+dataset mapping the slabs in the rank files (relative names, so the directory can be renamed).
+Readers see the same single-file view as in mpio mode: ``h5py.File("data.h5")["a/b"][...]``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import h5py
+import numpy as np
+
+from ._commit import DATA
+from ._format import MANIFEST, Leaf, container_groups, scalar_attrs
+from ._h5util import create_dataset, write_slab
+from ._plan import DatasetPlan, slab_data
+
+__all__ = ["VdsWriter", "rank_file"]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.h5"
+
+
+def _in_main(p: DatasetPlan) -> bool:
+    """Datasets rank 0 writes straight into the main file (and those with no slab at all)."""
+    return not p.slabs or (p.mode == "owned" and p.slabs[0].rank == 0)
+
+
+class VdsWriter:
+    def __init__(self, tmpdir: str, rank: int) -> None:
+        self.dir, self.rank = tmpdir, rank
+        self.own = os.path.join(tmpdir, rank_file(rank))
+        self.wrote_own = False
+        self.plans: Sequence[DatasetPlan] = ()
+        self.leaves: Sequence[Leaf] = ()
+        self.tree0: dict = {}
+
+    def write(self, plans: Sequence[DatasetPlan], leaves: Sequence[Leaf], tree0: dict) -> list[tuple]:
+        self.plans, self.leaves, self.tree0 = plans, leaves, tree0
+        todo = [(i, p, p.slab_of(self.rank)) for i, p in enumerate(plans)
+                if not _in_main(p) and p.slab_of(self.rank) is not None]
+        mine = []
+        if todo:
+            with h5py.File(self.own, "w", libver="latest") as f:
+                for i, p, s in todo:
+                    d = create_dataset(f, p.path, s.shape, np.dtype(p.dtype))
+                    write_slab(d, slab_data(leaves[i], p, self.rank), (0,) * len(s.shape))
+                    mine.append((i, s))
+            self.wrote_own = True
+        if self.rank == 0:
+            mine += [(i, p.slabs[0]) for i, p in enumerate(plans) if _in_main(p) and p.slabs]
+        return mine
+
+    def files(self) -> list[str]:
+        return [self.own] if self.wrote_own else []
+
+    def finish(self, manifest_bytes: np.ndarray, crc: int) -> list[str]:
+        """Rank 0 writes the main file; every rank returns the files it wrote (to fsync)."""
+        if self.rank != 0:
+            return self.files()
+        main = os.path.join(self.dir, DATA)
+        with h5py.File(main, "w", libver="latest") as f:
+            f.attrs["hpcdp_format"] = "hpcdp-checkpoint"
+            for g in container_groups(self.tree0):
+                f.create_group(g)
+            for i, p in enumerate(self.plans):
+                dt = np.dtype(p.dtype)
+                if _in_main(p):
+                    d = create_dataset(f, p.path, p.shape, dt)
+                    if p.slabs:
+                        write_slab(d, slab_data(self.leaves[i], p, 0), p.slabs[0].offsets)
+                else:
+                    layout = h5py.VirtualLayout(shape=p.shape, dtype=dt)
+                    for s in p.slabs:
+                        src = h5py.VirtualSource(rank_file(s.rank), p.path, shape=s.shape, dtype=dt)
+                        layout[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape))] = src
+                    d = f.create_virtual_dataset(p.path, layout)
+                if p.note:
+                    d.attrs["hpcdp_type"] = p.note
+            for gpath, name, value in scalar_attrs(self.tree0):
+                f[gpath].attrs[name] = value
+            m = f.create_dataset(MANIFEST, data=manifest_bytes)
+            m.attrs["crc32"] = np.uint32(crc)
+        return self.files() + [main]
+
+    def abort(self) -> None:
+        pass

@@ -1,0 +1,202 @@
+"""Checkpoint test bodies (module level, so every backend and mpirun can run them)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import h5py
+import numpy as np
+
+import hpcdp
+from hpcdp.checkpoint import Shard, latest, load, save
+from hpcdp.checkpoint._format import BF16_META
+from hpcdp.checkpoint._plan import row_bounds
+
+DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+          "float16", "float32", "float64", "complex64", "complex128", ">f8"]
+BF16 = np.dtype("<u2", metadata=dict(BF16_META))
+SH_ROWS = (37, 11)   # sharded by uneven rows
+SH_COLS = (6, 10)    # sharded by uneven columns
+
+
+def _arr(dtype: str, shape: tuple, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
+    if dt.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+def uneven(total: int, n: int, rank: int) -> tuple[int, int]:
+    """An uneven split: rank r gets about (r+1) parts, the last rank takes the rest."""
+    weights = list(range(1, n + 1))
+    edges = [0]
+    for w in weights:
+        edges.append(min(total, edges[-1] + max(1, total * w // sum(weights))))
+    edges[-1] = total
+    return edges[rank], edges[rank + 1]
+
+
+def global_arrays() -> dict[str, np.ndarray]:
+    return {"rows": _arr("int32", SH_ROWS, 1), "cols": _arr("float64", SH_COLS, 2)}
+
+
+def make_state(rank: int, n: int, *, shards: str = "uneven") -> dict:
+    """The same replicated content on every rank, and this rank's blocks of the sharded arrays."""
+    g = global_arrays()
+    if shards == "uneven":
+        lo, hi = uneven(SH_ROWS[0], n, rank)
+        clo, chi = uneven(SH_COLS[1], n, n - 1 - rank)
+    else:
+        lo, hi = row_bounds(SH_ROWS[0], n)[rank]
+        clo, chi = row_bounds(SH_COLS[1], n)[rank]
+    return {
+        "arrays": {dt.replace(">", "be_"): _arr(dt, (3, 5), k) for k, dt in enumerate(DTYPES)},
+        "bf16": _arr("uint16", (4, 4), 99).view(BF16),
+        "big": _arr("float32", (600, 512), 7),          # > 1 MiB: split across ranks
+        "scalar0d": np.array(2.5),
+        "empty": np.zeros((0, 4), np.float32),
+        "sharded": {"rows": Shard(g["rows"][lo:hi], SH_ROWS, (lo, 0)),
+                    "cols": Shard(g["cols"][:, clo:chi], SH_COLS, (0, clo))},
+        "scalars": {"i": 7, "big_int": 2**70, "f": 0.1, "b": True, "s": "héllo/wörld", "none": None,
+                    "c": 1 + 2j, "np_f32": np.float32(1.5), "np_i64": np.int64(-3),
+                    "nan": float("inf")},
+        "opt": {"state": {0: {"step": 3, "m": _arr("float32", (5,), 11)}, 1: {"step": 3}},
+                "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0, 1]}]},
+        "odd/key": {"": 1, ".": 2, "%": 3},
+    }
+
+
+def _eq(a: Any, b: Any, where: str, fails: list[str]) -> None:
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(map(str, a)) != list(map(str, b)):
+            fails.append(f"{where}: keys {list(a)} vs {list(b) if isinstance(b, dict) else type(b)}")
+            return
+        for (k, v), (k2, v2) in zip(a.items(), b.items()):
+            if k != k2 and str(k) != str(k2):
+                fails.append(f"{where}: key {k!r} vs {k2!r}")
+            _eq(v, v2, f"{where}[{k!r}]", fails)
+    elif isinstance(a, (list, tuple)):
+        if type(a) is not type(b) and not isinstance(b, np.ndarray) or len(a) != len(b):
+            fails.append(f"{where}: {a!r} vs {b!r}")
+            return
+        for i, (x, y) in enumerate(zip(a, b)):
+            _eq(x, y, f"{where}[{i}]", fails)
+    elif isinstance(a, Shard):
+        if not isinstance(b, Shard) or a.offsets != b.offsets or a.global_shape != b.global_shape:
+            fails.append(f"{where}: shard {b!r}")
+            return
+        _eq(a.local, b.local, where + ".local", fails)
+    elif isinstance(a, np.ndarray):
+        if not isinstance(b, np.ndarray) or a.shape != b.shape or a.dtype != b.dtype \
+                or a.tobytes() != b.tobytes():
+            fails.append(f"{where}: {a.dtype}{a.shape} != {getattr(b, 'dtype', type(b))}"
+                         f"{getattr(b, 'shape', '')}")
+    else:
+        if type(a) is not type(b) or a != b:
+            fails.append(f"{where}: {a!r} ({type(a).__name__}) != {b!r} ({type(b).__name__})")
+
+
+def expected_full(n_saved: int) -> dict:
+    """What ``load(path)`` without ``like`` gives: shards at their global shape, str keys kept."""
+    st = make_state(0, n_saved)
+    st["sharded"] = global_arrays()
+    return st
+
+
+def shared_dir(base: str | None = None) -> str:
+    """A fresh directory, chosen by rank 0 and broadcast (MPI) or returned as is (sim)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="hpcdp-ckpt-", dir=base) if hpcdp.rank() == 0 else None
+    return hpcdp.broadcast_object(d, root=0)
+
+
+def body_save(rank: int, path: str, mode: str | None = None, shards: str = "uneven",
+              keep_last: int | None = None) -> str:
+    n = hpcdp.world_size()
+    return save(path, make_state(rank, n, shards=shards), mode=mode, keep_last=keep_last)
+
+
+def body_load_check(rank: int, path: str, n_saved: int, group: Any = None) -> list[str]:
+    """Load with and without ``like`` (this group's own even layout) and compare."""
+    g = group or hpcdp.get_default_group()
+    n, r = g.size, g.rank
+    fails: list[str] = []
+    full = load(path, group=g)
+    _eq(expected_full(n_saved), full, "full", fails)
+    like = make_state(r, n, shards="even")
+    # mutate like so a load that just returned it would be caught
+    like["sharded"]["rows"].local[...] = -1
+    got = load(path, like=like, group=g)
+    want = make_state(r, n, shards="even")
+    _eq(want, got, "like", fails)
+    if not np.all(like["sharded"]["rows"].local == -1):
+        fails.append("load modified like")
+    if r == 0:
+        with h5py.File(os.path.join(path, "data.h5"), "r") as f:  # plain h5py, global view
+            if not np.array_equal(f["sharded/rows"][...], global_arrays()["rows"]):
+                fails.append("plain h5py: sharded/rows differs")
+            if not np.array_equal(f["big"][...], make_state(0, 1)["big"]):
+                fails.append("plain h5py: big differs")
+            if f["bf16"].attrs.get("hpcdp_type") != "bfloat16" or f["bf16"].dtype != np.uint16:
+                fails.append("bf16 note missing")
+            if f["scalars"].attrs["s"] != "héllo/wörld" or f["scalars"].attrs["i"] != 7:
+                fails.append("scalar attributes missing")
+    return fails
+
+
+def body_roundtrip(rank: int, path: str, mode: str | None = None) -> list[str]:
+    body_save(rank, path, mode)
+    fails = body_load_check(rank, path, hpcdp.world_size())
+    if latest(os.path.dirname(path)) != os.path.abspath(path):
+        fails.append(f"latest is {latest(os.path.dirname(path))}")
+    return fails
+
+
+def body_reshard_subgroups(rank: int, path: str, mode: str | None = None) -> list[str]:
+    """Save on the whole world, then load on sub-groups of every size 1..n."""
+    n = hpcdp.world_size()
+    body_save(rank, path, mode)
+    fails: list[str] = []
+    for k in range(1, n + 1):
+        sub = hpcdp.new_group(list(range(k)))
+        if rank < k:
+            fails += [f"k={k}: {f}" for f in body_load_check(rank, path, n, group=sub)]
+    hpcdp.barrier()
+    return fails
+
+
+def body_load_error(rank: int, path: str, like_state: bool = False) -> str:
+    """The CheckpointError message this rank got ('' if none)."""
+    like = make_state(rank, hpcdp.world_size(), shards="even") if like_state else None
+    try:
+        load(path, like=like)
+    except hpcdp.CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def body_async(rank: int, path: str) -> list[str]:
+    n = hpcdp.world_size()
+    st = make_state(rank, n)
+    want = make_state(rank, n)
+    h = save(path, st, async_save=True)
+    # training goes on: mutate the arrays and run collectives while the write runs
+    st["big"][...] = -7
+    st["sharded"]["rows"].local[...] = -7
+    for _ in range(20):
+        hpcdp.allreduce(np.ones(1000))
+    fails: list[str] = []
+    if h.wait(timeout=120) != os.path.abspath(path):
+        fails.append("wait() returned another path")
+    _eq(want, load(path, like=make_state(rank, n)), "async", fails)
+    h2 = save(path + "-b", want, async_save=True)   # a second one, collected by load's wait
+    _eq(want, load(path + "-b", like=make_state(rank, n)), "async2", fails)
+    h2.wait()
+    return fails

@@ -1,0 +1,238 @@
+"""hpcdp.checkpoint: round trips of every dtype, shards, resharding, both write modes, corruption."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+import hpcdp
+from ckpt_bodies import (
+    body_async, body_load_check, body_load_error, body_reshard_subgroups, body_roundtrip,
+    body_save, make_state, shared_dir,
+)
+from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.checkpoint import Shard, latest, list_checkpoints, load, save
+from hpcdp.checkpoint._format import MANIFEST
+
+
+def _check(per_rank: list[list[str]]) -> None:
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not fails, "\n".join(fails[:30])
+
+
+# -- single process (sim / tcp ranks) ----------------------------------------------------------
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_roundtrip(backend: str, world_size: int, tmp_path) -> None:
+    _check(run_ranks(backend, world_size, body_roundtrip, str(tmp_path / "ck" / "step-1")))
+
+
+@pytest.mark.parametrize("n_load", [1, 2, 3, 4])
+def test_save_on_4_load_on_k(n_load: int, tmp_path) -> None:
+    path = str(tmp_path / "step-4")
+    run_ranks("sim", 4, body_save, path)
+    _check(run_ranks("sim", n_load, body_load_check, path, 4))
+
+
+def test_plain_session_reads_any_array(tmp_path) -> None:
+    """No hpcdp.init, no MPI: plain h5py sees global arrays, load() returns the whole state."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "step-1")
+    run_ranks("sim", 3, body_save, path)
+    code = (
+        "import sys, h5py, numpy as np\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from ckpt_bodies import global_arrays, expected_full, _eq\n"
+        "f = h5py.File(sys.argv[1] + '/data.h5', 'r')\n"
+        "assert np.array_equal(f['sharded/cols'][...], global_arrays()['cols'])\n"
+        "assert f['big'].shape == (600, 512)\n"
+        "import hpcdp.checkpoint as ck, hpcdp\n"
+        "fails = []; _eq(expected_full(3), ck.load(sys.argv[1]), 'full', fails)\n"
+        "assert not fails, fails\n"
+        "assert not hpcdp.is_initialized()\n"
+        "print('ok')\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI", "PMIX", "SLURM", "HPCDP_", "MASTER_"))}
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code, path, here], env=env, cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_async_save(tmp_path) -> None:
+    _check(run_ranks("sim", 3, body_async, str(tmp_path / "a" / "step-1")))
+
+
+def test_keep_last_latest_and_cleanup(tmp_path) -> None:
+    d = tmp_path / "ck"
+    st = {"w": np.arange(10.0), "step": 0}
+    assert latest(str(d)) is None
+    os.makedirs(d / ".tmp-step-99-dead")           # an uncommitted leftover
+    (d / ".tmp-step-99-dead" / "data.h5").write_bytes(b"torn")
+    os.makedirs(d / "notes")                         # not a checkpoint
+    for step in (1, 2, 10, 3):
+        st["step"] = step
+        save(str(d / f"step-{step}"), st, keep_last=3)
+    names = [os.path.basename(p) for p in list_checkpoints(str(d))]
+    assert names == ["step-2", "step-3", "step-10"], names
+    assert latest(str(d)) == str(d / "step-10")
+    assert not any(n.startswith(".tmp-") for n in os.listdir(d)), os.listdir(d)
+    # re-saving under an existing name replaces it atomically
+    st["step"] = 11
+    save(str(d / "step-10"), st)
+    assert load(str(d / "step-10"))["step"] == 11
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(ValueError):
+        Shard(np.zeros((2, 2)), (3, 3), (2, 0))
+    with pytest.raises(hpcdp.CheckpointError, match="unsupported"):
+        save("/tmp/never-written/x", {"o": object()})
+    assert not os.path.exists("/tmp/never-written/x")
+
+
+# -- corruption: every rank raises, naming file and dataset -------------------------------------
+def _flip_byte(path: str, dataset: str) -> None:
+    fn = os.path.join(path, "data.h5")
+    with h5py.File(fn, "r") as f:
+        d = f[dataset]
+        if d.is_virtual:
+            src = d.virtual_sources()[-1]
+            fn, off = os.path.join(path, src.file_name), None
+            with h5py.File(fn, "r") as g:
+                off = g[src.dset_name].id.get_offset()
+        else:
+            off = d.id.get_offset()
+    with open(fn, "r+b") as fh:
+        fh.seek(off + 5)
+        b = fh.read(1)
+        fh.seek(off + 5)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
+def _truncate(path: str, _: str) -> None:
+    fn = os.path.join(path, "data.h5")
+    os.truncate(fn, os.path.getsize(fn) // 2)
+
+
+def _drop_manifest(path: str, _: str) -> None:
+    with h5py.File(os.path.join(path, "data.h5"), "r+") as f:
+        del f[MANIFEST]
+
+
+def _wrong_shape(path: str, dataset: str) -> None:
+    with h5py.File(os.path.join(path, "data.h5"), "r+") as f:
+        del f[dataset]
+        f.create_dataset(dataset, data=np.zeros((2, 2), np.float32))
+
+
+CORRUPTIONS = {"flipped-byte": (_flip_byte, "big"), "flipped-byte-shard": (_flip_byte, "sharded/rows"),
+               "truncated": (_truncate, None), "missing-manifest": (_drop_manifest, "manifest"),
+               "wrong-shape": (_wrong_shape, "big")}
+
+
+@pytest.mark.parametrize("saved_on", [1, 3])
+@pytest.mark.parametrize("like_state", [False, True])
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corruption_raises_on_every_rank(case: str, like_state: bool, saved_on: int, tmp_path) -> None:
+    path = str(tmp_path / "step-1")
+    run_ranks("sim", saved_on, body_save, path)
+    damage, dataset = CORRUPTIONS[case]
+    damage(path, dataset)
+    msgs = run_ranks("sim", 2, body_load_error, path, like_state)
+    for r, m in enumerate(msgs):
+        assert m, f"rank {r} loaded a damaged checkpoint ({case})"
+        assert "data.h5" in m or "rank-" in m, m
+        if dataset:
+            assert dataset in m, m
+
+
+# -- under mpirun (-n 2 and -n 4) --------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["auto", "vds"])
+def test_roundtrip_mpi(mpi_world, mode: str) -> None:
+    d = shared_dir()
+    try:
+        _check(run_mpi(body_roundtrip, os.path.join(d, "step-1"), mode))
+    finally:
+        hpcdp.barrier()
+        if hpcdp.rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["auto", "vds"])
+def test_reshard_subgroups_mpi(mpi_world, mode: str) -> None:
+    d = shared_dir()
+    try:
+        _check(run_mpi(body_reshard_subgroups, os.path.join(d, "step-1"), mode))
+    finally:
+        hpcdp.barrier()
+        if hpcdp.rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_env_forces_vds_mpi(mpi_world, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_CKPT_MODE", "vds")
+    d = shared_dir()
+    path = os.path.join(d, "step-1")
+    run_mpi(body_save, path)
+    files = sorted(os.listdir(path))
+    assert any(f.startswith("rank-") for f in files), files
+    with h5py.File(os.path.join(path, "data.h5"), "r") as f:
+        assert f["big"].is_virtual
+    hpcdp.barrier()
+    if hpcdp.rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mpio_is_one_file_mpi(mpi_world) -> None:
+    import h5py as _h5
+
+    if not _h5.get_config().mpi:
+        pytest.fail("this h5py lacks MPI support: run `make install` (parallel HDF5 build)")
+    d = shared_dir()
+    path = os.path.join(d, "step-1")
+    run_mpi(body_save, path, "mpio")
+    assert os.listdir(path) == ["data.h5"]
+    with h5py.File(os.path.join(path, "data.h5"), "r") as f:
+        assert f["big"].id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS
+    hpcdp.barrier()
+    if hpcdp.rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_corruption_mpi(mpi_world) -> None:
+    d = shared_dir()
+    path = os.path.join(d, "step-1")
+    run_mpi(body_save, path)
+    hpcdp.barrier()
+    if hpcdp.rank() == 0:
+        _flip_byte(path, "sharded/rows")
+    hpcdp.barrier()
+    for like_state in (False, True):
+        msgs = run_mpi(body_load_error, path, like_state)
+        for r, m in enumerate(msgs):
+            assert "sharded/rows" in m and "CRC32" in m, (r, m)
+    hpcdp.barrier()
+    if hpcdp.rank() == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_mpi(mpi_world) -> None:
+    d = shared_dir()
+    try:
+        _check(run_mpi(body_async, os.path.join(d, "step-1")))
+    finally:
+        hpcdp.barrier()
+        if hpcdp.rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)
