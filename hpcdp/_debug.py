@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import CollectiveMismatchError, CommTimeoutError
+from .errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -35,22 +35,26 @@ def caller_line() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
-def check_across(group: "ProcessGroup", opname: str, seq: int, **call: Any) -> None:
+def check_across(group: "ProcessGroup", opname: str, seq: int, timeout: float, **call: Any) -> None:
     """Raise CollectiveMismatchError on every rank if the ranks' calls differ."""
     mine = {"call": opname, **{k: (list(v) if isinstance(v, tuple) else str(v) if not isinstance(v, (int, float)) else v)
                                for k, v in call.items() if v is not None}}
     record = dict(mine, rank=group.rank, line=caller_line())
-    raw = json.dumps(record, default=str).encode()[: _FP_BYTES - 1]
+    raw = json.dumps(record, default=str).encode()  # ASCII: json escapes the rest
+    if len(raw) >= _FP_BYTES:  # keep it valid JSON: shorten the source path, then the call
+        record["line"] = "..." + record["line"][-120:]
+        raw = json.dumps(record, default=str).encode()
+        if len(raw) >= _FP_BYTES:
+            record = {"call": opname, "digest": hash(raw), "rank": group.rank, "line": record["line"]}
+            raw = json.dumps(record, default=str).encode()
     send = np.zeros(_FP_BYTES, np.uint8)
     send[: len(raw)] = np.frombuffer(raw, np.uint8)
     recv = np.empty((group.size, _FP_BYTES), np.uint8)
     req = group.backend.all_gather(send, recv)
-    if not req.wait(group.timeout):
-        req.abandon()
-        raise CommTimeoutError(
-            f"{opname} #{seq} on group {group.name} (rank {group.rank} of {group.size}): "
-            f"debug check timed out after {group.timeout:g} s: {req.pending()}"
-        )
+    if not req.wait(timeout):
+        from .work import timeout_error
+
+        raise timeout_error(group, f"{opname} (HPCDP_DEBUG check)", seq, req, timeout)
     records = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in recv]
     keys = [{k: v for k, v in r.items() if k not in ("rank", "line")} for r in records]
     if any(k != keys[0] for k in keys[1:]):

@@ -59,6 +59,9 @@ def spawn(
             world.mark_dead(r, f"{type(exc).__name__}: {exc}")
         finally:
             _set_thread_default(None)
+            # A rank that returned can no longer join anything: peers still waiting on it fail
+            # fast, as on TCP. Messages it already sent stay readable.
+            world.mark_dead(r, "it returned from its function")
 
     threads = [threading.Thread(target=run, args=(r,), name=f"hpcdp-sim-rank{r}", daemon=True)
                for r in range(world_size)]

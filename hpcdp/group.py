@@ -52,6 +52,37 @@ for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
     _FAST_OPS[_o.value] = _o
 
 
+def _reduction_plan(x: Any, buf: Any, rop: ReduceOp, n: int, xp: Any,
+                    inplace: bool) -> tuple[Any, Any, ReduceOp, Callable[[Any], None] | None]:
+    """(send, receive buffer for the backend, backend op, post-step) of a reduction.
+
+    ``mean`` is a sum then a division; on float16 both happen in float32 and round once, so a
+    sum that overflows half precision still averages to what numpy's ``mean`` gives.
+    """
+    if rop is not ReduceOp.MEAN:
+        return (buf if inplace else _contig(x)), buf, rop, None
+    if x.dtype != np.float16:
+        return ((buf if inplace else _contig(x)), buf, ReduceOp.SUM,
+                lambda b: xp.divide(b, n, out=b, casting="unsafe"))
+    wide = xp.empty(buf.shape, np.float32) if buf is not None else None
+
+    def post(b: Any) -> None:
+        xp.divide(wide, n, out=wide)
+        b[...] = wide
+
+    return x.astype(np.float32), wide, ReduceOp.SUM, post
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    ptr = lambda v: v.data.ptr  # noqa: E731 - cupy: compare device ranges
+    try:
+        return ptr(a) < ptr(b) + b.nbytes and ptr(b) < ptr(a) + a.nbytes
+    except AttributeError:
+        return False
+
+
 def _contig(x: Any) -> Any:
     xp = xp_of(x)
     return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
@@ -104,7 +135,7 @@ class ProcessGroup:
         return f"<ProcessGroup {self.name} {kind} rank {self.rank} of {self.size} {list(self.ranks)}>"
 
     # -- machinery --------------------------------------------------------------------------
-    def _begin(self, opname: str, **call: Any) -> int:
+    def _begin(self, opname: str, timeout: float | None = None, **call: Any) -> int:
         if self.backend is None:
             raise ValueError(
                 f"{opname}: this rank is not a member of group {self.name} (ranks {list(self.ranks)})"
@@ -113,7 +144,7 @@ class ProcessGroup:
             raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
         seq = next(self._seq)  # itertools.count is atomic under the GIL
         if self.debug == "detail":
-            _debug.check_across(self, opname, seq, **call)
+            _debug.check_across(self, opname, seq, self.timeout if timeout is None else timeout, **call)
         return seq
 
     def _note_timeout(self, op: str, seq: int) -> None:
@@ -146,13 +177,19 @@ class ProcessGroup:
             raise TypeError(f"{where}: the {self.backend.name} backend takes numpy arrays; "
                             "move cupy arrays to the host (x.get()) or use the MPI backend")
 
-    def _result_buffer(self, where: str, out: Any, shape: tuple, dtype: np.dtype, xp: Any) -> tuple[Any, Any]:
-        """(user-visible result, contiguous buffer the backend writes)."""
+    def _result_buffer(self, where: str, out: Any, shape: tuple, dtype: np.dtype, xp: Any,
+                       x: Any = None) -> tuple[Any, Any]:
+        """(user-visible result, contiguous buffer the backend writes).
+
+        ``out`` that overlaps ``x`` without being ``x`` itself gets a separate buffer: MPI
+        rejects aliased buffers and other transports would read half-written input.
+        """
         if out is None:
             buf = xp.empty(shape, dtype)
             return buf, buf
         check_out(where, out, shape, dtype, xp)
-        return out, (out if out.flags.c_contiguous else xp.empty(shape, dtype))
+        aliased = x is not None and out is not x and _overlaps(out, x)
+        return out, (out if out.flags.c_contiguous and not aliased else xp.empty(shape, dtype))
 
     @staticmethod
     def _finish_into(result: Any, buf: Any, post: Callable[[Any], None] | None = None) -> Callable[[], Any]:
@@ -176,7 +213,8 @@ class ProcessGroup:
                 and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and self.backend is not None
                 and self._broken is None and (out is None or (
                     type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
-                    and out.flags.c_contiguous and out.flags.writeable))):
+                    and out.flags.c_contiguous and out.flags.writeable
+                    and (out is x or not np.may_share_memory(out, x))))):
             if out is None:
                 out = np.empty_like(x)
             seq = next(self._seq)
@@ -195,14 +233,11 @@ class ProcessGroup:
         self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
-        seq = self._begin("allreduce", op=rop.value, shape=x.shape, dtype=x.dtype)
-        send = buf if (out is x and buf is x) else _contig(x)
-        n = self.size
-        post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
-        bop = ReduceOp.SUM if rop is ReduceOp.MEAN else rop
-        rflat = buf.reshape(-1)
-        req = self.backend.allreduce(rflat if send is buf else send.reshape(-1), rflat, bop)
+        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
+        seq = self._begin("allreduce", timeout, op=rop.value, shape=x.shape, dtype=x.dtype)
+        send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
+        rflat = rbuf.reshape(-1)
+        req = self.backend.allreduce(rflat if send is rbuf else send.reshape(-1), rflat, bop)
         return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, timeout)
 
     # torch spelling
@@ -222,7 +257,7 @@ class ProcessGroup:
             target = xp.array(x, copy=True)
         else:
             target = x
-        seq = self._begin("broadcast", root=root, shape=x.shape, dtype=x.dtype)
+        seq = self._begin("broadcast", timeout, root=root, shape=x.shape, dtype=x.dtype)
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
@@ -241,16 +276,14 @@ class ProcessGroup:
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
-            result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
+            result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
         else:
             result = buf = None
-        seq = self._begin("reduce", op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
-        send = buf if (is_root and out is x and buf is x) else _contig(x)
-        n = self.size
-        post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
-        bop = ReduceOp.SUM if rop is ReduceOp.MEAN else rop
-        rflat = None if buf is None else buf.reshape(-1)
-        sflat = rflat if send is buf else send.reshape(-1)
+        seq = self._begin("reduce", timeout, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
+        send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp,
+                                                is_root and out is x and buf is x)
+        rflat = None if rbuf is None else rbuf.reshape(-1)
+        sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
         req = self.backend.reduce(sflat, rflat, bop, root)
         finish = self._finish_into(result, buf, post) if is_root else (lambda: None)
         return self._run("reduce", seq, req, finish, async_op, timeout)
@@ -262,8 +295,8 @@ class ProcessGroup:
         check_array(where, x)
         self._check_module(where, x)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp)
-        seq = self._begin("all_gather", shape=x.shape, dtype=x.dtype)
+        result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
+        seq = self._begin("all_gather", timeout, shape=x.shape, dtype=x.dtype)
         req = self.backend.all_gather(_contig(x).reshape(-1), buf.reshape(self.size, -1))
         return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, timeout)
 
@@ -279,10 +312,10 @@ class ProcessGroup:
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
-            result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp)
+            result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         else:
             result = buf = None
-        seq = self._begin("gather", root=root, shape=x.shape, dtype=x.dtype)
+        seq = self._begin("gather", timeout, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
         req = self.backend.gather(_contig(x).reshape(-1), rbuf, root)
         finish = self._finish_into(result, buf) if is_root else (lambda: None)
@@ -310,8 +343,8 @@ class ProcessGroup:
             self._check_module(where, x)
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
-        result, buf = self._result_buffer(where, out, shape, dtype, xp)
-        seq = self._begin("scatter", root=root, shape=full, dtype=dtype)
+        result, buf = self._result_buffer(where, out, shape, dtype, xp, x)
+        seq = self._begin("scatter", timeout, root=root, shape=full, dtype=dtype)
         send = _contig(x).reshape(self.size, -1) if is_root else None
         req = self.backend.scatter(send, buf.reshape(-1), root)
         return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, timeout)
@@ -326,12 +359,11 @@ class ProcessGroup:
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp)
-        seq = self._begin("reduce_scatter", op=rop.value, shape=x.shape, dtype=x.dtype)
+        result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
+        seq = self._begin("reduce_scatter", timeout, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
-        post = (lambda b: xp.divide(b, n, out=b, casting="unsafe")) if rop is ReduceOp.MEAN else None
-        bop = ReduceOp.SUM if rop is ReduceOp.MEAN else rop
-        req = self.backend.reduce_scatter(_contig(x).reshape(n, -1), buf.reshape(-1), bop)
+        send, rbuf, bop, post = _reduction_plan(x, buf, rop, n, xp, False)
+        req = self.backend.reduce_scatter(send.reshape(n, -1), rbuf.reshape(-1), bop)
         return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, timeout)
 
     def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
@@ -342,10 +374,10 @@ class ProcessGroup:
         self._check_module(where, x)
         check_divisible(where, x, self.size)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp)
-        if buf is x or (out is x):  # the transport needs distinct send and receive memory
+        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
+        if buf is x:  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
-        seq = self._begin("all_to_all", shape=x.shape, dtype=x.dtype)
+        seq = self._begin("all_to_all", timeout, shape=x.shape, dtype=x.dtype)
         n = self.size
         req = self.backend.all_to_all(_contig(x).reshape(n, -1), buf.reshape(n, -1))
         return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, timeout)
@@ -354,7 +386,7 @@ class ProcessGroup:
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Return once every rank of the group has called ``barrier``."""
-        seq = self._begin("barrier")
+        seq = self._begin("barrier", timeout)
         return self._run("barrier", seq, self.backend.barrier(), lambda: None, async_op, timeout)
 
     # -- point to point ---------------------------------------------------------------------
@@ -379,6 +411,7 @@ class ProcessGroup:
         src = check_rank(where, "src", src, self.size)
         tag = check_tag(where, tag, getattr(self.backend, "max_tag", 2**31 - 1))
         check_array(where, buf)
+        self._check_module(where, buf)
         if isinstance(buf, np.ndarray) and not buf.flags.writeable:
             raise ValueError(f"{where}: the receive buffer is read-only")
         tmp = buf if buf.flags.c_contiguous else xp_of(buf).empty(buf.shape, buf.dtype)
@@ -402,12 +435,19 @@ class ProcessGroup:
         """Every rank gets root's ``obj``."""
         where = self._where("broadcast_object")
         root = check_rank(where, "root", root, self.size)
+        failure: BaseException | None = None
         if self.rank == root:
-            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-            n = np.array([data.size], np.int64)
+            try:
+                data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+                n = np.array([data.size], np.int64)
+            except Exception as exc:  # noqa: BLE001 - told to every rank below
+                failure, data, n = exc, None, np.array([-1], np.int64)
         else:
             data, n = None, np.zeros(1, np.int64)
         self.broadcast(n, root, timeout=timeout)
+        if n[0] < 0:
+            raise TypeError(f"{where}: root {root} could not pickle its object"
+                            + (f": {failure}" if failure else "")) from failure
         if self.rank != root:
             data = np.empty(int(n[0]), np.uint8)
         self.broadcast(data, root, timeout=timeout)
@@ -415,8 +455,17 @@ class ProcessGroup:
 
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
         """A list of every rank's ``obj``, in rank order."""
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        sizes = self.all_gather(np.array([data.size], np.int64), timeout=timeout).reshape(-1)
+        failure: BaseException | None = None
+        try:
+            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        except Exception as exc:  # noqa: BLE001 - told to every rank below
+            failure, data = exc, np.zeros(0, np.uint8)
+        mine = np.array([-1 if failure else data.size], np.int64)
+        sizes = self.all_gather(mine, timeout=timeout).reshape(-1)
+        if (sizes < 0).any():
+            bad = [int(i) for i in np.flatnonzero(sizes < 0)]
+            raise TypeError(f"{self._where('all_gather_object')}: rank(s) {bad} could not pickle "
+                            "their object" + (f": {failure}" if failure else "")) from failure
         padded = np.zeros(int(sizes.max()), np.uint8)
         padded[: data.size] = data
         rows = self.all_gather(padded, timeout=timeout)
@@ -437,12 +486,23 @@ class ProcessGroup:
         where = self._where("new_group")
         if self.backend is None:
             self._begin("new_group")
-        ranks = [check_rank(where, "rank", r, self.size) for r in ranks]
-        if not ranks:
-            raise ValueError(f"{where}: a group needs at least one rank")
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"{where}: duplicate ranks in {ranks}")
-        seen = self.all_gather_object(ranks, timeout=timeout)
+        try:
+            mine: Any = [int(r) if isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                         else repr(r) for r in ranks]
+        except TypeError:
+            mine = repr(ranks)
+        # Exchange before judging, so a bad list on one rank makes every rank raise together.
+        seen = self.all_gather_object(mine, timeout=timeout)
+        for i, s in enumerate(seen):
+            if not isinstance(s, list) or any(not isinstance(r, int) for r in s):
+                raise TypeError(f"{where}: rank {i} passed ranks that are not ints: {s}")
+            if not s:
+                raise ValueError(f"{where}: a group needs at least one rank (rank {i} passed [])")
+            if len(set(s)) != len(s):
+                raise ValueError(f"{where}: duplicate ranks in {s} (passed by rank {i})")
+            for r in s:
+                check_rank(where + f" (list of rank {i})", "rank", r, self.size)
+        ranks = seen[self.rank]
         if any(s != ranks for s in seen):
             detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(seen))
             raise CollectiveMismatchError(f"{where}: ranks passed different lists ({detail})")

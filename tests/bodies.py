@@ -262,3 +262,103 @@ def body_split_messages(rank: int, limit: int) -> list[str]:
     finally:
         mpi.set_max_message_elements(old)
     return fails
+
+
+def body_review_regressions(rank: int) -> list[str]:
+    """Cases a review found wrong once: float16 mean, aliased out=, pickling and group lists."""
+    n = hpcdp.world_size()
+    fails: list[str] = []
+    # float16 mean whose sum overflows half precision must still average like numpy
+    m = hpcdp.allreduce(np.full(3, 3e4, np.float16), "mean")
+    if not np.allclose(m.astype(np.float32), 3e4, rtol=1e-3):
+        fails.append(f"float16 mean overflowed: {m}")
+    rs = hpcdp.reduce_scatter(np.full(2 * n, 3e4, np.float16), "mean")
+    if not np.allclose(rs.astype(np.float32), 3e4, rtol=1e-3):
+        fails.append(f"float16 reduce_scatter mean overflowed: {rs}")
+    # out= overlapping x without being x (a different view of the same memory)
+    x = np.arange(8, dtype=np.float64) + rank
+    res = hpcdp.allreduce(x, out=x[...])
+    want = sum(np.arange(8.0) + r for r in range(n))
+    if not np.array_equal(res, want) or not np.array_equal(x, want):
+        fails.append(f"aliased out= allreduce wrong: {res}")
+    y = np.arange(2 * n, dtype=np.int64) + 10 * rank
+    got = hpcdp.all_to_all(y, out=y[...])
+    if not np.array_equal(got, np.array([10 * j + 2 * rank + k for j in range(n) for k in range(2)])):
+        fails.append(f"aliased out= all_to_all wrong: {got}")
+    # one rank cannot pickle: every rank raises TypeError, nobody waits for the timeout
+    obj = (lambda: None) if rank == n - 1 else {"ok": rank}
+    try:
+        hpcdp.all_gather_object(obj)
+        fails.append("all_gather_object of an unpicklable object did not raise")
+    except TypeError as exc:
+        if f"[{n - 1}]" not in str(exc):
+            fails.append(f"unclear pickling error: {exc}")
+    try:
+        hpcdp.broadcast_object(lambda: None if rank == 0 else None, root=0)
+        fails.append("broadcast_object of an unpicklable object did not raise")
+    except TypeError:
+        pass
+    # a bad rank list on one rank: every rank raises the same way
+    try:
+        hpcdp.new_group([0, n] if rank == 0 else [0])
+        fails.append("new_group with a bad list on rank 0 did not raise")
+    except (ValueError, hpcdp.CollectiveMismatchError):
+        pass
+    res = hpcdp.allreduce(np.ones(1))  # everyone still in step
+    if res[0] != n:
+        fails.append("ranks out of step after the error cases")
+    return fails
+
+
+def body_sim_shape_mismatch(rank: int) -> str:
+    """Without HPCDP_DEBUG the sim backend still refuses calls that disagree, on every rank."""
+    try:
+        hpcdp.allreduce(np.ones(3 if rank == 0 else 4))
+    except hpcdp.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def body_finished_peer(rank: int) -> str:
+    """A rank that returned cannot join: a peer waiting on it fails fast, not at the timeout."""
+    import time
+
+    if rank == 0:
+        return "done"
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        hpcdp.allreduce(np.ones(2))
+    except hpcdp.PeerFailureError:
+        return f"peer failure after {time.monotonic() - t0:.1f}s"
+    except hpcdp.CommTimeoutError:
+        return "timeout"
+    return "no error"
+
+
+def body_timeout_then_late_peer(rank: int) -> str:
+    """MPI: after a timed-out collective the late peer completes it; nothing may crash after."""
+    import gc
+    import time
+
+    sub = hpcdp.new_group(list(range(hpcdp.world_size())))
+    x = np.ones(4 << 20)  # 32 MiB: freed memory would be unmapped at once
+    if rank == 0:
+        try:
+            hpcdp.allreduce(x, group=sub, timeout=1.0)
+            return "no timeout"
+        except hpcdp.CommTimeoutError:
+            pass
+        gc.collect()
+    elif rank == 1:
+        time.sleep(2.5)
+        hpcdp.allreduce(x, group=sub, timeout=30)
+    else:
+        try:
+            hpcdp.allreduce(x, group=sub, timeout=5.0)  # other ranks join; the op completes late
+        except hpcdp.CommTimeoutError:
+            pass
+    hpcdp.barrier(timeout=30)  # MPI progress on another communicator while sub's op completes
+    time.sleep(0.5)
+    hpcdp.barrier(timeout=30)
+    return "survived"

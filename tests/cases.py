@@ -161,15 +161,19 @@ def body_collective(rank: int, name: str, dtypes: list[str] | None = None,
     return fails
 
 
-def body_sleepy_timeout(rank: int, late: int, sleep: float, timeout: float) -> dict[str, Any]:
-    """Rank ``late`` sleeps past the others' timeout; they must raise CommTimeoutError in time."""
-    group = hpcdp.new_group(list(range(hpcdp.world_size())), timeout=timeout)
+def body_sleepy_timeout(rank: int, late: int, sleep: float, timeout: float,
+                        per_call: bool = False) -> dict[str, Any]:
+    """Rank ``late`` sleeps past the others' timeout; they must raise CommTimeoutError in time.
+
+    ``per_call``: the group waits 30 s and the call passes ``timeout=`` itself.
+    """
+    group = hpcdp.new_group(list(range(hpcdp.world_size())), timeout=30.0 if per_call else timeout)
     out: dict[str, Any] = {"rank": rank}
     if rank == late:
         time.sleep(sleep)
     t0 = time.monotonic()
     try:
-        hpcdp.allreduce(np.ones(4), group=group)
+        hpcdp.allreduce(np.ones(4), group=group, timeout=timeout if per_call else None)
         out["result"] = "ok"
     except CommTimeoutError as exc:
         out["result"] = "timeout"

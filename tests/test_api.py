@@ -8,14 +8,15 @@ import pytest
 
 import hpcdp
 from bodies import (
-    body_async, body_bad_inputs, body_out_and_inplace, body_out_errors, body_p2p,
-    body_split_messages, body_subgroups,
+    body_async, body_bad_inputs, body_finished_peer, body_out_and_inplace, body_out_errors,
+    body_p2p, body_review_regressions, body_sim_shape_mismatch, body_split_messages,
+    body_subgroups, body_timeout_then_late_peer,
 )
 from cases import body_mismatch, body_sleepy_timeout
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 
 BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
-          body_bad_inputs]
+          body_bad_inputs, body_review_regressions]
 
 
 def _check(per_rank: list[list[str]]) -> None:
@@ -143,3 +144,28 @@ def test_hpcdp_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_available_backends() -> None:
     names = hpcdp.available_backends()
     assert "sim" in names and "mpi" in names
+
+
+def test_sim_refuses_mismatched_calls_without_debug() -> None:
+    msgs = run_ranks("sim", 2, body_sim_shape_mismatch)
+    for m in msgs:
+        assert "different calls" in m and "(3,)" in m and "(4,)" in m, m
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_returned_peer_fails_fast(backend: str) -> None:
+    out = run_ranks(backend, 2, body_finished_peer, timeout=60)
+    assert out[0] == "done"
+    assert out[1].startswith("peer failure"), out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_timeout_then_late_peer_mpi(mpi_world) -> None:
+    assert run_mpi(body_timeout_then_late_peer) == ["survived"] * mpi_world.size
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_debug_check_uses_call_timeout(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_DEBUG", "detail")
+    out = run_ranks(backend, 2, body_sleepy_timeout, 1, 2.5, 1.0, True, timeout=20)
+    assert out[0]["result"] == "timeout" and out[0]["elapsed"] < 2.0, out[0]

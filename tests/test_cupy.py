@@ -89,3 +89,64 @@ def _body_mixed(rank: int) -> list[str]:
 def test_mixing_numpy_and_cupy_is_rejected(fake_cupy) -> None:
     fails = hpcdp.spawn(_body_mixed, 2)
     assert fails == [[], []]
+
+
+@pytest.fixture
+def staging_cupy(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """A stand-in cupy (numpy-backed) so the MPI backend's host-staging path runs on the CPU."""
+    if "cupy" in sys.modules and hasattr(sys.modules["cupy"], "cuda") and \
+            not getattr(sys.modules["cupy"], "_hpcdp_stand_in", False):
+        pytest.skip("real cupy is loaded")
+    cp = types.ModuleType("cupy")
+    cp._hpcdp_stand_in = True
+
+    class ndarray(np.ndarray):  # noqa: N801 - mirrors cupy's name
+        def get(self, out=None):
+            if out is None:
+                return np.asarray(self).copy()
+            np.copyto(out, np.asarray(self))
+            return out
+
+        def set(self, host):
+            np.copyto(np.asarray(self), host)
+
+    class _Stream:
+        def synchronize(self) -> None:
+            pass
+
+    cp.ndarray = ndarray
+    cp.cuda = types.SimpleNamespace(get_current_stream=lambda: _Stream())
+    cp.empty = lambda shape, dtype=float: np.empty(shape, dtype).view(ndarray)
+    cp.ascontiguousarray = lambda a: np.ascontiguousarray(a).view(ndarray)
+    cp.divide = np.divide
+    cpx = types.ModuleType("cupyx")
+    cpx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setitem(sys.modules, "cupyx", cpx)
+    monkeypatch.setenv("HPCDP_CUDA_AWARE", "0")
+    return cp
+
+
+@pytest.mark.mpi(min_size=2)
+def test_host_staging_path_mpi(mpi_world, staging_cupy) -> None:
+    """In place, several async ops of one size in flight, float16: results land on the 'device'."""
+    from hpcdp.backends.mpi import MPIBackend
+
+    group = hpcdp.new_group(list(range(mpi_world.size)))
+    assert isinstance(group.backend, MPIBackend)
+    group.backend.cuda_aware = False
+    dev = lambda a: np.ascontiguousarray(a).view(staging_cupy.ndarray)  # noqa: E731
+    rank, n = group.rank, group.size
+    x = dev(np.arange(4.0) + rank)
+    hpcdp.allreduce(x, out=x, group=group)
+    np.testing.assert_array_equal(np.asarray(x), sum(np.arange(4.0) + r for r in range(n)))
+    a, b = dev(np.full(4, 1.0 * (rank + 1))), dev(np.full(4, 100.0 * (rank + 1)))
+    wa = hpcdp.allreduce(a, group=group, async_op=True)
+    wb = hpcdp.allreduce(b, group=group, async_op=True)
+    tri = n * (n + 1) / 2
+    np.testing.assert_array_equal(np.asarray(wb.wait()), 100 * tri)
+    np.testing.assert_array_equal(np.asarray(wa.wait()), tri)
+    h = hpcdp.allreduce(dev(np.ones(6, np.float16)), "mean", group=group)
+    np.testing.assert_array_equal(np.asarray(h), 1.0)
+    g = hpcdp.all_gather(dev(np.full(3, rank)), group=group)
+    np.testing.assert_array_equal(np.asarray(g)[:, 0], np.arange(n))

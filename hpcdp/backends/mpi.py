@@ -97,6 +97,30 @@ def _datatypes() -> dict[np.dtype, Any]:
     return {np.dtype(k): v for k, v in t.items()}
 
 
+#: Requests given up on (timed out, or dropped while pending). MPI cannot cancel a collective,
+#: so it may still write into their buffers when a late peer arrives: keep them alive here
+#: until MPI says they completed, instead of letting their memory be freed under MPI.
+_GRAVEYARD: list[Request] = []
+
+
+def _bury(req: Request) -> None:
+    _GRAVEYARD.append(req)
+    _reap()
+
+
+def _reap() -> None:
+    if _MPI is None or _MPI.Is_finalized():
+        return
+    alive = []
+    for r in _GRAVEYARD:
+        try:
+            if not r.test():
+                alive.append(r)
+        except Exception:  # noqa: BLE001 - a failed request holds nothing MPI will touch
+            pass
+    _GRAVEYARD[:] = alive
+
+
 class _MPIRequest(Request):
     """One or more MPI requests plus host-side work to run once they all completed."""
 
@@ -138,21 +162,35 @@ class _MPIRequest(Request):
         return (f"{self.what or 'the MPI operation'} did not complete: at least one rank of the "
                 "group has not made the matching call")
 
+    def abandon(self) -> None:
+        if not self.done:
+            _bury(self)
+
+    def __del__(self) -> None:
+        if not self.done and self.keep:  # an async Work dropped without wait(): keep buffers
+            _GRAVEYARD.append(self)
+
 
 class _Staging:
-    """Host copies of cupy buffers for an MPI that is not CUDA-aware, reused across calls."""
+    """Pinned host copies of cupy buffers for an MPI that is not CUDA-aware.
+
+    Each request takes buffers out of the pool and gives them back when it completes, so
+    operations in flight at once (DDP buckets) never share one; sizes repeat, so they are reused.
+    """
 
     def __init__(self) -> None:
-        self.pool: dict[tuple[str, int, str], np.ndarray] = {}
+        self.pool: dict[tuple[int, str], list[np.ndarray]] = {}
 
-    def host(self, role: str, dev: Any) -> np.ndarray:
-        key = (role, dev.size, dev.dtype.str)
-        buf = self.pool.get(key)
-        if buf is None:
-            import cupyx  # type: ignore[import-not-found]
+    def take(self, dev: Any) -> np.ndarray:
+        free = self.pool.get((dev.size, dev.dtype.str))
+        if free:
+            return free.pop().reshape(dev.shape)
+        import cupyx  # type: ignore[import-not-found]
 
-            buf = self.pool[key] = cupyx.empty_pinned(dev.shape, dev.dtype).reshape(dev.shape)
-        return buf.reshape(dev.shape)
+        return cupyx.empty_pinned(dev.shape, dev.dtype)
+
+    def give(self, host: np.ndarray) -> None:
+        self.pool.setdefault((host.size, host.dtype.str), []).append(host)
 
 
 def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[..., Request]]:
@@ -175,25 +213,27 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
                 req.keep = args
                 return req
             host: list[Any] = []
-            back: list[tuple[Any, np.ndarray]] = []
-            seen: dict[int, np.ndarray] = {}
+            staged: dict[int, tuple[Any, np.ndarray]] = {}
+            written: set[int] = set()  # device arrays some receive-role argument names
             for name, a in zip(names, args):
                 if not is_cupy(a):
                     host.append(a)
                     continue
-                h = seen.get(id(a))
-                if h is None:
-                    h = seen[id(a)] = self._staging.host(name, a)
+                if id(a) not in staged:
+                    h = self._staging.take(a)
                     a.get(out=h)
-                    if name in recv:
-                        back.append((a, h))
-                host.append(h)
+                    staged[id(a)] = (a, h)
+                if name in recv:
+                    written.add(id(a))  # also when the same array came first as sendbuf
+                host.append(staged[id(a)][1])
             req = method(self, *host)
             req.keep = (args, host)
 
             def copy_back() -> None:
-                for dev, h in back:
-                    dev.set(h)
+                for key, (dev, h) in staged.items():
+                    if key in written:
+                        dev.set(h)
+                    self._staging.give(h)
 
             return _Chain(req, copy_back)
 
@@ -221,6 +261,14 @@ class _Chain(Request):
 
     def pending(self) -> str:
         return self.req.pending()
+
+    def abandon(self) -> None:
+        if not self.done:
+            _bury(self)  # holds the inner request and the staging buffers its callback uses
+
+    def __del__(self) -> None:
+        if not self.done:
+            _GRAVEYARD.append(self)
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -427,6 +475,7 @@ class MPIBackend(Backend):
         MPI = get_mpi()
         if MPI.Is_finalized():
             return
+        _reap()
         for c in (self._p2p, self.comm):
             if c != MPI.COMM_NULL:
                 c.Free()

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import PeerFailureError
+from ..errors import CollectiveMismatchError, PeerFailureError
 from ..ops import ReduceOp
 from .base import Backend, Request, register_backend
 
@@ -56,10 +56,11 @@ class _Comm:
 
 
 class _Slot:
-    __slots__ = ("contribs", "arrived", "ready", "result", "departed", "abandoned_by")
+    __slots__ = ("contribs", "sigs", "arrived", "ready", "result", "departed", "abandoned_by")
 
     def __init__(self, n: int) -> None:
         self.contribs: list[Any] = [None] * n
+        self.sigs: list[Any] = [None] * n
         self.arrived = 0
         self.ready = False
         self.result: Any = None
@@ -232,7 +233,10 @@ class SimBackend(Backend):
         contrib: Any,
         combine: Callable[[list[Any]], Any],
         extract: Callable[[Any], None],
+        sig: tuple[Any, ...] = (),
     ) -> Request:
+        """Deposit ``contrib``; the last rank to arrive checks that every rank's ``sig`` (op,
+        root, shape, dtype) agrees, as the real transports need, then combines once."""
         key = next(self._calls)
         comm = self.comm
         with comm.world.cond:
@@ -245,10 +249,15 @@ class SimBackend(Backend):
                     peers=[slot.abandoned_by],
                 )
             slot.contribs[self.rank] = (contrib,)
+            slot.sigs[self.rank] = sig
             slot.arrived += 1
             last = slot.arrived == self.size
         if last:
             try:
+                if any(g != slot.sigs[0] for g in slot.sigs):
+                    calls = "; ".join(f"rank {self.ranks[i]}: {g}" for i, g in enumerate(slot.sigs))
+                    raise CollectiveMismatchError(
+                        f"ranks made different calls to collective {key} of this group: {calls}")
                 result = combine([c[0] for c in slot.contribs])
             except BaseException as exc:  # every rank sees the same failure
                 result = exc
@@ -263,7 +272,8 @@ class SimBackend(Backend):
         def extract(res):
             np.copyto(recvbuf, res)
 
-        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
+                                ("allreduce", op.value, sendbuf.shape, sendbuf.dtype.str))
 
     def broadcast(self, buf, root):
         me = self.rank
@@ -275,7 +285,7 @@ class SimBackend(Backend):
             if me != root:
                 np.copyto(buf, res)
 
-        return self._collective(buf, combine, extract)
+        return self._collective(buf, combine, extract, ("broadcast", root, buf.shape, buf.dtype.str))
 
     def reduce(self, sendbuf, recvbuf, op, root):
         me = self.rank
@@ -284,10 +294,12 @@ class SimBackend(Backend):
             if me == root:
                 np.copyto(recvbuf, res)
 
-        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
+                                ("reduce", op.value, root, sendbuf.shape, sendbuf.dtype.str))
 
     def all_gather(self, sendbuf, recvbuf):
-        return self._collective(sendbuf, np.stack, lambda res: np.copyto(recvbuf, res))
+        return self._collective(sendbuf, np.stack, lambda res: np.copyto(recvbuf, res),
+                                ("all_gather", sendbuf.shape, sendbuf.dtype.str))
 
     def gather(self, sendbuf, recvbuf, root):
         me = self.rank
@@ -296,7 +308,8 @@ class SimBackend(Backend):
             if me == root:
                 np.copyto(recvbuf, res)
 
-        return self._collective(sendbuf, np.stack, extract)
+        return self._collective(sendbuf, np.stack, extract,
+                                ("gather", root, sendbuf.shape, sendbuf.dtype.str))
 
     def scatter(self, sendbuf, recvbuf, root):
         me, n = self.rank, self.size
@@ -307,7 +320,8 @@ class SimBackend(Backend):
         def extract(res):
             np.copyto(recvbuf, res[me])
 
-        return self._collective(sendbuf, combine, extract)
+        return self._collective(sendbuf, combine, extract,
+                                ("scatter", root, recvbuf.shape, recvbuf.dtype.str))
 
     def reduce_scatter(self, sendbuf, recvbuf, op):
         me = self.rank
@@ -315,7 +329,8 @@ class SimBackend(Backend):
         def extract(res):
             np.copyto(recvbuf, res.reshape(self.size, *recvbuf.shape)[me])
 
-        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract)
+        return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
+                                ("reduce_scatter", op.value, sendbuf.shape, sendbuf.dtype.str))
 
     def all_to_all(self, sendbuf, recvbuf):
         me, n = self.rank, self.size
@@ -326,10 +341,11 @@ class SimBackend(Backend):
         def extract(res):
             np.copyto(recvbuf.reshape(n, -1), res[:, me])
 
-        return self._collective(sendbuf, combine, extract)
+        return self._collective(sendbuf, combine, extract,
+                                ("all_to_all", sendbuf.shape, sendbuf.dtype.str))
 
     def barrier(self):
-        return self._collective(None, lambda bufs: None, lambda res: None)
+        return self._collective(None, lambda bufs: None, lambda res: None, ("barrier",))
 
     # -- point to point: eager and buffered, like MPI's small-message protocol ---------------
     def send(self, buf, dst, tag):
@@ -350,7 +366,7 @@ class SimBackend(Backend):
             return _Comm(self.comm.world, members)
 
         box: list[_Comm] = []
-        req = self._collective(None, combine, box.append)
+        req = self._collective(None, combine, box.append, ("new_group", tuple(ranks)))
         if not req.wait(None):  # pragma: no cover - wait(None) never times out
             raise RuntimeError("unreachable")
         if self.rank not in ranks:
