@@ -167,8 +167,8 @@ class _MPIRequest(Request):
             _bury(self)
 
     def __del__(self) -> None:
-        if not self.done and self.keep:  # an async Work dropped without wait(): keep buffers
-            _GRAVEYARD.append(self)
+        if not self.done and self.keep and _GRAVEYARD is not None:  # None at interpreter exit
+            _GRAVEYARD.append(self)  # an async Work dropped without wait(): keep its buffers
 
 
 class _Staging:
@@ -267,7 +267,7 @@ class _Chain(Request):
             _bury(self)  # holds the inner request and the staging buffers its callback uses
 
     def __del__(self) -> None:
-        if not self.done:
+        if not self.done and _GRAVEYARD is not None:
             _GRAVEYARD.append(self)
 
 
