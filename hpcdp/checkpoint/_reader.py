@@ -18,7 +18,7 @@ import numpy as np
 from .._arrays import is_cupy
 from ..errors import CheckpointError
 from ._commit import DATA
-from ._format import MANIFEST, Shard, crc32_of, decode_manifest, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
+from ._format import MANIFEST, Shard, checksum_of, decode_manifest, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
 from ._group import resolve
 from ._h5util import read_slab
 
@@ -48,6 +48,9 @@ def _manifest(f: Any, fn: str) -> dict:
     except (OSError, KeyError, ValueError) as exc:
         raise CheckpointError(f"load {fn}: the manifest cannot be read (truncated?): {exc}") from None
     m = decode_manifest(raw, crc, f"load {fn}")
+    algo = m.get("checksum", "crc32")
+    for meta in m.get("datasets", {}).values():
+        meta["checksum"] = algo
     base = os.path.dirname(fn)
     for name in m.get("files", []):
         src = os.path.join(base, name)
@@ -104,9 +107,9 @@ def _read_region(f: Any, fn: str, path: str, meta: dict, offsets: tuple, shape: 
                 dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
                 src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, so))
                 out[dst] = block[src]
-            if crc32_of(block) != int(s["crc32"]):
+            if checksum_of(block, meta["checksum"]) != int(s["crc32"]):
                 raise CheckpointError(f"load {fn}: dataset {path!r}: the slab {ss} at {so} fails its "
-                                      "CRC32 check (corrupt data)")
+                                      f"{meta['checksum']} check (corrupt data)")
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"load {fn}: dataset {path!r} cannot be read (truncated?): {exc}") from None
     return out

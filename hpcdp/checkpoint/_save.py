@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from . import _commit
-from ._format import FORMAT, FORMAT_VERSION, crc32_of, encode_manifest, flatten
+from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
 from ._group import backend_name, ckpt_group, pending, resolve, set_pending
 from ._plan import make_plan, slab_data
 
@@ -82,7 +82,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     blocks = None if local_err else [(l.offsets, tuple(l.data.shape)) if l.kind == "shard" else None
                                      for l in leaves]
     got = _agree(group, "preparing the state", final, local_err,
-                 (specs, blocks, mode, tree if rank == 0 else None))
+                 (specs, blocks, mode, tree if rank == 0 else None, default_checksum()))
     all_specs = [g[0] for g in got]
     diff = _first_difference(all_specs)
     if diff is not None:
@@ -92,6 +92,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     if len(modes) != 1:
         raise CheckpointError(f"save {final!r}: ranks chose different modes {[g[2] for g in got]}")
     tree0 = got[0][3]
+    algo = got[0][4]  # rank 0's checksum, so a rank without the crc32c package still agrees
     plans = make_plan(all_specs[0], [g[1] for g in got], size)  # raises alike on every rank
 
     # 3. temporary directory
@@ -114,10 +115,11 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
         writer = VdsWriter(tmp, rank)
     err, crcs = None, []
     try:
-        # CRC32 in a helper thread while this one writes (zlib releases the GIL).
+        # Checksums in a helper thread while this one writes (both release the GIL).
         mine = [(i, s) for i, p in enumerate(plans) if (s := p.slab_of(rank)) is not None]
         with ThreadPoolExecutor(1, thread_name_prefix="hpcdp-ckpt-crc") as pool:
-            futs = [(i, s, pool.submit(crc32_of, slab_data(leaves[i], plans[i], rank))) for i, s in mine]
+            futs = [(i, s, pool.submit(checksum_of, slab_data(leaves[i], plans[i], rank), algo))
+                    for i, s in mine]
             writer.write(plans, leaves, tree0)
             crcs = [(i, s.as_json(f.result())) for i, s, f in futs]
     except Exception as exc:  # noqa: BLE001
@@ -146,7 +148,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
 
         files = sorted({rank_file(s.rank) for p in plans if not _in_main(p) for s in p.slabs})
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": hpcdp.__version__,
-                "world_size": size, "mode": mode, "checksum": "crc32", "created_unix": None,
+                "world_size": size, "mode": mode, "checksum": algo, "created_unix": None,
                 "tree": tree0, "datasets": datasets, "files": files}
     raw, mcrc = encode_manifest(manifest)
 
