@@ -390,28 +390,26 @@ class ProcessGroup:
         return self._run("barrier", seq, self.backend.barrier(), lambda: None, async_op, timeout)
 
     # -- point to point ---------------------------------------------------------------------
-    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
-        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
-        where = self._where("send")
+    def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
+        where = self._where(op)
         if self.backend is None:
-            self._begin("send")
-        dst = check_rank(where, "dst", dst, self.size)
+            self._begin(op)  # raises: not a member
+        peer = check_rank(where, peer_name, peer, self.size)
         tag = check_tag(where, tag, getattr(self.backend, "max_tag", 2**31 - 1))
         check_array(where, x)
         self._check_module(where, x)
+        return where, peer, tag
+
+    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
+        _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
         buf = _contig(x)
         req = self.backend.send(buf.reshape(-1), dst, tag)
         return Work(self, f"send(dst={dst}, tag={tag})", 0, req, lambda: None)
 
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
-        where = self._where("recv")
-        if self.backend is None:
-            self._begin("recv")
-        src = check_rank(where, "src", src, self.size)
-        tag = check_tag(where, tag, getattr(self.backend, "max_tag", 2**31 - 1))
-        check_array(where, buf)
-        self._check_module(where, buf)
+        where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
         if isinstance(buf, np.ndarray) and not buf.flags.writeable:
             raise ValueError(f"{where}: the receive buffer is read-only")
         tmp = buf if buf.flags.c_contiguous else xp_of(buf).empty(buf.shape, buf.dtype)

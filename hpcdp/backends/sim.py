@@ -68,6 +68,21 @@ class _Slot:
         self.abandoned_by: int | None = None
 
 
+def _wait_locked(cond: threading.Condition, ready: Callable[[], bool], timeout: float | None) -> bool:
+    """Wait on the world's condition until ``ready()`` (called with it held) or the deadline.
+
+    Wakes at least every second so a peer's death, which also notifies, is never missed.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with cond:
+        while not ready():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            cond.wait(1.0 if left is None else min(left, 1.0))
+    return True
+
+
 def _dead_peers(comm: _Comm) -> list[int]:
     return [r for r in comm.ranks if r in comm.world.dead]
 
@@ -117,14 +132,8 @@ class _SlotRequest(Request):
     def wait(self, timeout: float | None) -> bool:
         if self.done:
             return True
-        cond = self.be.comm.world.cond
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with cond:
-            while not self._finish_locked():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                cond.wait(left if left is None else min(left, 1.0))
+        if not _wait_locked(self.be.comm.world.cond, self._finish_locked, timeout):
+            return False
         self._complete()
         return True
 
@@ -172,17 +181,7 @@ class _RecvRequest(Request):
             return self._try_locked()
 
     def wait(self, timeout: float | None) -> bool:
-        if self.done:
-            return True
-        cond = self.be.comm.world.cond
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with cond:
-            while not self._try_locked():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                cond.wait(left if left is None else min(left, 1.0))
-        return True
+        return self.done or _wait_locked(self.be.comm.world.cond, self._try_locked, timeout)
 
     def pending(self) -> str:
         return f"no message from rank {self.be.ranks[self.src]} with tag {self.tag}"
