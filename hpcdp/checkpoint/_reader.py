@@ -109,7 +109,9 @@ def _read_region(f: Any, fn: str, path: str, meta: dict, offsets: tuple, shape: 
                 out[dst] = block[src]
             if checksum_of(block, meta["checksum"]) != int(s["crc32"]):
                 raise CheckpointError(f"load {fn}: dataset {path!r}: the slab {ss} at {so} fails its "
-                                      f"{meta['checksum']} check (corrupt data)")
+                                      f"{meta['checksum'].upper()} checksum (corrupt data)")
+    except CheckpointError:
+        raise
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         raise CheckpointError(f"load {fn}: dataset {path!r} cannot be read (truncated?): {exc}") from None
     return out
