@@ -236,7 +236,7 @@ export SUMMARY_PY
 test: install
 	@mkdir -p .pytest-mpi; rm -f .pytest-mpi/*.out; start=$$(date +%s); \
 	echo "== [1/3] pytest (single process: sim + TCP backends, fault tests)"; \
-	rc1=0; $(PY) -m pytest -q tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
+	rc1=0; $(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
 	echo "== [2/3] mpirun -n 2 pytest --with-mpi -m mpi"; \
 	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
 	echo "== [3/3] mpirun -n 4 pytest --with-mpi -m mpi"; \
@@ -246,7 +246,7 @@ test: install
 	[ $$rc1 = 0 ] && [ $$rc2 = 0 ] && [ $$rc3 = 0 ]
 
 test-fast test-single: install
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS)
 
 test-mpi: install
 	$(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS)

@@ -7,7 +7,9 @@
     mpirun -n 4 python -m hpcdp.run train.py    # in-process; an unhandled error aborts the job
 
 When one rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL after a grace
-period) and exits with that rank's code, so a failed job never hangs.
+period) and exits with that rank's code, so a failed job never hangs. A SIGTERM or SIGINT sent
+to the launcher (SLURM preemption, Ctrl-C) is forwarded to the ranks, which get the same grace
+period (``--grace``) to save a checkpoint; the launcher then exits with 128 + the signal number.
 """
 from __future__ import annotations
 
@@ -105,21 +107,8 @@ def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    for local in range(nproc):
-        rank = node_rank * nproc + local
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr, MASTER_PORT=str(port),
-                   HPCDP_SECRET=secret, HPCDP_BACKEND="tcp", PYTHONUNBUFFERED="1")
-        for k in ("HPCDP_MASTER_ADDR", "HPCDP_MASTER_PORT"):
-            env.pop(k, None)
-        p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True, preexec_fn=_die_with_parent)
-        procs.append(p)
-        prefix = f"[rank {rank}] ".encode()
-        for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-            t = threading.Thread(target=_pump, args=(stream, prefix, out, lock), daemon=True)
-            t.start()
-            pumps.append(t)
+    received: list[int] = []  # signals sent to the launcher, in order
+    forwarded: set[int] = set()  # pids the first of them was forwarded to
 
     def stop_all(sig: int = signal.SIGTERM) -> None:
         for p in procs:
@@ -128,36 +117,70 @@ def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
-
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            if received and sig == received[0]:
+                forwarded.add(p.pid)
 
     def on_signal(signum: int, _frame: object) -> None:
-        stop_all(signal.SIGTERM)
-        raise KeyboardInterrupt
+        # Forward it and let the main loop wait out the grace period: under SLURM a SIGTERM
+        # means preemption, and ranks need that time to write a checkpoint. A second Ctrl-C
+        # means "now".
+        received.append(signum)
+        if signum == signal.SIGINT and received.count(signal.SIGINT) > 1:
+            stop_all(signal.SIGKILL)
+        else:
+            stop_all(signum)
 
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in old:
         signal.signal(s, on_signal)
     code = 0
     try:
+        for local in range(nproc):
+            if received:
+                break  # told to stop while starting: start no more
+            rank = node_rank * nproc + local
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=master_addr,
+                       MASTER_PORT=str(port), HPCDP_SECRET=secret, HPCDP_BACKEND="tcp",
+                       PYTHONUNBUFFERED="1")
+            for k in ("HPCDP_MASTER_ADDR", "HPCDP_MASTER_PORT"):
+                env.pop(k, None)
+            p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True,
+                                 preexec_fn=_die_with_parent)
+            procs.append(p)
+            if received and p.pid not in forwarded:  # the signal came during Popen
+                try:
+                    os.killpg(p.pid, received[0])
+                except ProcessLookupError:
+                    pass
+            prefix = f"[rank {rank}] ".encode()
+            for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+                t = threading.Thread(target=_pump, args=(stream, prefix, out, lock), daemon=True)
+                t.start()
+                pumps.append(t)
         while True:
+            if received:
+                break
             alive = [p for p in procs if p.poll() is None]
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 code = failed[0].returncode
                 code = code if code > 0 else 128 - code  # killed by a signal: 128 + signum
                 stop_all(signal.SIGTERM)
-                deadline = time.monotonic() + grace
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                stop_all(signal.SIGKILL)
                 break
             if not alive:
                 break
             time.sleep(0.02)
-    except KeyboardInterrupt:
+        if received and not code:
+            code = 128 + received[0]  # like a shell: 143 for SIGTERM, 130 for SIGINT
+        # grace period: ranks may clean up (save a checkpoint), then whatever is left is killed
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
         stop_all(signal.SIGKILL)
-        code = 130
     finally:
+        stop_all(signal.SIGKILL)  # only reached early on an error in the launcher itself
         for p in procs:
             try:
                 p.wait(5)

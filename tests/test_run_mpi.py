@@ -63,7 +63,9 @@ def test_clean_job_exits_zero(tmp_path) -> None:
         import sys, numpy as np, hpcdp
         hpcdp.init()
         assert hpcdp.allreduce(np.ones(2))[0] == hpcdp.world_size()
-        print("done", hpcdp.rank(), sys.argv[1:])
+        # one write per line: mpirun forwards each rank's pipe as it comes, so print()'s
+        # separate writes of "done", " ", ... from two ranks can interleave mid-line
+        sys.stdout.write(f"done {hpcdp.rank()} {sys.argv[1:]}\n"); sys.stdout.flush()
     """)
     assert code == 0, out
     assert "done 0" in out and "done 1" in out

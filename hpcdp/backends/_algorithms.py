@@ -34,7 +34,8 @@ __all__ = [
 #: below this many bytes allreduce uses recursive doubling (latency) instead of the ring (bandwidth)
 SMALL_BYTES = 64 * 1024
 #: ring and tree messages are cut into pieces of this size so forwarding and reducing overlap
-PIECE_BYTES = 1 << 20
+#: (4 MiB: each piece costs thread wake-ups, which outweigh finer pipelining on loaded hosts)
+PIECE_BYTES = 4 << 20
 
 TAG = 0
 
@@ -54,6 +55,14 @@ def _work_dtype(dt: np.dtype) -> np.dtype:
 def allreduce(c: Any, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
     """Every rank gets the elementwise reduction of every rank's ``send`` in ``recv``."""
     wdt = _work_dtype(recv.dtype)
+    if (c.size > 1 and recv.nbytes > SMALL_BYTES and recv.size >= c.size and recv.ndim == 1
+            and wdt == recv.dtype == send.dtype and send.size == recv.size
+            and (send is recv or not np.may_share_memory(send, recv))):
+        # ring without the initial copy: reductions read ``send`` and write ``recv``
+        bounds = _split_bounds(recv.size, c.size)
+        _ring_reduce_scatter(c, recv, bounds, op, src=send.reshape(-1))
+        _ring_all_gather(c, recv, bounds)
+        return
     work = recv if wdt == recv.dtype else np.empty(recv.shape, wdt)
     if work is not send:
         np.copyto(work, send, casting="unsafe")
@@ -108,14 +117,20 @@ def _recursive_doubling(c: Any, work: np.ndarray, op: ReduceOp) -> None:
 
 
 def _ring_reduce_scatter(c: Any, work: np.ndarray, bounds: Sequence[tuple[int, int]],
-                         op: ReduceOp) -> None:
-    """After this, segment ``rank`` of ``work`` holds the full reduction (pipelined by pieces)."""
+                         op: ReduceOp, src: np.ndarray | None = None) -> None:
+    """After this, segment ``rank`` of ``work`` holds the full reduction (pipelined by pieces).
+
+    ``src`` (same length and dtype as ``work``) holds this rank's data when it is not already in
+    ``work``: it is read, never written, and saves copying it into ``work`` first. Segments of
+    ``work`` other than ``rank`` hold partial sums afterwards (or nothing, with ``src``).
+    """
     n, r, uf = c.size, c.rank, op.ufunc
     right, left = (r + 1) % n, (r - 1) % n
+    mine = work if src is None else src
 
-    def seg(k: int) -> np.ndarray:
+    def seg(k: int, arr: np.ndarray = work) -> np.ndarray:
         a, b = bounds[k % n]
-        return work[a:b]
+        return arr[a:b]
 
     maxlen = max(b - a for a, b in bounds)
     tmp = [np.empty(maxlen, work.dtype), np.empty(maxlen, work.dtype) if n > 2 else None]
@@ -127,16 +142,17 @@ def _ring_reduce_scatter(c: Any, work: np.ndarray, bounds: Sequence[tuple[int, i
         return [c.irecv(buf[a:b], left, TAG) for a, b in _pieces(length, isz)]
 
     posted = {0: post(0)}
-    first = seg(r - 1)
+    first = seg(r - 1, mine)
     sends = [c.isend(first[a:b], right, TAG) for a, b in _pieces(len(first), isz)]
     for s in range(n - 1):
         if s + 1 < n - 1:
             posted[s + 1] = post(s + 1)
         dst = seg(r - s - 2)
+        own = seg(r - s - 2, mine)
         buf = tmp[s % 2]
         for (a, b), rq in zip(_pieces(len(dst), isz), posted.pop(s)):
             c.wait([rq])
-            uf(dst[a:b], buf[a:b], out=dst[a:b])
+            uf(own[a:b], buf[a:b], out=dst[a:b])
             if s < n - 2:
                 sends.append(c.isend(dst[a:b], right, TAG))
     c.wait(sends)
@@ -171,7 +187,13 @@ def reduce_scatter(c: Any, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> 
     """``send`` is (size, m); rank i gets the reduction of every rank's row i in ``recv`` (m,)."""
     n, r, m = c.size, c.rank, recv.size
     wdt = _work_dtype(recv.dtype)
-    work = np.array(send.reshape(-1), dtype=wdt, copy=True)
+    flat = send.reshape(-1)
+    if n > 1 and m and flat.nbytes > SMALL_BYTES and wdt == flat.dtype:
+        work = np.empty(flat.shape, wdt)  # only segment r is written; ``send`` is only read
+        _ring_reduce_scatter(c, work, [(i * m, (i + 1) * m) for i in range(n)], op, src=flat)
+        np.copyto(recv, work[r * m:(r + 1) * m], casting="unsafe")
+        return
+    work = np.array(flat, dtype=wdt, copy=True)
     if n > 1 and work.size:
         if work.nbytes <= SMALL_BYTES:
             _recursive_doubling(c, work, op)

@@ -128,7 +128,21 @@ def _collect(procs: list[Any], conns: list[Connection], join_timeout: float | No
     first_failure: float | None = None
     open_ = {conns[r]: r for r in range(n)}
     sentinels = {procs[r].sentinel: r for r in range(n)}
+
+    def died(r: int) -> None:
+        nonlocal first_failure
+        procs[r].join(0.5)
+        reports[r] = ("err", HpcdpError(
+            f"tcp rank {r} exited with code {procs[r].exitcode} without reporting a result"), "")
+        if first_failure is None:
+            first_failure = time.monotonic()
+
     while len(reports) < n:
+        if not open_ and not sentinels:  # nothing left to wait on (cannot happen; never hang)
+            for r in range(n):
+                if r not in reports:
+                    died(r)
+            break
         now = time.monotonic()
         limit = deadline
         if first_failure is not None:
@@ -142,7 +156,9 @@ def _collect(procs: list[Any], conns: list[Connection], join_timeout: float | No
                 try:
                     reports[r] = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):
-                    continue  # died without reporting; its sentinel says so
+                    if procs[r].sentinel not in sentinels:
+                        died(r)  # its sentinel fired already (and found the pipe readable)
+                    continue  # otherwise its sentinel says so
                 if reports[r][0] != "ok" and first_failure is None:
                     first_failure = time.monotonic()
             elif obj in sentinels:
@@ -153,11 +169,7 @@ def _collect(procs: list[Any], conns: list[Connection], join_timeout: float | No
                 if c in open_ and c.poll(0.2):
                     continue  # a report written just before exit: read on the next round
                 open_.pop(c, None)
-                procs[r].join(0.5)
-                reports[r] = ("err", HpcdpError(
-                    f"tcp rank {r} exited with code {procs[r].exitcode} without a result"), "")
-                if first_failure is None:
-                    first_failure = time.monotonic()
+                died(r)
     failed = {r: rep for r, rep in reports.items() if rep[0] != "ok"}
     if failed:
         root = next(((r, rep) for r, rep in sorted(failed.items())

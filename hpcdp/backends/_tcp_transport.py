@@ -1,17 +1,24 @@
 """The TCP mesh: one authenticated socket per pair of ranks, tag-matched frames, failure detection.
 
-Progress: one receiver thread per peer reads frames, straight into a posted receive buffer
-(``recv_into``, zero copy) when one matches, else into an unexpected-message queue; so a rank always
-drains its sockets and two ranks sending large messages to each other never block. Small sends go
-out inline on the calling thread (latency); large ones through a per-peer sender thread, so
-``isend`` returns at once and the caller can reduce while the bytes move. Matching is per
-(source, kind, channel, tag), in order, so messages never overtake.
+Progress: frames from a peer are read, straight into a posted receive buffer (``recv_into``, zero
+copy) when one matches, else into an unexpected-message queue, by whichever thread holds that
+peer's read lock. A thread that waits for a small or point-to-point receive takes the lock and
+reads the socket itself (no thread handoff: this is what makes latency close to a raw socket's);
+otherwise one background receiver thread per peer does it, so a rank always drains its sockets and
+two ranks sending large messages to each other never block. The background thread stands aside
+while a waiter reads directly (and for a short linger after, so a ping-pong does not wake it on
+every message). Small sends go out inline on the calling thread (latency); large ones through a
+per-peer sender thread, so ``isend`` returns at once and the caller can reduce while the bytes move.
+Matching is per (source, kind, channel, tag), in order, so messages never overtake.
 """
 from __future__ import annotations
 
 import collections
+import select
 import socket
+import struct
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -25,13 +32,27 @@ __all__ = ["Transport", "P2P", "COLL", "BYE", "ABORT"]
 P2P, COLL, BYE, ABORT = 1, 2, 3, 4
 _KINDS = frozenset({P2P, COLL, BYE, ABORT})
 INLINE_BYTES = 64 * 1024
+#: a thread waiting for a receive this small (or any user p2p receive) reads the socket itself
+DIRECT_BYTES = 256 * 1024
+#: after a direct read the background receiver stays parked this long (seconds) unless kicked
+LINGER = 0.002
+#: SO_RCVTIMEO of peer sockets: a direct reader blocks in recv() itself (no poll() per message)
+#: and gets control back this often to check its deadline
+RECV_TICK = 0.1
 _MORE = 1
+_STAGE = 64 * 1024
+_EMPTY = memoryview(bytearray(0))
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_pack = wire.HEADER.pack
+_HDR = wire.HEADER.size
+_POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_monotonic = time.monotonic
 
 
 class _Req(Request):
     """A send or receive; completion is a released lock, so waiters sleep instead of polling."""
 
-    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key")
+    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader")
 
     def __init__(self, view: memoryview | None, desc: str, key: Any = None) -> None:
         self._lock = threading.Lock()
@@ -42,6 +63,8 @@ class _Req(Request):
         self.nbytes = 0 if view is None else view.nbytes
         self.desc = desc
         self.key = key
+        #: (transport, peer) when the waiting thread may read the peer's socket itself
+        self.reader: tuple[Transport, _Peer] | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.done:
@@ -56,16 +79,47 @@ class _Req(Request):
         return self.done
 
     def test(self) -> bool:
+        if not self.done and self.reader is not None:
+            t, peer = self.reader
+            t._poll_once(peer)
         return self._check()
 
     def wait(self, timeout: float | None) -> bool:
         if not self.done:
-            if self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            if self.reader is not None:
+                t, peer = self.reader
+                t._direct_wait(self, peer, timeout)
+            elif self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
                 self._lock.release()
         return self._check()
 
     def pending(self) -> str:
-        return self.desc
+        return _text(self.desc)
+
+
+class _Sent(Request):
+    """A send that already went out on the caller's thread: nothing to wait for."""
+
+    __slots__ = ("desc",)
+    done = True
+    error = None
+
+    def __init__(self, desc: Any) -> None:
+        self.desc = desc
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None) -> bool:
+        return True
+
+    def pending(self) -> str:
+        return _text(self.desc)
+
+
+def _text(desc: Any) -> str:
+    """Descriptions are built lazily: a ``(format, *args)`` tuple is %-formatted when shown."""
+    return desc[0] % desc[1:] if type(desc) is tuple else desc
 
 
 class _Peer:
@@ -73,10 +127,27 @@ class _Peer:
         self.rank = rank
         self.sock = sock
         self.send_lock = threading.Lock()
-        self.qcv = threading.Condition()
+        self.qlock = threading.Lock()
+        self.qcv = threading.Condition(self.qlock)
         self.sendq: collections.deque[tuple[bytes, memoryview, _Req]] = collections.deque()
         self.sender: threading.Thread | None = None
         self.eof = threading.Event()
+        # receiving: whoever holds rlock reads frames; the parser state below is guarded by it
+        self.rlock = threading.Lock()
+        # bytes read ahead of the parser: a small frame arrives in one recv() with its header
+        self.stage = bytearray(_STAGE)
+        self.sview = memoryview(self.stage)
+        self.spos = self.send = 0
+        self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks]
+        self.stopped = False  # the stream ended (EOF, error or malformed frame): nothing more to read
+        self.why, self.crashed = "closed its connection (process exited or crashed)", True
+        self.direct_poll = select.poll()  # used only under rlock (poll objects are not shareable)
+        self.direct_poll.register(sock, _POLLIN)
+        self.bg_poll = select.poll()  # used only by the background receiver
+        self.bg_poll.register(sock, _POLLIN)
+        self.linger_until = 0.0
+        self.bgcv = threading.Condition(threading.Lock())
+        self.parked = False
 
 
 def _as_bytes(buf: np.ndarray) -> memoryview:
@@ -101,6 +172,12 @@ class Transport:
     # -- setup ------------------------------------------------------------------------------
     def add_peer(self, rank: int, sock: socket.socket) -> None:
         wire.set_nodelay(sock)
+        sock.settimeout(None)
+        # receive-only kernel timeout: a blocking recv() returns EAGAIN after RECV_TICK (sends are
+        # unaffected), so a thread that reads for itself never sleeps past its deadline
+        sec = int(RECV_TICK)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", sec, int((RECV_TICK - sec) * 1e6)))
         peer = _Peer(rank, sock)
         self.peers[rank] = peer
         threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
@@ -147,96 +224,286 @@ class Transport:
                     self._send_frame(r, ABORT, channel, kind, memoryview(b""), _Req(None, "abort"))
 
     # -- receiving --------------------------------------------------------------------------
-    def _recv_loop(self, peer: _Peer) -> None:
-        sock, src = peer.sock, peer.rank
-        cur: list[Any] | None = None  # [key, req or None, offset, chunks]
-        why, crashed = "closed its connection (process exited or crashed)", True
-        try:
-            while True:
-                raw = wire.recv_exact(sock, wire.HEADER.size)
-                kind, flags, channel, tag, n = wire.unpack_header(raw, _KINDS, self.cap)
-                if kind == BYE:
-                    why, crashed = "has shut down (finalize)", False
+    def _read_frame(self, peer: _Peer) -> bool:
+        """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
+
+        Returns False, having read nothing, when no frame started within ``RECV_TICK``.
+        """
+        sock, src, view = peer.sock, peer.rank, peer.sview
+        pos, end = peer.spos, peer.send
+        if end - pos < _HDR:
+            if end > pos:
+                view[:end - pos] = view[pos:end]
+            end -= pos
+            pos = 0
+            peer.spos, peer.send = 0, end
+            while end < _HDR:
+                try:
+                    k = sock.recv_into(view[end:], _STAGE - end)
+                except BlockingIOError:  # SO_RCVTIMEO expired
+                    if not end:
+                        return False
                     continue
-                if kind == ABORT:
-                    self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
-                                       "group after a timeout", (), notify=False)
-                    continue
-                if cur is None:
-                    key = (src, kind, channel, tag)
-                    with self.lock:
-                        q = self.posted.get(key)
-                        req = q.popleft() if q else None
-                        if q is not None and not q:
-                            del self.posted[key]
-                    cur = [key, req, 0, []]
-                key, req, off, chunks = cur
-                if req is not None and req.error is None and off + n <= req.nbytes:
-                    wire.recv_into_exact(sock, req.view[off:off + n])
-                else:
-                    chunks.append(bytes(wire.recv_exact(sock, n)))
-                cur[2] = off + n
-                if flags & _MORE:
-                    continue
-                cur = None
-                if req is not None:
-                    self._finish_recv(req, off + n, chunks)
-                    continue
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                with self.lock:
-                    q = self.posted.get(key)
-                    req = q.popleft() if q else None
-                    if q is not None and not q:
-                        del self.posted[key]
-                    if req is None:
-                        self.unexpected.setdefault(key, collections.deque()).append(data)
-                if req is not None:
-                    self._deliver(req, data)
-        except ProtocolError as exc:
-            wire.log_rejection(_addr(sock), f"rank {self.rank} frames from rank {src}", exc)
-            why, crashed = f"sent a malformed frame ({exc})", True
-        except (OSError, ConnectionError):
-            pass
+                if k == 0:
+                    raise ConnectionError("connection closed by peer")
+                end += k
+                peer.send = end
+        kind, flags, channel, tag, n = wire.unpack_header_from(peer.stage, pos, _KINDS, self.cap)
+        pos += _HDR
+        peer.spos = pos
+        if kind == BYE:
+            peer.why, peer.crashed = "has shut down (finalize)", False
+            return True
+        if kind == ABORT:
+            self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
+                               "group after a timeout", (), notify=False)
+            return True
+        cur = peer.cur
+        if cur is None:
+            key = (src, kind, channel, tag)
+            with self.lock:
+                q = self.posted.get(key)
+                req = q.popleft() if q else None
+                if q is not None and not q:
+                    del self.posted[key]
+            cur = peer.cur = [key, req, 0, []]
+        key, req, off, chunks = cur
+        if req is not None and req.error is None and off + n <= req.nbytes:
+            dest = req.view[off:off + n] if off or n != req.nbytes else req.view
+        else:
+            buf = bytearray(n)
+            chunks.append(buf)
+            dest = memoryview(buf)
+        if n:
+            self._payload(peer, dest, n)
+        cur[2] = off + n
+        if flags & _MORE:
+            return True
+        peer.cur = None
+        if req is not None:
+            self._finish_recv(req, off + n, chunks)
+            return True
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        with self.lock:
+            q = self.posted.get(key)
+            req = q.popleft() if q else None
+            if q is not None and not q:
+                del self.posted[key]
+            if req is None:
+                self.unexpected.setdefault(key, collections.deque()).append(data)
+        if req is not None:
+            self._deliver(req, data)
+        return True
+
+    def _payload(self, peer: _Peer, dest: memoryview, n: int) -> None:
+        """Fill ``dest`` (``n`` bytes): read-ahead bytes first, then the socket."""
+        pos, end = peer.spos, peer.send
+        take = min(n, end - pos)
+        if take:
+            dest[:take] = peer.sview[pos:pos + take]
+            peer.spos = pos = pos + take
+        if take == n:
+            return
+        sock = peer.sock
+        if n - take >= _STAGE // 2:  # large: straight into the destination (zero copy)
+            _recv_into(sock, dest[take:], False)
+            return
+        # small rest: read it (and maybe the next frames) into the stage, then copy
+        view = peer.sview
+        need = n - take
+        end = 0
+        while end < need:
+            try:
+                k = sock.recv_into(view[end:], _STAGE - end)
+            except BlockingIOError:
+                continue
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            end += k
+        dest[take:] = view[:need]
+        peer.spos, peer.send = need, end
+
+    def _reader_failed(self, peer: _Peer, exc: BaseException) -> None:
+        """The stream from ``peer`` ended (the caller holds ``peer.rlock``)."""
+        if peer.stopped:
+            return
+        peer.stopped = True
+        if isinstance(exc, ProtocolError):
+            wire.log_rejection(_addr(peer.sock), f"rank {self.rank} frames from rank {peer.rank}",
+                               exc)
+            peer.why, peer.crashed = f"sent a malformed frame ({exc})", True
         peer.eof.set()
-        self.mark_dead(src, why, crashed)
+        self.mark_dead(peer.rank, peer.why, peer.crashed)
+        cur, peer.cur = peer.cur, None  # a message that was arriving when the stream ended
+        if cur is not None and cur[1] is not None:
+            cur[1].finish(PeerFailureError(f"rank {peer.rank} {peer.why}", peers=[peer.rank]))
+        with peer.bgcv:
+            peer.bgcv.notify_all()
+
+    def _kick(self, peer: _Peer) -> None:
+        """End the background receiver's linger now (a large receive wants it reading)."""
+        with peer.bgcv:
+            peer.linger_until = 0.0
+            if peer.parked:
+                peer.bgcv.notify_all()
+
+    def _recv_loop(self, peer: _Peer) -> None:
+        """Background progress: read whatever arrives while no waiter reads the socket itself."""
+        rlock, bgcv, poll = peer.rlock, peer.bgcv, peer.bg_poll.poll
+        backoff = LINGER
+        try:
+            while not peer.stopped:
+                with bgcv:
+                    left = peer.linger_until - _monotonic()
+                    if left > 0 or rlock.locked():
+                        # a waiter is reading (or just was): stay out of its way, waking rarely
+                        peer.parked = True
+                        bgcv.wait(max(left, backoff))
+                        peer.parked = False
+                        backoff = min(2 * backoff, 0.1)
+                        continue
+                backoff = LINGER
+                if not (peer.send > peer.spos or poll(500)) or not rlock.acquire(False):
+                    continue
+                try:
+                    # one burst: what has arrived, while no waiter wants the socket
+                    while (not peer.stopped and peer.linger_until <= _monotonic()
+                           and (peer.send > peer.spos or peer.direct_poll.poll(0))):
+                        self._read_frame(peer)
+                except (ProtocolError, OSError, ConnectionError) as exc:
+                    self._reader_failed(peer, exc)
+                finally:
+                    rlock.release()
+        finally:
+            peer.eof.set()
+
+    def _direct_wait(self, req: _Req, peer: _Peer, timeout: float | None) -> None:
+        """Wait for ``req`` by reading ``peer``'s socket on this thread when nobody else does."""
+        deadline = None if timeout is None else _monotonic() + max(0.0, timeout)
+        rlock, poll = peer.rlock, peer.direct_poll.poll
+        while not req.done:
+            if rlock.acquire(False):
+                t0 = peer.linger_until = _monotonic()
+                peer.linger_until = t0 + LINGER
+                try:
+                    while not req.done and not peer.stopped:
+                        if deadline is not None:
+                            left = deadline - _monotonic()
+                            if left <= 0:
+                                break
+                            if (left < RECV_TICK and peer.send <= peer.spos
+                                    and not poll(max(1, int(left * 1000 + 0.999)))):
+                                break
+                        self._read_frame(peer)
+                except (ProtocolError, OSError, ConnectionError) as exc:
+                    self._reader_failed(peer, exc)
+                finally:
+                    t1 = _monotonic()
+                    if t1 - t0 > LINGER:  # a long wait, not a ping-pong: hand back at once
+                        rlock.release()
+                        self._kick(peer)
+                    else:
+                        peer.linger_until = t1 + LINGER
+                        rlock.release()
+                if req.done or peer.stopped:
+                    break
+            else:
+                # another thread reads this socket: it delivers our message or gives it up soon
+                wait = 0.0005 if deadline is None else min(0.0005, deadline - _monotonic())
+                if wait > 0 and req._lock.acquire(timeout=wait):
+                    req._lock.release()
+            if deadline is not None and _monotonic() >= deadline:
+                break
+        if not req.done and peer.stopped:
+            # the stream ended: mark_dead fails every receive from the peer in a moment
+            left = -1.0 if deadline is None else max(0.0, deadline - _monotonic())
+            if req._lock.acquire(timeout=left):
+                req._lock.release()
+
+    def _poll_once(self, peer: _Peer) -> None:
+        """``test()``: read what has already arrived, without blocking, if the socket is free."""
+        if not peer.rlock.acquire(False):
+            return
+        try:
+            poll = peer.direct_poll.poll
+            while not peer.stopped and (peer.send > peer.spos or poll(0)):
+                self._read_frame(peer)
+        except (ProtocolError, OSError, ConnectionError) as exc:
+            self._reader_failed(peer, exc)
+        finally:
+            peer.rlock.release()
 
     def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
         if got != req.nbytes or chunks:
-            req.finish(ValueError(f"{req.desc}: message has {got} bytes, buffer has {req.nbytes}"))
+            req.finish(ValueError(f"{_text(req.desc)}: message has {got} bytes, buffer has {req.nbytes}"))
         else:
             req.finish()
 
     def _deliver(self, req: _Req, data: bytes) -> None:
         if len(data) != req.nbytes:
-            req.finish(ValueError(f"{req.desc}: message has {len(data)} bytes, buffer has "
+            req.finish(ValueError(f"{_text(req.desc)}: message has {len(data)} bytes, buffer has "
                                   f"{req.nbytes}"))
             return
         req.view[:] = data
         req.finish()
 
-    def irecv(self, buf: np.ndarray, src: int, kind: int, channel: int, tag: int, desc: str) -> _Req:
+    def irecv(self, buf: np.ndarray, src: int, kind: int, channel: int, tag: int,
+              desc: Any) -> _Req:
         key = (src, kind, channel, tag)
-        req = _Req(_as_bytes(buf), desc, key)
+        req = _Req(memoryview(buf).cast("B") if buf.nbytes else _EMPTY, desc, key)
         with self.lock:
-            box = self.unexpected.get(key)
-            data = box.popleft() if box else None
-            if box is not None and not box:
-                del self.unexpected[key]
+            data = None
+            if self.unexpected:
+                box = self.unexpected.get(key)
+                if box:
+                    data = box.popleft()
+                    if not box:
+                        del self.unexpected[key]
             if data is None:
-                why = self.aborted.get((kind, channel)) if kind == COLL else None
+                why = self.aborted.get((kind, channel)) if kind == COLL and self.aborted else None
                 if src in self.dead:
                     why = f"rank {src} {self.dead[src]}"
                 if why is None:
-                    self.posted.setdefault(key, collections.deque()).append(req)
+                    q = self.posted.get(key)
+                    if q is None:
+                        self.posted[key] = q = collections.deque()
+                    q.append(req)
+                    peer = self.peers.get(src)
+                    if peer is not None:
+                        if kind == P2P or req.nbytes <= DIRECT_BYTES:
+                            req.reader = (self, peer)
+                        elif peer.linger_until:
+                            self._kick(peer)
                     return req
         if data is not None:
             self._deliver(req, data)
         else:
-            req.finish(PeerFailureError(f"{desc}: {why}", peers=[src] if src in self.dead else []))
+            req.finish(PeerFailureError(f"{_text(desc)}: {why}",
+                                        peers=[src] if src in self.dead else []))
         return req
 
     # -- sending ----------------------------------------------------------------------------
-    def isend(self, buf: np.ndarray, dst: int, kind: int, channel: int, tag: int, desc: str) -> _Req:
+    def isend(self, buf: np.ndarray, dst: int, kind: int, channel: int, tag: int,
+              desc: Any) -> Request:
+        n = buf.nbytes
+        if n <= INLINE_BYTES:
+            # fast path: a small frame goes out on this thread, header and payload in one write
+            peer = self.peers.get(dst)
+            if peer is not None and dst not in self.dead:
+                with peer.qlock:
+                    inline = not peer.sendq and peer.send_lock.acquire(False)
+                if inline:
+                    try:
+                        peer.sock.sendall(_pack(kind, 0, 0, channel, tag, n) + memoryview(buf))
+                    except OSError as exc:
+                        peer.send_lock.release()
+                        self.mark_dead(dst, f"connection lost while sending ({exc})")
+                        req = _Req(None, desc)
+                        req.finish(PeerFailureError(
+                            f"{_text(desc)}: rank {dst} connection lost ({exc})", peers=[dst]))
+                        return req
+                    peer.send_lock.release()
+                    return _Sent(desc)
         view = _as_bytes(buf)
         req = _Req(view, desc)
         if dst == self.rank:  # loopback: match locally, copying (the sender may reuse buf)
@@ -254,7 +521,7 @@ class Transport:
             req.finish()
             return req
         if dst in self.dead:
-            req.finish(PeerFailureError(f"{desc}: rank {dst} {self.dead[dst]}", peers=[dst]))
+            req.finish(PeerFailureError(f"{_text(desc)}: rank {dst} {self.dead[dst]}", peers=[dst]))
             return req
         self._send_frame(dst, kind, channel, tag, view, req)
         return req
@@ -281,7 +548,7 @@ class Transport:
             try:
                 self._write(peer, hdr, view)
             except OSError as exc:
-                req.finish(PeerFailureError(f"{req.desc}: rank {dst} connection lost ({exc})",
+                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {dst} connection lost ({exc})",
                                             peers=[dst]))
                 self.mark_dead(dst, f"connection lost while sending ({exc})")
                 return
@@ -316,7 +583,7 @@ class Transport:
                 self._write(peer, hdr, view)
                 req.finish()
             except OSError as exc:
-                req.finish(PeerFailureError(f"{req.desc}: rank {peer.rank} connection lost ({exc})",
+                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {peer.rank} connection lost ({exc})",
                                             peers=[peer.rank]))
                 peer.send_lock.release()
                 self.mark_dead(peer.rank, f"connection lost while sending ({exc})")
@@ -354,6 +621,24 @@ class Transport:
                 peer.sock.close()
             except OSError:
                 pass
+
+
+def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool) -> bool:
+    """Fill ``view``; EOF first raises ``ConnectionError``. With ``idle_ok``, return False when
+    nothing at all arrived within the socket's receive timeout (a partial fill keeps waiting)."""
+    got, n = 0, len(view)
+    flags = 0 if idle_ok else _WAITALL  # one wake-up per large piece, not one per segment
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:] if got else view, n - got, flags)
+        except BlockingIOError:  # SO_RCVTIMEO expired
+            if idle_ok and not got:
+                return False
+            continue
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return True
 
 
 def _addr(sock: socket.socket) -> object:

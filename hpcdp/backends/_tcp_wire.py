@@ -28,7 +28,7 @@ from ..errors import AuthError, ProtocolError
 
 __all__ = [
     "MAGIC", "HEADER", "ROLE_STORE", "ROLE_PEER", "client_handshake", "server_handshake",
-    "recv_exact", "recv_into_exact", "pack_header", "unpack_header", "max_frame",
+    "recv_exact", "recv_into_exact", "pack_header", "unpack_header", "unpack_header_from", "max_frame",
     "handshake_timeout", "log_rejection", "get_secret", "LOG",
 ]
 
@@ -48,6 +48,8 @@ ACCEPT = b"OK\0\0"
 
 #: kind, flags, pad, channel, tag, payload bytes
 HEADER = struct.Struct("<BBHIqQ")
+
+_unpack_from = HEADER.unpack_from
 
 DEFAULT_MAX_FRAME = 1 << 30
 
@@ -158,7 +160,13 @@ def pack_header(kind: int, flags: int, channel: int, tag: int, nbytes: int) -> b
 
 def unpack_header(raw: bytes | bytearray, kinds: frozenset[int], cap: int) -> tuple[int, int, int, int, int]:
     """(kind, flags, channel, tag, nbytes), or ``ProtocolError`` for anything unexpected."""
-    kind, flags, pad, channel, tag, nbytes = HEADER.unpack(raw)
+    return unpack_header_from(raw, 0, kinds, cap)
+
+
+def unpack_header_from(buf: bytes | bytearray, pos: int, kinds: frozenset[int],
+                       cap: int) -> tuple[int, int, int, int, int]:
+    """``unpack_header`` of the header at ``buf[pos:]``."""
+    kind, flags, pad, channel, tag, nbytes = _unpack_from(buf, pos)
     if kind not in kinds or pad != 0 or flags > 1:
         raise ProtocolError(f"malformed frame header (kind {kind}, flags {flags}, pad {pad})")
     if nbytes > cap:

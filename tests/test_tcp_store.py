@@ -1,0 +1,213 @@
+"""The rendezvous store: survives floods and fd exhaustion, never hangs a client, never lets
+an odd timeout kill a store thread."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from hpcdp.backends import _tcp_store as store
+from hpcdp.backends import _tcp_wire as wire
+from hpcdp.backends._tcp_store import StoreClient, StoreServer
+from hpcdp.errors import CommTimeoutError, PeerFailureError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = b"k" * 32
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def log():
+    handler = _Collect()
+    logger = logging.getLogger("hpcdp.tcp")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture
+def server():
+    srv = StoreServer("127.0.0.1", 0, SECRET)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def _client(srv: StoreServer, timeout: float = 5.0) -> StoreClient:
+    return StoreClient("127.0.0.1", srv.address[1], SECRET, 1, timeout=timeout)
+
+
+def _wait_closed(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_set_get_and_missing_key(server) -> None:
+    c = _client(server)
+    try:
+        c.set("a", b"1")
+        assert c.get("a", 1.0) == b"1"
+        with pytest.raises(CommTimeoutError, match="'b' was not published"):
+            c.get("b", 0.1)
+        assert c.get("a", 0.0) == b"1"  # the connection is still usable
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e300, float("nan"), -1.0])
+def test_odd_get_timeouts_are_clamped(server, timeout: float, log) -> None:
+    """``inf`` used to raise OverflowError in the store thread; now it waits (in bounded
+    requests), and NaN or negative timeouts just look."""
+    c, other = _client(server), _client(server)
+    try:
+        if timeout > 0:
+            timer = threading.Timer(0.2, other.set, args=("late", b"v"))
+            timer.start()
+            assert c.get("late", timeout) == b"v"
+            timer.join()
+        else:
+            with pytest.raises(CommTimeoutError):
+                c.get("never", timeout)
+        c.set("x", b"1")  # the store thread of this connection is alive
+        assert c.get("x", 1.0) == b"1"
+    finally:
+        c.close()
+        other.close()
+    assert not [m for m in log if "dropped" in m], log
+
+
+def test_server_clamps_a_raw_infinite_wait(server, monkeypatch) -> None:
+    """A client asking the server itself for an endless wait gets MISSING after ``MAX_WAIT``."""
+    monkeypatch.setattr(store, "MAX_WAIT", 0.2)
+    c = _client(server)
+    try:
+        kind, _ = c._request(store.GET, "nope", store._TIMEOUT.pack(float("inf")), 5.0)
+        assert kind == store.MISSING
+    finally:
+        c.close()
+
+
+def test_request_to_a_silent_store_times_out() -> None:
+    """Rank 0's node vanished without a reset: the request raises, naming store and key."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def fake_store() -> None:  # authenticates, then never answers
+        conn, _ = lsock.accept()
+        wire.server_handshake(conn, SECRET, wire.ROLE_STORE, wire.STORE_ID, 5.0)
+        held.append(conn)
+
+    threading.Thread(target=fake_store, daemon=True).start()
+    port = lsock.getsockname()[1]
+    c = StoreClient("127.0.0.1", port, SECRET, 3, timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=rf"store at 127.0.0.1:{port}.*'addr/1'"):
+        c.get("addr/1", 0.5)
+    assert time.monotonic() - t0 < 20
+    with pytest.raises(PeerFailureError, match="unusable"):
+        c.set("x", b"1")
+    c.close()
+    for s in held + [lsock]:
+        s.close()
+
+
+def test_store_that_dies_mid_request_is_a_peer_failure(server) -> None:
+    c = _client(server)
+    try:
+        threading.Timer(0.2, server.close).start()
+        with pytest.raises(PeerFailureError, match="store at 127.0.0.1.*lost the connection"):
+            c.get("never", 30.0)
+    finally:
+        c.close()
+
+
+def test_excess_unauthenticated_connections_are_shed(server, monkeypatch) -> None:
+    """At most MAX_PENDING_HANDSHAKES silent connections are held; real clients get in later."""
+    monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "1")
+    n = store.MAX_PENDING_HANDSHAKES + 20
+    socks = [socket.create_connection(server.address) for _ in range(n)]
+    try:
+        closed = sum(_wait_closed(s, 0.3 if i >= store.MAX_PENDING_HANDSHAKES else 0.01)
+                     for i, s in enumerate(socks))
+        assert closed >= 20 - 2  # the excess, give or take a connection finishing early
+        c = _client(server, timeout=20.0)  # retries until the silent ones time out
+        c.set("a", b"1")
+        assert c.get("a", 1.0) == b"1"
+        c.close()
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_rejections_are_rate_limited(server, log) -> None:
+    for _ in range(50):
+        s = socket.create_connection(server.address)
+        s.sendall(os.urandom(wire.HELLO_SIZE))
+        _wait_closed(s, 5.0)
+        s.close()
+    deadline = time.monotonic() + 5
+    while len(server._conns) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dropped = [m for m in log if "dropped connection" in m]
+    assert 1 <= len(dropped) <= 2, log
+    server.close()
+    summarized = [int(re.search(r"(\d+) more connection", m).group(1)) for m in log
+                  if "more connection(s) rejected" in m]
+    assert summarized and len(dropped) + sum(summarized) == 50, log  # every rejection counted
+
+
+EMFILE = """
+    import logging, os, resource, socket, time
+    from hpcdp.backends._tcp_store import StoreClient, StoreServer
+    srv = StoreServer("127.0.0.1", 0, b"k" * 32)
+    port = srv.address[1]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+    socks = []
+    for _ in range(30):  # silent clients: both ends use fds here, so accept() hits EMFILE
+        try:
+            socks.append(socket.create_connection(("127.0.0.1", port)))
+        except OSError:
+            break
+    time.sleep(0.5)
+    for s in socks:
+        s.close()
+    time.sleep(0.3)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    c = StoreClient("127.0.0.1", port, b"k" * 32, 1, timeout=10)
+    c.set("a", b"1")
+    print("store alive", c.get("a", 1.0))
+"""
+
+
+def test_store_survives_fd_exhaustion() -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HPCDP_HANDSHAKE_TIMEOUT="1")
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(EMFILE)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "store alive b'1'" in res.stdout
