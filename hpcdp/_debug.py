@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,8 +22,17 @@ _FP_BYTES = 1024
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+#: the levels a group accepts; ``HPCDP_DEBUG`` also takes "", "0" and "false" for "off"
+LEVELS = frozenset({"off", "detail"})
+
+
 def debug_level() -> str:
-    return os.environ.get("HPCDP_DEBUG", "off").strip().lower()
+    """``HPCDP_DEBUG`` as a level; an unknown value is an error, not silently "off"."""
+    raw = os.environ.get("HPCDP_DEBUG", "off").strip().lower()
+    level = "off" if raw in ("", "0", "false", "no") else raw
+    if level not in LEVELS:
+        raise ValueError(f"HPCDP_DEBUG={raw!r}: expected one of {sorted(LEVELS)}")
+    return level
 
 
 def caller_line() -> str:
@@ -45,7 +55,9 @@ def check_across(group: "ProcessGroup", opname: str, seq: int, timeout: float, *
         record["line"] = "..." + record["line"][-120:]
         raw = json.dumps(record, default=str).encode()
         if len(raw) >= _FP_BYTES:
-            record = {"call": opname, "digest": hash(raw), "rank": group.rank, "line": record["line"]}
+            # the same on every rank for the same call (str hash() is salted per process)
+            digest = zlib.crc32(json.dumps(mine, sort_keys=True, default=str).encode())
+            record = {"call": opname, "digest": digest, "rank": group.rank, "line": record["line"]}
             raw = json.dumps(record, default=str).encode()
     send = np.zeros(_FP_BYTES, np.uint8)
     send[: len(raw)] = np.frombuffer(raw, np.uint8)

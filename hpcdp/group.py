@@ -109,8 +109,24 @@ class ProcessGroup:
         self._groups = itertools.count(1)
         self._broken: str | None = None
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
-        #: "off" or "detail"; read from HPCDP_DEBUG when the group is made, settable afterwards
-        self.debug = _debug.debug_level()
+        self._debug = _debug.debug_level()
+        self._fast = False  # whether blocking allreduces may take the latency path
+        self._refresh_fast()
+
+    @property
+    def debug(self) -> str:
+        """"off" or "detail"; read from ``HPCDP_DEBUG`` when the group is made, settable."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, level: str) -> None:
+        if level not in _debug.LEVELS:
+            raise ValueError(f"debug level must be one of {sorted(_debug.LEVELS)}, got {level!r}")
+        self._debug = level
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        self._fast = self._debug == "off" and self.backend is not None and self._broken is None
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -151,6 +167,7 @@ class ProcessGroup:
         """A timed-out collective leaves the transport out of step: later calls must not reuse it."""
         if self.backend is not None and self.backend.name == "mpi":
             self._broken = f"an earlier {op} #{seq} timed out; create a new group to continue"
+            self._refresh_fast()
 
     def _run(
         self,
@@ -209,26 +226,26 @@ class ProcessGroup:
         # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
         # checks as below, in fewer Python operations, because small allreduces are latency-bound.
         rop = _FAST_OPS.get(op)
-        if (rop is not None and type(x) is np.ndarray and not async_op and self.debug == "off"
-                and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and self.backend is not None
-                and self._broken is None and (out is None or (
+        if (rop is not None and self._fast and not async_op and type(x) is np.ndarray
+                and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and (out is None or (
                     type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
-                    and out.flags.c_contiguous and out.flags.writeable
-                    and (out is x or not np.may_share_memory(out, x))))):
+                    and (out is x or not np.may_share_memory(out, x))
+                    and (f := out.flags).c_contiguous and f.writeable))):
             if out is None:
                 out = np.empty_like(x)
             seq = next(self._seq)
+            t = self.timeout if timeout is None else timeout
             if x.ndim == 1:
-                req = self.backend.allreduce(x, out, rop)
+                req = self.backend.allreduce_blocking(x, out, rop, t)
             else:
                 rflat = out.reshape(-1)
-                req = self.backend.allreduce(rflat if out is x else x.reshape(-1), rflat, rop)
-            t = self.timeout if timeout is None else timeout
-            if not req.wait(t):
+                req = self.backend.allreduce_blocking(rflat if out is x else x.reshape(-1),
+                                                      rflat, rop, t)
+            if req is not None:
                 raise timeout_error(self, "allreduce", seq, req, t)
             return out
         where = self._where("allreduce")
-        rop = as_op(op)
+        rop = as_op(op, where)
         check_array(where, x)
         self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
@@ -268,7 +285,7 @@ class ProcessGroup:
                async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce ``x`` across ranks onto ``root``; other ranks get None."""
         where = self._where("reduce")
-        rop = as_op(op)
+        rop = as_op(op, where)
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
         self._check_module(where, x)
@@ -353,7 +370,7 @@ class ProcessGroup:
                        async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce ``x`` across ranks and give rank i part i of axis 0."""
         where = self._where("reduce_scatter")
-        rop = as_op(op)
+        rop = as_op(op, where)
         check_array(where, x)
         self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)

@@ -27,6 +27,10 @@ class ReduceOp(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Enum's own __hash__ is Python code (hash of the name); the str one is C, agrees with
+    # ``ReduceOp.SUM == "sum"`` and keeps table lookups on the latency path cheap.
+    __hash__ = str.__hash__
+
 
 _UFUNCS = {
     ReduceOp.SUM: np.add,
@@ -37,8 +41,11 @@ _UFUNCS = {
 }
 
 
-def as_op(op: ReduceOp | str) -> ReduceOp:
-    """Accept a ReduceOp or its name ("sum", "SUM", "avg" for mean as torch users say)."""
+def as_op(op: ReduceOp | str, where: str = "") -> ReduceOp:
+    """Accept a ReduceOp or its name ("sum", "SUM", "avg" for mean as torch users say).
+
+    ``where`` (the operation and rank) starts the error message.
+    """
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):
@@ -50,7 +57,8 @@ def as_op(op: ReduceOp | str) -> ReduceOp:
         except ValueError:
             pass
     raise ValueError(
-        f"unknown reduction op {op!r}; expected one of {[o.value for o in ReduceOp]}"
+        f"{where + ': ' if where else ''}unknown reduction op {op!r}; expected one of "
+        f"{[o.value for o in ReduceOp]}"
     )
 
 

@@ -111,6 +111,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Request: ...
 
+    def allreduce_blocking(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp,
+                           timeout: float) -> Request | None:
+        """``allreduce`` waited on up to ``timeout``: None once complete, else the request still
+        pending at the deadline (the caller reports the timeout and abandons it).
+
+        The latency path of blocking host allreduces: a backend may override it to skip the
+        request bookkeeping that only asynchronous callers need.
+        """
+        req = self.allreduce(sendbuf, recvbuf, op)
+        return None if req.wait(timeout) else req
+
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int) -> Request: ...
 

@@ -301,6 +301,9 @@ class MPIBackend(Backend):
             ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.PROD: MPI.LAND,
             ReduceOp.MIN: MPI.LAND,
         }
+        #: (dtype, op) -> (MPI datatype, MPI op) for ``allreduce_blocking``; float16 is absent
+        self._fast = {(dt, op): (t, self._op(op, dt)) for dt, t in self._types.items()
+                      if dt != np.float16 for op in self._ops}
 
     # -- helpers ----------------------------------------------------------------------------
     def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
@@ -343,6 +346,23 @@ class MPIBackend(Backend):
             s = _MPI.IN_PLACE if inplace else self._buf(sendbuf, lo, hi)
             reqs.append(self.comm.Iallreduce(s, self._buf(recvbuf, lo, hi), mop))
         return _MPIRequest(reqs, what="allreduce")
+
+    def allreduce_blocking(self, sendbuf, recvbuf, op, timeout):
+        # Small allreduces are latency-bound: one Iallreduce and a short Test spin, without
+        # the wrappers (cupy staging, chunking, float16) that the callers of this path exclude.
+        fast = self._fast.get((recvbuf.dtype, op))
+        if fast is None or recvbuf.size > _MAX_COUNT:
+            return super().allreduce_blocking(sendbuf, recvbuf, op, timeout)
+        t, mop = fast
+        req = self.comm.Iallreduce(_MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t],
+                                   [recvbuf, t], mop)
+        test = req.Test
+        for _ in range(64):
+            if test():
+                return None
+        slow = _MPIRequest([req], None, "allreduce")
+        slow.keep = (sendbuf, recvbuf)  # MPI owns them until the request completes
+        return None if slow.wait(timeout) else slow
 
     @_gpu(recv=("buf",))
     def broadcast(self, buf, root):
