@@ -21,7 +21,7 @@ from ._validate import check_array, check_divisible, check_out, check_rank, chec
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError
 from .ops import ReduceOp, as_op, check_op_dtype
-from .work import CompletedWork, Work, timeout_error
+from .work import CompletedWork, Work, annotate, timeout_error, work_where
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -235,12 +235,15 @@ class ProcessGroup:
                 out = np.empty_like(x)
             seq = next(self._seq)
             t = self.timeout if timeout is None else timeout
-            if x.ndim == 1:
-                req = self.backend.allreduce_blocking(x, out, rop, t)
-            else:
-                rflat = out.reshape(-1)
-                req = self.backend.allreduce_blocking(rflat if out is x else x.reshape(-1),
-                                                      rflat, rop, t)
+            try:
+                if x.ndim == 1:
+                    req = self.backend.allreduce_blocking(x, out, rop, t)
+                else:
+                    rflat = out.reshape(-1)
+                    req = self.backend.allreduce_blocking(rflat if out is x else x.reshape(-1),
+                                                          rflat, rop, t)
+            except HpcdpError as exc:
+                raise annotate(exc, work_where(self, "allreduce", seq)) from exc
             if req is not None:
                 raise timeout_error(self, "allreduce", seq, req, t)
             return out
@@ -294,7 +297,9 @@ class ProcessGroup:
         is_root = self.rank == root
         if is_root:
             result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
-        else:
+        else:  # checked here too: a bad out= must not leave only the root raising
+            if out is not None:
+                check_out(where, out, x.shape, x.dtype, xp)
             result = buf = None
         seq = self._begin("reduce", timeout, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp,
@@ -330,7 +335,9 @@ class ProcessGroup:
         is_root = self.rank == root
         if is_root:
             result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
-        else:
+        else:  # checked here too: a bad out= must not leave only the root raising
+            if out is not None:
+                check_out(where, out, (self.size, *x.shape), x.dtype, xp)
             result = buf = None
         seq = self._begin("gather", timeout, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None

@@ -205,6 +205,9 @@ def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):  # sys.exit("message")
+            sys.stderr.write(f"{_rank_label()}{exc.code}\n")
+            sys.stderr.flush()
         if code and under_mpi:
             _abort(code)
         return code

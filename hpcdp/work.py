@@ -31,8 +31,7 @@ class Work:
         self._error: BaseException | None = None
 
     def _where(self) -> str:
-        g = self._group
-        return f"{self._op} #{self._seq} on group {g.name} (rank {g.rank} of {g.size})"
+        return work_where(self._group, self._op, self._seq)
 
     def _complete(self) -> Any:
         self._result = self._finish()
@@ -53,10 +52,8 @@ class Work:
         t = self._group.timeout if timeout is None else timeout
         try:
             ok = self._req.wait(t)
-        except PeerFailureError as exc:
-            self._raise(PeerFailureError(f"{self._where()}: {exc}", peers=exc.peers))
         except HpcdpError as exc:
-            self._raise(type(exc)(f"{self._where()}: {exc}"))
+            self._raise(annotate(exc, self._where()))
         if not ok:
             self._raise(timeout_error(self._group, self._op, self._seq, self._req, t))
         return self._complete()
@@ -88,15 +85,24 @@ def _nothing() -> None:
     return None
 
 
+def work_where(group: "ProcessGroup", op: str, seq: int) -> str:
+    """"allreduce #7 on group world (rank 1 of 4)": how errors name a collective."""
+    return f"{op} #{seq} on group {group.name} (rank {group.rank} of {group.size})"
+
+
+def annotate(exc: HpcdpError, where: str) -> HpcdpError:
+    """The transport's error, of the same type, prefixed with the collective it broke."""
+    if isinstance(exc, PeerFailureError):
+        return PeerFailureError(f"{where}: {exc}", peers=exc.peers)
+    return type(exc)(f"{where}: {exc}")
+
+
 def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request, t: float) -> CommTimeoutError:
     """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank."""
     pending = req.pending()
     req.abandon()
     group._note_timeout(op, seq)
-    return CommTimeoutError(
-        f"{op} #{seq} on group {group.name} (rank {group.rank} of {group.size}) "
-        f"timed out after {t:g} s: {pending}"
-    )
+    return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")
 
 
 class CompletedWork(Work):

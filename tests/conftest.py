@@ -14,16 +14,7 @@ if HERE not in sys.path:  # test bodies are imported by reference in spawned pro
 import hpcdp  # noqa: E402
 
 
-def _tcp_ready() -> bool:
-    try:
-        from hpcdp.backends import tcp  # noqa: F401
-    except Exception:  # noqa: BLE001 - the TCP backend is optional while it is written
-        return False
-    return hasattr(tcp, "spawn_processes")
-
-
-#: Backends that run test bodies as N ranks inside a single pytest process.
-SPAWN_BACKENDS = ["sim"] + (["tcp"] if _tcp_ready() else [])
+SPAWN_BACKENDS = ["sim", "tcp"]
 
 
 def run_ranks(backend: str, world_size: int, fn: Callable[..., Any], *args: Any,

@@ -10,13 +10,13 @@ import hpcdp
 from bodies import (
     body_async, body_bad_inputs, body_finished_peer, body_out_and_inplace, body_out_errors,
     body_p2p, body_review_regressions, body_sim_shape_mismatch, body_split_messages,
-    body_subgroups, body_timeout_then_late_peer,
+    body_subgroups, body_timeout_then_late_peer, body_all_collectives_async_and_out,
 )
 from cases import body_mismatch, body_sleepy_timeout
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 
 BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
-          body_bad_inputs, body_review_regressions]
+          body_bad_inputs, body_review_regressions, body_all_collectives_async_and_out]
 
 
 def _check(per_rank: list[list[str]]) -> None:
@@ -50,6 +50,8 @@ def test_timeout_names_op_and_arrives_in_time(backend: str) -> None:
         assert f"rank {o['rank']}" in o["message"], o
     late = out[1]
     assert late["result"] in ("peer-failure", "timeout", "ok"), late
+    if late["result"] != "ok":  # the late rank's error names its call too
+        assert "allreduce #" in late["message"] and "rank 1" in late["message"], late
 
 
 @pytest.mark.mpi(min_size=2)
@@ -169,3 +171,56 @@ def test_debug_check_uses_call_timeout(backend: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("HPCDP_DEBUG", "detail")
     out = run_ranks(backend, 2, body_sleepy_timeout, 1, 2.5, 1.0, True, timeout=20)
     assert out[0]["result"] == "timeout" and out[0]["elapsed"] < 2.0, out[0]
+
+
+def test_sim_init_refuses_world_size() -> None:
+    with pytest.raises(ValueError, match="spawn"):
+        hpcdp.init(backend="sim", world_size=4)
+    assert not hpcdp.is_initialized()
+
+
+def test_unknown_debug_level_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcdp import _debug
+
+    monkeypatch.setenv("HPCDP_DEBUG", "verbose")
+    with pytest.raises(ValueError, match="HPCDP_DEBUG"):
+        _debug.debug_level()
+    monkeypatch.setenv("HPCDP_DEBUG", "0")
+    assert _debug.debug_level() == "off"
+
+
+def test_hpcdp_timeout_env_reaches_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_TIMEOUT", "7")
+    got = hpcdp.spawn(lambda r: hpcdp.get_default_group().timeout, 2, backend="sim")
+    assert got == [7.0, 7.0]
+
+
+def test_register_backend_plugs_in_a_transport() -> None:
+    """A third-party backend registered by name is what init(backend=name) starts."""
+    from hpcdp.backends import base, sim
+
+    made: list[dict] = []
+
+    def factory(**options):
+        made.append(options)
+        return sim._sim_factory()
+
+    base.register_backend("custom-test", factory)
+    try:
+        g = hpcdp.init(backend="custom-test")
+        assert made == [{}] and g.backend.name == "sim"
+        assert np.array_equal(hpcdp.allreduce(np.arange(3)), np.arange(3))
+        hpcdp.finalize()
+    finally:
+        base._REGISTRY.pop("custom-test", None)
+
+
+def test_debug_digest_is_rank_independent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fingerprints too long for the buffer are digested; the same call must agree across ranks."""
+    monkeypatch.setenv("HPCDP_DEBUG", "detail")
+
+    def body(rank: int) -> str:
+        x = np.ones((1,) * 30)  # a 30-d shape: its fingerprint needs the digest
+        return str(hpcdp.allreduce(x, op="sum").sum())
+
+    assert run_ranks("sim", 3, body) == ["3.0"] * 3

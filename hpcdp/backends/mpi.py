@@ -26,7 +26,18 @@ __all__ = ["MPIBackend", "create_world", "cuda_aware", "set_max_message_elements
 
 _MPI: Any = None
 _modules = sys.modules
-_MAX_COUNT = int(os.environ.get("HPCDP_MAX_MESSAGE_ELEMENTS", 2**31 - 1))
+
+
+def _env_max_count() -> int:
+    raw = os.environ.get("HPCDP_MAX_MESSAGE_ELEMENTS", "")
+    if not raw:
+        return 2**31 - 1
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"HPCDP_MAX_MESSAGE_ELEMENTS={raw!r}: expected a whole number >= 1")
+    return int(raw)
+
+
+_MAX_COUNT = _env_max_count()
 
 
 def set_max_message_elements(n: int | None) -> int:

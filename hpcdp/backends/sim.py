@@ -87,6 +87,19 @@ def _dead_peers(comm: _Comm) -> list[int]:
     return [r for r in comm.ranks if r in comm.world.dead]
 
 
+class _FailedRequest(Request):
+    """A request that could not start: ``test``/``wait`` raise its error."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def test(self) -> bool:
+        raise self.error
+
+    def wait(self, timeout: float | None) -> bool:
+        raise self.error
+
+
 class _SlotRequest(Request):
     def __init__(self, be: SimBackend, key: int, slot: _Slot, extract: Callable[[Any], None]):
         self.be, self.key, self.slot, self.extract = be, key, slot, extract
@@ -242,11 +255,11 @@ class SimBackend(Backend):
             slot = comm.slots.get(key)
             if slot is None:
                 slot = comm.slots[key] = _Slot(self.size)
-            if slot.abandoned_by is not None:
-                raise PeerFailureError(
+            if slot.abandoned_by is not None:  # fails at wait(), where the caller names the op
+                return _FailedRequest(PeerFailureError(
                     f"rank {slot.abandoned_by} abandoned this collective after a timeout",
                     peers=[slot.abandoned_by],
-                )
+                ))
             slot.contribs[self.rank] = (contrib,)
             slot.sigs[self.rank] = sig
             slot.arrived += 1
@@ -373,7 +386,12 @@ class SimBackend(Backend):
         return SimBackend(box[0], list(ranks).index(self.rank))
 
 
-def _sim_factory(*, world: SimWorld | None = None, rank: int = 0, **_: Any) -> SimBackend:
+def _sim_factory(*, world: SimWorld | None = None, rank: int = 0,
+                 world_size: int | None = None) -> SimBackend:
+    if world_size not in (None, 1) and world is None:
+        raise ValueError(
+            f"init(backend='sim', world_size={world_size}): init runs one rank in this thread; "
+            f"run several with hpcdp.spawn(fn, world_size={world_size}, backend='sim')")
     if world is None:
         world = SimWorld(1)
     return SimBackend(_Comm(world, tuple(range(world.size))), rank)
