@@ -80,7 +80,8 @@ def _checkpoint_module(given: Any) -> Any:
 
 
 def main(argv: list[str] | None = None, *, checkpoint: Any = None) -> dict[str, Any]:
-    """Train and evaluate; return the accuracy, the step count and the final parameters.
+    """Train and evaluate; return the accuracy, the step counts, the checkpoint resumed from (or
+    None) and the final parameters.
 
     Args:
         argv: command-line arguments (default ``sys.argv[1:]``).
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None, *, checkpoint: Any = None) -> dict[str, 
         return {"model": ddp.state_dict(), "optim": opt.state_dict(), "step": step,
                 "epoch": epoch, "batch": batch}
 
-    step, start_epoch, start_batch = 0, 0, 0
+    step, start_epoch, start_batch, resumed_from = 0, 0, 0, None
     if args.resume:
         path = ckpt.latest(args.ckpt_dir)
         if path is not None:
@@ -116,8 +117,10 @@ def main(argv: list[str] | None = None, *, checkpoint: Any = None) -> dict[str, 
             ddp.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["optim"])
             step, start_epoch, start_batch = int(loaded["step"]), int(loaded["epoch"]), int(loaded["batch"])
+            resumed_from = path
             if rank == 0:
                 print(f"resumed from {path} at step {step} (epoch {start_epoch}, batch {start_batch})")
+    start_step = step
 
     bar = progress(total=args.epochs * per_epoch, initial=step, desc=f"train ({world} ranks)",
                    disable=args.no_progress)
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None, *, checkpoint: Any = None) -> dict[str, 
     if args.check and acc < 0.95:
         raise SystemExit(1)
     return {"test_accuracy": acc, "step": step, "world_size": world,
+            # what --resume did: the checkpoint and step it started from, the steps run here
+            "resumed_from": resumed_from, "start_step": start_step, "steps_run": step - start_step,
             "params": {k: np.array(v, copy=True) for k, v in model.state_dict().items()}}
 
 

@@ -6,6 +6,7 @@ process-wide.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Any, Sequence
 
@@ -105,9 +106,21 @@ def _set_thread_default(group: ProcessGroup | None) -> None:
     _tls.group = group
 
 
+def _wait_for_async_checkpoint(group: ProcessGroup | None) -> None:
+    """An ``async_save`` still writing runs collectives on this group's transport: let it commit
+    (every rank calls ``finalize``, so the save completes) before the transport goes."""
+    save = sys.modules.get("hpcdp.checkpoint._save")  # not imported: no save can be pending
+    if group is not None and save is not None:
+        save.wait_pending(group, warn=True)
+
+
 def finalize() -> None:
-    """Release the default group's transport; ``init`` may be called again afterwards."""
+    """Release the default group's transport; ``init`` may be called again afterwards.
+
+    A pending ``hpcdp.checkpoint.save(..., async_save=True)`` is waited for first.
+    """
     global _default, _thread_groups
+    _wait_for_async_checkpoint(getattr(_tls, "group", None) or _default)
     with _lock:
         g = getattr(_tls, "group", None)
         if g is not None:

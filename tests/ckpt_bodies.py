@@ -9,7 +9,7 @@ import numpy as np
 
 import hpcdp
 from hpcdp.checkpoint import Shard, latest, load, save
-from hpcdp.checkpoint._format import BF16_META
+from hpcdp.checkpoint._format import BF16_META, type_note
 from hpcdp.checkpoint._plan import row_bounds
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -17,6 +17,7 @@ DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 BF16 = np.dtype("<u2", metadata=dict(BF16_META))
 SH_ROWS = (37, 11)   # sharded by uneven rows
 SH_COLS = (6, 10)    # sharded by uneven columns
+SH_SLASH = (9, 4)    # sharded by uneven rows, under a key with "/" (always a virtual dataset in VDS)
 
 
 def _arr(dtype: str, shape: tuple, seed: int) -> np.ndarray:
@@ -43,7 +44,8 @@ def uneven(total: int, n: int, rank: int) -> tuple[int, int]:
 
 
 def global_arrays() -> dict[str, np.ndarray]:
-    return {"rows": _arr("int32", SH_ROWS, 1), "cols": _arr("float64", SH_COLS, 2)}
+    return {"rows": _arr("int32", SH_ROWS, 1), "cols": _arr("float64", SH_COLS, 2),
+            "enc/w": _arr("float32", SH_SLASH, 3)}
 
 
 def make_state(rank: int, n: int, *, shards: str = "uneven") -> dict:
@@ -52,9 +54,11 @@ def make_state(rank: int, n: int, *, shards: str = "uneven") -> dict:
     if shards == "uneven":
         lo, hi = uneven(SH_ROWS[0], n, rank)
         clo, chi = uneven(SH_COLS[1], n, n - 1 - rank)
+        slo, shi = uneven(SH_SLASH[0], n, rank)
     else:
         lo, hi = row_bounds(SH_ROWS[0], n)[rank]
         clo, chi = row_bounds(SH_COLS[1], n)[rank]
+        slo, shi = row_bounds(SH_SLASH[0], n)[rank]
     return {
         "arrays": {dt.replace(">", "be_"): _arr(dt, (3, 5), k) for k, dt in enumerate(DTYPES)},
         "bf16": _arr("uint16", (4, 4), 99).view(BF16),
@@ -62,13 +66,14 @@ def make_state(rank: int, n: int, *, shards: str = "uneven") -> dict:
         "scalar0d": np.array(2.5),
         "empty": np.zeros((0, 4), np.float32),
         "sharded": {"rows": Shard(g["rows"][lo:hi], SH_ROWS, (lo, 0)),
-                    "cols": Shard(g["cols"][:, clo:chi], SH_COLS, (0, clo))},
+                    "cols": Shard(g["cols"][:, clo:chi], SH_COLS, (0, clo)),
+                    "enc/w": Shard(g["enc/w"][slo:shi], SH_SLASH, (slo, 0))},
         "scalars": {"i": 7, "big_int": 2**70, "f": 0.1, "b": True, "s": "héllo/wörld", "none": None,
                     "c": 1 + 2j, "np_f32": np.float32(1.5), "np_i64": np.int64(-3),
                     "nan": float("inf")},
         "opt": {"state": {0: {"step": 3, "m": _arr("float32", (5,), 11)}, 1: {"step": 3}},
                 "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0, 1]}]},
-        "odd/key": {"": 1, ".": 2, "%": 3},
+        "odd/key": {"": 1, ".": 2, "%": 3, "w/b%": _arr("int16", (2, 3), 12)},
     }
 
 
@@ -93,10 +98,12 @@ def _eq(a: Any, b: Any, where: str, fails: list[str]) -> None:
             return
         _eq(a.local, b.local, where + ".local", fails)
     elif isinstance(a, np.ndarray):
+        # dtype != ignores numpy dtype metadata, which is where bfloat16 lives without ml_dtypes
         if not isinstance(b, np.ndarray) or a.shape != b.shape or a.dtype != b.dtype \
-                or a.tobytes() != b.tobytes():
-            fails.append(f"{where}: {a.dtype}{a.shape} != {getattr(b, 'dtype', type(b))}"
-                         f"{getattr(b, 'shape', '')}")
+                or type_note(a.dtype) != type_note(b.dtype) or a.tobytes() != b.tobytes():
+            fails.append(f"{where}: {a.dtype}{a.shape} (type {type_note(a.dtype) or '-'}) != "
+                         f"{getattr(b, 'dtype', type(b))}{getattr(b, 'shape', '')}"
+                         f" (type {type_note(b.dtype) if isinstance(b, np.ndarray) else '-'})")
     else:
         if type(a) is not type(b) or a != b:
             fails.append(f"{where}: {a!r} ({type(a).__name__}) != {b!r} ({type(b).__name__})")
@@ -136,12 +143,17 @@ def body_load_check(rank: int, path: str, n_saved: int, group: Any = None) -> li
     got = load(path, like=like, group=g)
     want = make_state(r, n, shards="even")
     _eq(want, got, "like", fails)
+    for name, st in (("full", full), ("like", got)):
+        if type_note(st["bf16"].dtype) != "bfloat16":
+            fails.append(f"{name}: bf16 came back as {st['bf16'].dtype!r}, without its bfloat16 note")
     if not np.all(like["sharded"]["rows"].local == -1):
         fails.append("load modified like")
     if r == 0:
         with h5py.File(os.path.join(path, "data.h5"), "r") as f:  # plain h5py, global view
             if not np.array_equal(f["sharded/rows"][...], global_arrays()["rows"]):
                 fails.append("plain h5py: sharded/rows differs")
+            if not np.array_equal(f["sharded/enc%2Fw"][...], global_arrays()["enc/w"]):
+                fails.append("plain h5py: sharded/enc%2Fw differs")
             if not np.array_equal(f["big"][...], make_state(0, 1)["big"]):
                 fails.append("plain h5py: big differs")
             if f["bf16"].attrs.get("hpcdp_type") != "bfloat16" or f["bf16"].dtype != np.uint16:

@@ -14,7 +14,7 @@ from ckpt_bodies import (
     body_save, make_state, shared_dir,
 )
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
-from hpcdp.checkpoint import Shard, latest, list_checkpoints, load, save
+from hpcdp.checkpoint import Shard, _commit, latest, list_checkpoints, load, save
 from hpcdp.checkpoint._format import MANIFEST
 
 
@@ -72,8 +72,9 @@ def test_keep_last_latest_and_cleanup(tmp_path) -> None:
     d = tmp_path / "ck"
     st = {"w": np.arange(10.0), "step": 0}
     assert latest(str(d)) is None
-    os.makedirs(d / ".tmp-step-99-dead")           # an uncommitted leftover
+    os.makedirs(d / ".tmp-step-99-dead")           # an uncommitted leftover, untouched for long
     (d / ".tmp-step-99-dead" / "data.h5").write_bytes(b"torn")
+    _age(d / ".tmp-step-99-dead", _commit.STALE_AFTER_S + 60)
     os.makedirs(d / "notes")                         # not a checkpoint
     for step in (1, 2, 10, 3):
         st["step"] = step
@@ -88,12 +89,132 @@ def test_keep_last_latest_and_cleanup(tmp_path) -> None:
     assert load(str(d / "step-10"))["step"] == 11
 
 
-def test_bad_inputs_raise() -> None:
+def _age(path, seconds: float) -> None:
+    """Make ``path`` and the entries in it look untouched for ``seconds``."""
+    import time
+
+    t = time.time() - seconds
+    for name in os.listdir(path):
+        os.utime(os.path.join(path, name), (t, t))
+    os.utime(path, (t, t))
+
+
+def test_cleanup_spares_concurrent_saves_and_restores_moved_aside(tmp_path) -> None:
+    d = tmp_path / "ck"
+    st = {"w": np.arange(10.0), "step": 1}
+    save(str(d / "step-1"), st)
+    tok = "0123abcd"
+    live = d / f".tmp-step-7-{tok}"                  # another job's save, in progress
+    stale = d / f".tmp-step-8-{tok}"                 # a save that died long ago
+    mine = d / f".tmp-step-2-{tok}"                  # a dead earlier attempt at the same name
+    tomb = d / f".tmp-step-0-{tok}.del"              # rotation interrupted mid-delete
+    for p in (live, stale, mine, tomb):
+        os.makedirs(p)
+        (p / "data.h5").write_bytes(b"partial")
+    _age(stale, _commit.STALE_AFTER_S + 60)
+    # a re-save of step-5 that died between its two renames: the old copy is the only one
+    shutil.copytree(d / "step-1", d / f".tmp-step-5-{tok}.old")
+    save(str(d / "step-2"), st)
+    left = sorted(os.listdir(d))
+    assert left == [live.name, "step-1", "step-2", "step-5"], left
+    assert load(str(d / "step-5"))["step"] == 1
+    assert latest(str(d)) == str(d / "step-5")
+
+
+def test_failed_resave_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
+    """commit() moves the old directory aside, then renames the new one in: if that fails, the
+    old one is put back; if even that fails (a crash between), the next save puts it back."""
+    d = tmp_path / "ck"
+    final = str(d / "step-1")
+    save(final, {"w": np.arange(4.0), "step": 1})
+    real_rename = os.rename
+
+    def failing(fail: set[int]):
+        calls = []
+
+        def rename(src, dst, *a, **k):
+            calls.append((os.fspath(src), os.fspath(dst)))
+            if len(calls) in fail:
+                raise OSError(5, "Input/output error (simulated)")
+            return real_rename(src, dst, *a, **k)
+        return rename, calls
+
+    rename, calls = failing({2})                    # the rename of the new directory into place
+    monkeypatch.setattr(_commit.os, "rename", rename)
+    with pytest.raises(hpcdp.CheckpointError, match="simulated"):
+        save(final, {"w": np.arange(4.0) + 1, "step": 2})
+    monkeypatch.undo()
+    assert calls[0][0] == final and calls[1][1] == final, calls
+    assert load(final)["step"] == 1
+    assert not any(n.startswith(".tmp-") for n in os.listdir(d)), os.listdir(d)
+
+    rename, calls = failing({2, 3})                 # ... and putting the old one back fails too
+    monkeypatch.setattr(_commit.os, "rename", rename)
+    with pytest.raises(hpcdp.CheckpointError, match="simulated"):
+        save(final, {"w": np.arange(4.0) + 1, "step": 2})
+    monkeypatch.undo()
+    assert not os.path.exists(final)
+    assert [n for n in os.listdir(d) if n.endswith(".old")], os.listdir(d)
+    save(str(d / "step-2"), {"w": np.arange(4.0), "step": 3})  # its clean-up restores step-1
+    assert load(final)["step"] == 1
+    assert not any(n.startswith(".tmp-") for n in os.listdir(d)), os.listdir(d)
+    assert list_checkpoints(str(d)) == [final, str(d / "step-2")]
+
+
+def test_rotation_failure_is_a_warning(tmp_path, monkeypatch) -> None:
+    d = tmp_path / "ck"
+    save(str(d / "step-1"), {"step": 1})
+
+    def broken(*a, **k):
+        raise PermissionError(13, "Permission denied (simulated)")
+
+    monkeypatch.setattr(_commit, "rotate", broken)
+    with pytest.warns(RuntimeWarning, match="keep_last=1.*simulated"):
+        assert save(str(d / "step-2"), {"step": 2}, keep_last=1) == str(d / "step-2")
+    assert load(str(d / "step-2"))["step"] == 2
+    assert latest(str(d)) == str(d / "step-2")
+
+
+def test_bad_inputs_raise(tmp_path) -> None:
     with pytest.raises(ValueError):
         Shard(np.zeros((2, 2)), (3, 3), (2, 0))
+    target = tmp_path / "never-written" / "x"
     with pytest.raises(hpcdp.CheckpointError, match="unsupported"):
-        save("/tmp/never-written/x", {"o": object()})
-    assert not os.path.exists("/tmp/never-written/x")
+        save(str(target), {"o": object()})
+    assert not os.path.exists(target)
+    assert not os.path.exists(tmp_path / "never-written")
+
+
+def _body_keys_with_slash_and_percent(rank: int, path: str, mode: str) -> list[str]:
+    """VirtualSource names are printf-like in HDF5: "%" (our escape for "/") must not break them."""
+    st = {"pad": np.arange(3.0), "enc/w": np.arange(10.0), "a%b": {"c/d%2F": np.arange(4.0)}}
+    save(path, st, mode=mode)
+    fails: list[str] = []
+    from ckpt_bodies import _eq
+
+    _eq(st, load(path), "slash", fails)
+    with h5py.File(os.path.join(path, "data.h5"), "r") as f:
+        if mode == "vds" and hpcdp.world_size() > 1 and not f["enc%2Fw"].is_virtual:
+            fails.append("enc/w was expected to be a virtual dataset")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_keys_with_slash_and_percent_vds(world_size: int, tmp_path) -> None:
+    _check(run_ranks("sim", world_size, _body_keys_with_slash_and_percent,
+                     str(tmp_path / "a%d" / "step-1"), "vds"))
+
+
+def _body_finalize_waits(rank: int, path: str) -> tuple[bool, bool]:
+    h = save(path, make_state(rank, hpcdp.world_size()), async_save=True)
+    hpcdp.finalize()
+    return h.done(), latest(os.path.dirname(path)) == path
+
+
+def test_finalize_waits_for_async_save(tmp_path) -> None:
+    path = str(tmp_path / "ck" / "step-1")
+    assert run_ranks("sim", 2, _body_finalize_waits, path) == [(True, True)] * 2
+    _check(run_ranks("sim", 2, body_load_check, path, 2))
 
 
 # -- corruption: every rank raises, naming file and dataset -------------------------------------

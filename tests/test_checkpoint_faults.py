@@ -30,6 +30,10 @@ def _body_failing_save(rank: int, path: str, how: str) -> str:
         st["sharded"]["rows"] = Shard(np.zeros((2, 11), np.int32), (37, 11), (0, 0))
     elif how == "hole":
         st["sharded"]["rows"] = Shard(np.zeros((1, 11), np.int32), (37, 11), (rank, 0))
+    elif how == "scalar" and rank == 1:
+        st["opt"]["state"][0]["step"] = 4            # a rank that took one more optimizer step
+    elif how == "string" and rank == 1:
+        st["scalars"]["s"] = "another run"
     try:
         save(path, st)
     except hpcdp.CheckpointError as exc:
@@ -49,7 +53,8 @@ class _FailingWrite:
         return self.orig(writer, *a, **k)
 
 
-@pytest.mark.parametrize("how", ["unsupported", "shape", "overlap", "hole", "write"])
+@pytest.mark.parametrize("how", ["unsupported", "shape", "overlap", "hole", "write", "scalar",
+                                 "string"])
 def test_failure_on_one_rank_raises_everywhere(how: str, tmp_path, monkeypatch) -> None:
     d = tmp_path / "ck"
     good = str(d / "step-1")
@@ -62,8 +67,12 @@ def test_failure_on_one_rank_raises_everywhere(how: str, tmp_path, monkeypatch) 
     msgs = run_ranks("sim", 3, _body_failing_save, str(d / "step-2"), how)
     assert all(msgs), msgs
     assert len(set(msgs)) == 1, msgs                       # the same error on every rank
-    if how in ("unsupported", "shape", "write"):
+    if how in ("unsupported", "shape", "write", "scalar", "string"):
         assert "rank 1" in msgs[0] or "rank(s) [1]" in msgs[0], msgs[0]
+    if how in ("scalar", "string"):
+        assert "rank(s) [1]" in msgs[0] and "rank(s) [1, 2]" not in msgs[0], msgs[0]
+        where = "['step']" if how == "scalar" else "['s']"
+        assert where in msgs[0], msgs[0]
     if how in ("overlap", "hole"):
         assert how in msgs[0], msgs[0]
     assert latest(str(d)) == good
@@ -156,3 +165,62 @@ def test_rank_killed_mid_save_mpirun(tmp_path) -> None:
     assert run_ranks("sim", 3, body_load_check, os.path.join(d, "step-1"), 2) == [[], [], []]
     st = load(os.path.join(d, "step-1"))                   # and in this plain process
     assert np.array_equal(st["big"], make_state(0, 1)["big"])
+
+
+# -- under mpirun: a Python-level failure on one rank inside the parallel (mpio) write ----------
+#: a hang (a rank left alone in a collective write or close) ends the job after this long
+MPI_WATCHDOG_S = 90
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("where", ["collective", "independent"])
+def test_write_failure_on_one_rank_mpi(mpi_world, where: str, monkeypatch) -> None:
+    """Rank 1's slab write raises: every rank keeps joining the collective writes, then all raise
+    the same CheckpointError naming rank 1, and the previous checkpoint is still latest and loads."""
+    import faulthandler
+    import shutil
+
+    import h5py
+
+    from ckpt_bodies import shared_dir
+    from conftest import run_mpi
+    from hpcdp.checkpoint import _writer_mpio
+
+    if not h5py.get_config().mpi:
+        pytest.fail("this h5py lacks MPI support: run `make install` (parallel HDF5 build)")
+    d = shared_dir()
+    good, bad = os.path.join(d, "step-1"), os.path.join(d, "step-2")
+    # Never hang CI: past the watchdog, dump every thread's stack and exit (mpirun then ends the job).
+    faulthandler.dump_traceback_later(MPI_WATCHDOG_S, exit=True)
+    try:
+        body_save(hpcdp.rank(), good, "mpio")
+        orig = _writer_mpio.write_slab
+
+        def write_slab(dset, data, offsets, dxpl=None):
+            # rank 1 fails before HDF5's call, on its first slab of the chosen kind of transfer
+            if hpcdp.rank() == 1 and data is not None and (dxpl is not None) == (where == "collective"):
+                raise OSError(28, "No space left on device (simulated)")
+            return orig(dset, data, offsets, dxpl=dxpl)
+
+        monkeypatch.setattr(_writer_mpio, "write_slab", write_slab)
+        try:
+            body_save(hpcdp.rank(), bad, "mpio")
+            msg = ""
+        except hpcdp.CheckpointError as exc:
+            msg = str(exc)
+        monkeypatch.undo()
+        msgs = hpcdp.all_gather_object(msg)
+        assert all(msgs), msgs
+        assert len(set(msgs)) == 1, msgs                     # the same error on every rank
+        assert "rank(s) [1]" in msgs[0] and "No space left on device" in msgs[0], msgs[0]
+        assert latest(d) == good
+        assert not os.path.exists(bad)
+        fails = run_mpi(body_load_check, good, hpcdp.world_size())
+        assert fails == [[]] * hpcdp.world_size(), fails
+        body_save(hpcdp.rank(), bad, "mpio")                 # and the next save works
+        assert latest(d) == bad
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        hpcdp.barrier()
+        if hpcdp.rank() == 0:
+            shutil.rmtree(d, ignore_errors=True)

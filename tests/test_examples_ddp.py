@@ -69,8 +69,9 @@ class MemoryCheckpoints:
         return mine[-1] if mine else None
 
 
-def body_resume(rank: int, ckpt: MemoryCheckpoints, argv: list[str]) -> dict[str, np.ndarray]:
-    return _main()(argv, checkpoint=ckpt)["params"]
+def body_resume(rank: int, ckpt: MemoryCheckpoints, argv: list[str]) -> dict[str, Any]:
+    out = _main()(argv, checkpoint=ckpt)
+    return {k: out[k] for k in ("params", "step", "start_step", "steps_run", "resumed_from")}
 
 
 @pytest.mark.parametrize("stop_after", [5, 8])   # mid-epoch, and exactly at the end of epoch 0 (8 batches)
@@ -78,9 +79,15 @@ def test_02_resume_is_bit_identical(stop_after: int) -> None:
     base = ["--no-progress", "--epochs", "2", "--batch-size", "60", "--ckpt-dir", "ck",
             "--save-every", "1"]
     whole = run_ranks("sim", 3, body_resume, MemoryCheckpoints(), base)[0]
+    total = whole["step"]
+    assert (whole["start_step"], whole["steps_run"]) == (0, total)
     ckpt = MemoryCheckpoints()
     run_ranks("sim", 3, body_resume, ckpt, base + ["--max-steps", str(stop_after)])
     assert ckpt.latest("ck") == f"ck/step-{stop_after}"
-    resumed = run_ranks("sim", 3, body_resume, ckpt, base + ["--resume"])[0]
-    for k in whole:
-        assert np.array_equal(whole[k], resumed[k]), k
+    resumed = run_ranks("sim", 3, body_resume, ckpt, base + ["--resume"])
+    for r, out in enumerate(resumed):   # --resume really started from the saved step
+        assert out["resumed_from"] == f"ck/step-{stop_after}", (r, out["resumed_from"])
+        assert (out["start_step"], out["steps_run"], out["step"]) == (stop_after, total - stop_after, total), \
+            (r, out["start_step"], out["steps_run"], out["step"])
+    for k in whole["params"]:
+        assert np.array_equal(whole["params"][k], resumed[0]["params"][k]), k

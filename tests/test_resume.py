@@ -23,7 +23,7 @@ def _example():
 
 def body_train(rank: int, argv: list[str]) -> dict:
     out = _example().main(argv + ["--no-progress"])
-    return {"step": out["step"], "params": out["params"]}
+    return {k: out[k] for k in ("step", "params", "start_step", "steps_run", "resumed_from")}
 
 
 BASE = ["--epochs", "2", "--batch-size", "32", "--hidden", "32", "--seed", "3"]
@@ -32,14 +32,22 @@ BASE = ["--epochs", "2", "--batch-size", "32", "--hidden", "32", "--seed", "3"]
 def _parity(run, ckdir: str) -> None:
     full = run(BASE)
     total = full[0]["step"]
+    assert all(r["start_step"] == 0 and r["steps_run"] == total for r in full), full[0]
     stop = total * 2 // 3
     every = max(2, stop // 3)
     if stop % every == 0:
         stop += 1  # stop between two saves, so the resumed run replays some steps
     first = run(BASE + ["--ckpt-dir", ckdir, "--save-every", str(every), "--max-steps", str(stop)])
     assert all(r["step"] == stop for r in first), (stop, [r["step"] for r in first])
-    assert hpcdp.checkpoint.latest(ckdir).endswith(f"step-{stop // every * every}")
+    assert all(r["start_step"] == 0 and r["resumed_from"] is None for r in first)
+    saved = stop // every * every
+    path = hpcdp.checkpoint.latest(ckdir)
+    assert path.endswith(f"step-{saved}")
     resumed = run(BASE + ["--ckpt-dir", ckdir, "--save-every", str(every), "--resume"])
+    for r, b in enumerate(resumed):
+        # --resume really resumed: from that checkpoint, at its step, running only the rest
+        assert b["resumed_from"] == path, (r, b["resumed_from"], path)
+        assert (b["start_step"], b["steps_run"]) == (saved, total - saved), (r, b["start_step"], b["steps_run"])
     for r, (a, b) in enumerate(zip(full, resumed)):
         assert a["step"] == b["step"], (a["step"], b["step"])
         assert list(a["params"]) == list(b["params"])

@@ -6,7 +6,13 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["dcpl", "create_dataset", "write_slab", "read_slab", "file_space"]
+__all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "file_space",
+           "SlabWriteError"]
+
+
+class SlabWriteError(Exception):
+    """HDF5's write call itself failed (``__cause__``): in a collective transfer this rank took part,
+    unlike a failure before the call, after which it must still join with an empty selection."""
 
 
 def dcpl() -> Any:
@@ -43,14 +49,28 @@ def _mem_space(shape: Sequence[int] | None) -> Any:
     return h5py.h5s.create_simple(tuple(shape))
 
 
+def _h5write(dset: Any, mem: Any, space: Any, buf: np.ndarray, dxpl: Any) -> None:
+    try:
+        dset.id.write(mem, space, buf, dxpl=dxpl)
+    except Exception as exc:  # noqa: BLE001
+        raise SlabWriteError(f"{type(exc).__name__}: {exc}") from exc
+
+
 def write_slab(dset: Any, data: np.ndarray | None, offsets: Sequence[int] | None, dxpl: Any = None) -> None:
-    """Write ``data`` at ``offsets``; ``data=None`` takes part in a collective write with nothing."""
+    """Write ``data`` at ``offsets``; ``data=None`` takes part in a collective write with nothing.
+
+    Raises ``SlabWriteError`` when HDF5's write call failed, anything else when it was not reached.
+    """
     if data is None or data.size == 0:
-        buf = np.zeros(1, dset.dtype)
-        dset.id.write(_mem_space(None), file_space(dset, None, None), buf, dxpl=dxpl)
+        write_nothing(dset, dxpl)
         return
     data = np.require(data, requirements="C")
-    dset.id.write(_mem_space(data.shape), file_space(dset, offsets, data.shape), data, dxpl=dxpl)
+    _h5write(dset, _mem_space(data.shape), file_space(dset, offsets, data.shape), data, dxpl)
+
+
+def write_nothing(dset: Any, dxpl: Any = None) -> None:
+    """Take part in a (collective) write of ``dset`` with an empty selection."""
+    _h5write(dset, _mem_space(None), file_space(dset, None, None), np.zeros(1, dset.dtype), dxpl)
 
 
 def read_slab(dset: Any, out: np.ndarray, offsets: Sequence[int]) -> np.ndarray:

@@ -1,20 +1,26 @@
 """``save``: the collective protocol, in order (every step on every rank of the group).
 
 1. flatten the state locally (copying it first for ``async_save``);
-2. gather every rank's dataset specs and shard blocks; check they agree and that shards tile;
+2. gather every rank's dataset specs, shard blocks and a digest of its non-array values; check
+   they agree (rank 0's scalars are the ones written) and that shards tile;
 3. rank 0 creates the temporary directory and broadcasts its name;
 4. write the slabs (``_writer_mpio`` or ``_writer_vds``), CRC32 of each slab computed on the way;
+   a rank that fails goes on taking part in the remaining collective writes with nothing to write;
 5. gather the slab checksums (and any failure); build the manifest, identical on every rank;
 6. finish the files (manifest, close), fsync each rank's files;
-7. rank 0 verifies the directory, renames it into place, fsyncs the parent, rotates; broadcasts.
+7. rank 0 verifies the directory, renames it into place, fsyncs the parent; broadcasts; then
+   rotates (a rotation failure is a warning: the new checkpoint is already committed).
 A failure on any rank at any step makes every rank raise the same ``CheckpointError`` listing the
-failing ranks; the temporary directory is discarded and the previous checkpoint is untouched.
+failing ranks; the files are closed on every rank together, the temporary directory is discarded
+and the previous checkpoint is untouched.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
-import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +54,10 @@ def choose_mode(group: Any, mode: str | None) -> str:
 
 
 def _describe(exc: BaseException) -> str:
+    from ._h5util import SlabWriteError
+
+    if isinstance(exc, SlabWriteError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # name HDF5's own error
     return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
@@ -74,6 +84,48 @@ def _first_difference(specs: list[list[tuple]]) -> str | None:
     return None
 
 
+def tree_digest(tree: dict | None) -> str | None:
+    """SHA-256 of the tree (containers, scalars and strings, array paths): ranks must agree on it."""
+    if tree is None:
+        return None
+    raw = json.dumps(tree, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _tree_difference(a: Any, b: Any, where: str = "state") -> str:
+    """Where two trees first differ, for the error message."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.get("t") != b.get("t"):
+            return f"{where} is a {a.get('t')} on rank 0, a {b.get('t')}"
+        if a.get("t") == "scalar":
+            va, vb = (f"{n.get('value')!r} ({n.get('dtype') or n.get('type')})" for n in (a, b))
+            return f"{where} is {va} on rank 0, {vb}"
+        ia, ib = a.get("items", []), b.get("items", [])
+        for i, (x, y) in enumerate(zip(ia, ib)):
+            if x != y:
+                if isinstance(x, dict) and "k" in x and isinstance(y, dict) and "k" in y:
+                    if x["k"] != y["k"]:
+                        return f"{where} has key {x['k']!r} on rank 0, {y['k']!r}"
+                    return _tree_difference(x["v"], y["v"], f"{where}[{x['k']!r}]")
+                return _tree_difference(x, y, f"{where}[{i}]")
+        if len(ia) != len(ib):
+            return f"{where} has {len(ia)} entries on rank 0, {len(ib)}"
+    return f"{where} differs"
+
+
+def _check_trees(group: Any, final: str, digests: list[str | None], tree: dict | None) -> None:
+    """Raise on every rank if ranks passed different scalars, strings or structure."""
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if not bad:
+        return
+    # Rare: exchange the whole trees only now, to say where the first rank that differs differs.
+    trees = group.all_gather_object(tree)
+    where = _tree_difference(trees[0], trees[bad[0]])
+    raise CheckpointError(f"save {final!r}: rank(s) {bad} passed scalars, strings or containers "
+                          f"different from rank 0's ({where} on rank {bad[0]}); every rank must "
+                          "save the same non-array values")
+
+
 def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
              keep_last: int | None, local_err: str | None) -> str:
     rank, size = group.rank, group.size
@@ -82,12 +134,14 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     blocks = None if local_err else [(l.offsets, tuple(l.data.shape)) if l.kind == "shard" else None
                                      for l in leaves]
     got = _agree(group, "preparing the state", final, local_err,
-                 (specs, blocks, mode, tree if rank == 0 else None, default_checksum()))
+                 (specs, blocks, mode, tree if rank == 0 else None, default_checksum(),
+                  tree_digest(tree)))
     all_specs = [g[0] for g in got]
     diff = _first_difference(all_specs)
     if diff is not None:
         raise CheckpointError(f"save {final!r}: ranks passed different states ({diff}); every rank "
                               "must save the same keys, shapes and dtypes (shards: the global ones)")
+    _check_trees(group, final, [g[5] for g in got], tree)
     modes = {g[2] for g in got}
     if len(modes) != 1:
         raise CheckpointError(f"save {final!r}: ranks chose different modes {[g[2] for g in got]}")
@@ -114,20 +168,30 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
 
         writer = VdsWriter(tmp, rank)
     err, crcs = None, []
-    try:
-        # Checksums in a helper thread while this one writes (both release the GIL).
-        mine = [(i, s) for i, p in enumerate(plans) if (s := p.slab_of(rank)) is not None]
-        with ThreadPoolExecutor(1, thread_name_prefix="hpcdp-ckpt-crc") as pool:
+    # Checksums in a helper thread while this one writes (both release the GIL). Whatever fails
+    # here, every rank still runs writer.write to its end: in mpio mode it joins every collective
+    # write (with nothing to write after a local failure), so no rank is left waiting in one.
+    with ThreadPoolExecutor(1, thread_name_prefix="hpcdp-ckpt-crc") as pool:
+        futs: list = []
+        try:
+            mine = [(i, s) for i, p in enumerate(plans) if (s := p.slab_of(rank)) is not None]
             futs = [(i, s, pool.submit(checksum_of, slab_data(leaves[i], plans[i], rank), algo))
                     for i, s in mine]
-            writer.write(plans, leaves, tree0)
-            crcs = [(i, s.as_json(f.result())) for i, s, f in futs]
-    except Exception as exc:  # noqa: BLE001
-        err = _describe(exc)
-        writer.abort()
+        except Exception as exc:  # noqa: BLE001
+            err = _describe(exc)
+        try:
+            writer.write(plans, leaves, tree0, failed=err is not None)
+        except Exception as exc:  # noqa: BLE001
+            err = err or _describe(exc)
+        if err is None:
+            try:
+                crcs = [(i, s.as_json(f.result())) for i, s, f in futs]
+            except Exception as exc:  # noqa: BLE001
+                err = _describe(exc)
     try:
         got = _agree(group, "writing", final, err, crcs)
     except CheckpointError:
+        writer.abort()  # all ranks together: closing an mpio file is collective
         if rank == 0:
             _commit.discard(tmp)
         raise
@@ -152,7 +216,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
                 "tree": tree0, "datasets": datasets, "files": files}
     raw, mcrc = encode_manifest(manifest)
 
-    # 6. finish and fsync
+    # 6. finish and fsync (finish closes the file on every rank even when it fails on one)
     err = None
     try:
         written = writer.finish(raw, mcrc)
@@ -160,28 +224,35 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
             _commit.fsync_path(p)
     except Exception as exc:  # noqa: BLE001
         err = _describe(exc)
-        writer.abort()
     try:
         _agree(group, "finishing the files", final, err)
     except CheckpointError:
+        writer.abort()
         if rank == 0:
             _commit.discard(tmp)
         raise
 
-    # 7. verify, commit, rotate (rank 0)
-    err = None
+    # 7. verify and commit (rank 0), then rotate: the save succeeded once committed, so a
+    # rotation failure is a warning, not a failed save.
+    err, rotate_err = None, None
     if rank == 0:
         try:
             from ._reader import verify_structure
 
             verify_structure(tmp)
             _commit.commit(tmp, final)
-            if keep_last is not None:
-                _commit.rotate(os.path.dirname(final), keep_last, final)
         except Exception as exc:  # noqa: BLE001
             err = _describe(exc)
             _commit.discard(tmp)
+        if err is None and keep_last is not None:
+            try:
+                _commit.rotate(os.path.dirname(final), keep_last, final)
+            except Exception as exc:  # noqa: BLE001
+                rotate_err = _describe(exc)
     _agree(group, "committing", final, err)
+    if rotate_err is not None:
+        warnings.warn(f"save {final!r}: committed, but deleting older checkpoints "
+                      f"(keep_last={keep_last}) failed: {rotate_err}", RuntimeWarning, stacklevel=2)
     return final
 
 
@@ -193,6 +264,7 @@ class AsyncSave:
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._reported = False
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -204,6 +276,7 @@ class AsyncSave:
         if self._thread is not None:
             self._thread.join()
         if self._exc is not None:
+            self._reported = True
             raise self._exc
         return self.path
 
@@ -216,13 +289,20 @@ class AsyncSave:
             self._done.set()
 
 
-def wait_pending(group: Any) -> None:
+def wait_pending(group: Any, *, warn: bool = False) -> None:
+    """Wait for ``group``'s async save, if any. Its failure is the handle's to report (``wait()``);
+    with ``warn`` (at ``finalize``, the last chance) a failure nobody collected becomes a warning."""
     h = pending(group)
     if h is not None:
+        reported = h._reported
         try:
             h.wait()
-        except CheckpointError:
-            pass  # reported by the handle's own wait(); a later save or load goes on
+        except Exception as exc:  # noqa: BLE001
+            if not warn and not isinstance(exc, CheckpointError):
+                raise
+            if warn and not reported:
+                warnings.warn(f"async checkpoint save of {h.path!r} failed and its handle was never "
+                              f"waited on: {exc}", RuntimeWarning, stacklevel=3)
         finally:
             set_pending(group, None)
 

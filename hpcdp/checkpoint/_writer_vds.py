@@ -19,11 +19,18 @@ from ._format import MANIFEST, Leaf, container_groups, scalar_attrs
 from ._h5util import create_dataset, write_slab
 from ._plan import DatasetPlan, slab_data
 
-__all__ = ["VdsWriter", "rank_file"]
+__all__ = ["VdsWriter", "rank_file", "vds_name"]
 
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.h5"
+
+
+def vds_name(name: str) -> str:
+    """``name`` as HDF5 wants a virtual source's file or dataset name: it parses them as printf-like
+    patterns (``%b`` = block number), so a literal "%" (our "/" in a key is escaped as "%2F") must be
+    doubled, or H5Pset_virtual fails with "invalid format specifier"."""
+    return name.replace("%", "%%")
 
 
 def _in_main(p: DatasetPlan) -> bool:
@@ -40,8 +47,12 @@ class VdsWriter:
         self.leaves: Sequence[Leaf] = ()
         self.tree0: dict = {}
 
-    def write(self, plans: Sequence[DatasetPlan], leaves: Sequence[Leaf], tree0: dict) -> list[tuple]:
+    def write(self, plans: Sequence[DatasetPlan], leaves: Sequence[Leaf], tree0: dict, *,
+              failed: bool = False) -> list[tuple]:
+        """Write this rank's slabs to its own file (nothing collective: ``failed`` skips it all)."""
         self.plans, self.leaves, self.tree0 = plans, leaves, tree0
+        if failed:
+            return []
         todo = [(i, p, p.slab_of(self.rank)) for i, p in enumerate(plans)
                 if not _in_main(p) and p.slab_of(self.rank) is not None]
         mine = []
@@ -77,7 +88,8 @@ class VdsWriter:
                 else:
                     layout = h5py.VirtualLayout(shape=p.shape, dtype=dt)
                     for s in p.slabs:
-                        src = h5py.VirtualSource(rank_file(s.rank), p.path, shape=s.shape, dtype=dt)
+                        src = h5py.VirtualSource(vds_name(rank_file(s.rank)), vds_name(p.path),
+                                                 shape=s.shape, dtype=dt)
                         layout[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape))] = src
                     d = f.create_virtual_dataset(p.path, layout)
                 if p.note:
