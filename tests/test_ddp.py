@@ -1,4 +1,5 @@
-"""DDP: parity with one process, overlap, unused parameters, join, compression hooks, sub-groups."""
+"""DDP: parity with one process, overlap, unused parameters, join, compression hooks, sub-groups,
+frozen parameters, detaching (close), the MPI progress thread."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,13 +8,12 @@ import pytest
 import hpcdp
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 from ddp_bodies import (
-    body_comm_hook, body_join, body_many_buckets, body_overlap, body_parity, body_subgroups,
-    body_unused,
+    SMALL_CAP, body_comm_hook, body_fp16_large, body_hooks_see_local, body_join,
+    body_join_frozen, body_join_no_sync, body_many_buckets, body_overlap, body_parity,
+    body_parity_first3, body_progress_thread, body_rewrap, body_subgroups, body_unused,
 )
 from hpcdp.ddp._buckets import assign_buckets
 from hpcdp.ddp.comm_hooks import from_bf16, to_bf16
-
-SMALL_CAP = 200 / 2**20   # one or two parameters per bucket
 
 
 def _check(per_rank: list[list[str]]) -> None:
@@ -27,6 +27,8 @@ PARITY = [  # (model, optimizer, bucket cap MiB, no_sync accumulation steps, buc
     ("mlp", "sgd", SMALL_CAP, 3, True),
     ("mlp", "adam", 25.0, 2, False),
     ("tied", "sgd", SMALL_CAP, 2, True),
+    ("penalized", "sgd", SMALL_CAP, 1, True),   # backward not linear in grad_output
+    ("frozen", "adam", SMALL_CAP, 1, True),     # frozen first layer: broadcast, not bucketed
 ]
 
 
@@ -51,6 +53,13 @@ def test_single_rank_is_plain_training() -> None:
 def test_parity_mpi(mpi_world, case: tuple) -> None:
     model, opt, cap, accum, view = case
     _check(run_mpi(body_parity, model, opt, cap, accum, 3, 4, view))
+    if mpi_world.size == 4:   # N = 3 as well, on a sub-group
+        _check(run_mpi(body_parity_first3, model, opt, cap, accum, 3, 4, view))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_hooks_and_input_gradient_unscaled(world_size: int) -> None:
+    _check(run_ranks("sim", world_size, body_hooks_see_local))
 
 
 def test_bucket_assignment() -> None:
@@ -102,6 +111,47 @@ def test_join_mpi(mpi_world, divide_initial: bool) -> None:
     _check(run_mpi(body_join, divide_initial))
 
 
+@pytest.mark.parametrize("divide_initial", [True, False])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_with_no_sync_and_buffers(world_size: int, divide_initial: bool) -> None:
+    _check(run_ranks("sim", world_size, body_join_no_sync, divide_initial, timeout=20))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("divide_initial", [True, False])
+def test_join_with_no_sync_and_buffers_mpi(mpi_world, divide_initial: bool) -> None:
+    _check(run_mpi(body_join_no_sync, divide_initial))
+
+
+def test_join_disagreeing_no_sync_raises() -> None:
+    def body(rank: int) -> list[str]:
+        from ddp_bodies import data, make_mlp
+        ddp = hpcdp.DDP(make_mlp(0))
+        x, _ = data(4)
+        try:
+            with ddp.join():
+                if rank == 0:
+                    with ddp.no_sync():
+                        ddp(x)
+                else:
+                    ddp(x)
+        except hpcdp.HpcdpError as exc:
+            return [] if "no_sync" in str(exc) else [f"unexpected error: {exc}"]
+        return ["ranks disagreeing about no_sync under join did not raise"]
+
+    _check(run_ranks("sim", 2, body, timeout=20))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_syncs_frozen_parameters(world_size: int) -> None:
+    _check(run_ranks("sim", world_size, body_join_frozen, timeout=20))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_syncs_frozen_parameters_mpi(mpi_world) -> None:
+    _check(run_mpi(body_join_frozen))
+
+
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compression_hooks(world_size: int, kind: str) -> None:
@@ -112,6 +162,18 @@ def test_compression_hooks(world_size: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 def test_compression_hooks_mpi(mpi_world, kind: str) -> None:
     _check(run_mpi(body_comm_hook, kind))
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_compression_hooks_large_gradients(world_size: int, kind: str) -> None:
+    _check(run_ranks("sim", world_size, body_fp16_large, kind))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_compression_hooks_large_gradients_mpi(mpi_world, kind: str) -> None:
+    _check(run_mpi(body_fp16_large, kind))
 
 
 def test_bf16_rounding() -> None:
@@ -134,6 +196,22 @@ def test_subgroups() -> None:
 @pytest.mark.mpi(min_size=4)
 def test_subgroups_mpi(mpi_world) -> None:
     _check(run_mpi(body_subgroups))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_rewrap_and_close(world_size: int) -> None:
+    _check(run_ranks("sim", world_size, body_rewrap))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rewrap_and_close_mpi(mpi_world) -> None:
+    _check(run_mpi(body_rewrap))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("thread_multiple", [True, False])
+def test_progress_thread_mpi(mpi_world, thread_multiple: bool) -> None:
+    _check(run_mpi(body_progress_thread, thread_multiple))
 
 
 def test_errors() -> None:

@@ -13,7 +13,9 @@ Run on 2 ranks bound to cores, one BLAS thread each::
   (the other waits at a barrier), t2 = both ranks training with DDP; efficiency = t1 / t2.
 * hidden: (t_sync + t_backward - t_backward_with_ddp) / t_sync on the D4 model.
 
-Every figure is the median over interleaved trials of per-trial ratios (PERF.md's method).
+Every figure is the median over interleaved trials of per-trial ratios (PERF.md's method). The
+size options exist for a quick smoke run (``--d1-tensors 20 --d2-mb 1 --d4-hidden 32 --iters 2``);
+PERF.md's figures are the defaults.
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ def _gather_max(t: float) -> float:
     return float(hpcdp.allreduce(np.array([t]), "max")[0])
 
 
-def bench_d1(g: Any, trials: int, sink: JsonSink, ntensors: int = 1000, elems: int = 256) -> float:
+def bench_d1(g: Any, trials: int, sink: JsonSink, ntensors: int = 1000, elems: int = 256,
+             iters: int = 5) -> float:
     module = _Params([elems] * ntensors)
     ddp = hpcdp.DDP(module, group=g)
     sync = _ddp_sync(ddp)
@@ -87,24 +90,26 @@ def bench_d1(g: Any, trials: int, sink: JsonSink, ntensors: int = 1000, elems: i
         for x in grads:
             g.allreduce(x, "mean", out=x)
 
-    iters = 5
     t = interleaved(lambda: _gather_max(time_loop(per_tensor, iters, g.barrier)),
                     lambda: _gather_max(time_loop(sync, iters, g.barrier)), trials)
     nbytes = ntensors * elems * 4
-    row = Row("ddp", "D1 sync 1000 tensors", nbytes, ntensors * elems, "float32", "mean", -1,
+    row = Row("ddp", f"D1 sync {ntensors} tensors", nbytes, ntensors * elems, "float32", "mean", -1,
               t.cand_median * 1e6, nbytes / t.cand_median / 1e9, 0.0, t.base_median * 1e6,
               t.median_ratio, g.size, {"buckets": len(ddp.buckets), "target": "<= 0.5"})
     if g.rank == 0:
         print_row(row)
+        print(f"# D1 DDP sync of {ntensors} tensors of {elems} float32: {t.cand_median * 1e6:.1f} us, "
+              f"one allreduce per tensor {t.base_median * 1e6:.1f} us, ratio {t.median_ratio:.3f} "
+              "(target <= 0.5)")
     sink.write(row)
     return t.median_ratio
 
 
-def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: int = 50) -> float:
+def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: float = 50, iters: int = 5) -> float:
     from mpi4py import MPI
 
     comm = getattr(g.backend, "comm", None) or MPI.COMM_WORLD
-    n = total_mb * (1 << 20) // 4
+    n = max(16, int(total_mb * (1 << 20)) // 4)
     sizes = [n // 16] * 16
     module = _Params(sizes)
     ddp = hpcdp.DDP(module, group=g, bucket_cap_mb=25)
@@ -114,7 +119,6 @@ def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: int = 50) -> float:
     def raw() -> None:
         comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
 
-    iters = 5
     t = interleaved(lambda: _gather_max(time_loop(raw, iters, g.barrier)),
                     lambda: _gather_max(time_loop(sync, iters, g.barrier)), trials)
     nbytes = flat.nbytes
@@ -125,16 +129,20 @@ def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: int = 50) -> float:
                                        "target": "<= 1.3"})
     if g.rank == 0:
         print_row(row)
+        print(f"# D2 DDP sync of {nbytes / 2**20:.1f} MiB in 25 MB buckets: {t.cand_median * 1e3:.2f} ms, "
+              f"mpi4py Allreduce of the flat buffer {t.base_median * 1e3:.2f} ms, ratio "
+              f"{t.median_ratio:.3f} (target <= 1.3)")
     sink.write(row)
     return t.median_ratio
 
 
-def _mlp(seed: int) -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 1024, seed=seed), nn.ReLU(), nn.Linear(1024, 1024, seed=seed + 1),
-                         nn.ReLU(), nn.Linear(1024, 10, seed=seed + 2))
+def _mlp(seed: int, hidden: int = 1024) -> nn.Module:
+    return nn.Sequential(nn.Linear(784, hidden, seed=seed), nn.ReLU(), nn.Linear(hidden, hidden, seed=seed + 1),
+                         nn.ReLU(), nn.Linear(hidden, 10, seed=seed + 2))
 
 
-def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 10) -> dict[str, float]:
+def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 10,
+             hidden: int = 1024) -> dict[str, float]:
     rng = np.random.default_rng(g.rank)
     x = rng.normal(size=(batch, 784)).astype(np.float32)
     y = rng.integers(0, 10, batch)
@@ -142,9 +150,9 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
     # t1 is what a careful single-process user runs: the plain model, no DDP, reusing gradient
     # memory (zero_grad(set_to_none=False)) as DDP reuses its bucket memory. Allocating fresh
     # gradients each step costs page faults that would flatter DDP.
-    alone = _mlp(0)
+    alone = _mlp(0, hidden)
     alone_opt = optim.SGD(alone.parameters(), lr=1e-3)
-    model = _mlp(0)
+    model = _mlp(0, hidden)
     ddp = hpcdp.DDP(model, group=g)
     opt = optim.SGD(ddp.parameters(), lr=1e-3)
 
@@ -206,23 +214,24 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
             ddp.zero_grad()
         return _gather_max(statistics.median(vals))
 
-    sync = _ddp_sync(hpcdp.DDP(_mlp(0), group=g))
+    sync = _ddp_sync(hpcdp.DDP(_mlp(0, hidden), group=g))
 
     def sync_alone() -> float:
         return _gather_max(time_loop(sync, iters, g.barrier))
 
-    hidden, tb, ts, to = [], [], [], []
+    shares: list[float] = []
+    tb, ts, to = [], [], []
     for _ in range(trials):
         b, s, o = bwd_alone(), sync_alone(), bwd_ddp()
         tb.append(b), ts.append(s), to.append(o)
-        hidden.append(min(1.0, max(0.0, (s + b - o) / s)))
+        shares.append(min(1.0, max(0.0, (s + b - o) / s)) if s > 0 else 0.0)
     res = {"efficiency": eff, "t1_ms": tr.base_median * 1e3, "t2_ms": tr.cand_median * 1e3,
-           "hidden": statistics.median(hidden), "t_backward_ms": statistics.median(tb) * 1e3,
+           "hidden": statistics.median(shares), "t_backward_ms": statistics.median(tb) * 1e3,
            "t_sync_ms": statistics.median(ts) * 1e3, "t_backward_ddp_ms": statistics.median(to) * 1e3,
            "buckets_mb": [round(b.nbytes / 2**20, 2) for b in ddp.buckets]}
     if g.rank == 0:
-        print(f"# D4 weak scaling ({g.size} ranks vs 1, batch {batch}/rank): t1 {res['t1_ms']:.2f} ms, "
-              f"t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} (target >= 0.85)")
+        print(f"# D4 weak scaling ({g.size} ranks vs 1, MLP 784-{hidden}-{hidden}-10, batch {batch}/rank): "
+              f"t1 {res['t1_ms']:.2f} ms, t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} (target >= 0.85)")
         print(f"# hidden communication: backward {res['t_backward_ms']:.2f} ms, sync alone "
               f"{res['t_sync_ms']:.2f} ms, backward+DDP {res['t_backward_ddp_ms']:.2f} ms -> "
               f"{100 * res['hidden']:.0f}% of the sync time hidden behind backward (buckets {res['buckets_mb']} MiB)")
@@ -236,7 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--json", default=None, help="append JSON lines to this file")
     p.add_argument("--only", default="D1,D2,D4", help="comma-separated subset of D1,D2,D4")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per trial (default 5 for D1/D2, 10 for D4)")
+    p.add_argument("--d1-tensors", type=int, default=1000, help="D1: number of small tensors")
+    p.add_argument("--d2-mb", type=float, default=50, help="D2: MiB of gradients")
+    p.add_argument("--d4-hidden", type=int, default=1024, help="D4: hidden width of the MLP")
+    p.add_argument("--d4-batch", type=int, default=64, help="D4: batch per rank")
     args = p.parse_args(argv)
+    for name in ("trials", "d1_tensors", "d4_hidden", "d4_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if (args.iters is not None and args.iters < 1) or args.d2_mb <= 0:
+        p.error("--iters must be >= 1 and --d2-mb positive")
+    short = args.iters or 5
     blas = _limit_blas()
     g = hpcdp.init()
     sink = JsonSink(args.json if g.rank == 0 else None)
@@ -246,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
         print_header("DDP gradient sync (time = DDP, base = baseline, t/base = median ratio)")
     ok = True
     if "D1" in only:
-        r = bench_d1(g, args.trials, sink)
+        r = bench_d1(g, args.trials, sink, ntensors=args.d1_tensors, iters=short)
         ok &= r <= 0.5
     if "D2" in only and g.backend.name == "mpi":
-        r = bench_d2(g, args.trials, sink)
+        r = bench_d2(g, args.trials, sink, total_mb=args.d2_mb, iters=short)
         ok &= r <= 1.3
     if "D4" in only:
-        res = bench_d4(g, args.trials, sink)
+        res = bench_d4(g, args.trials, sink, batch=args.d4_batch, iters=args.iters or 10,
+                       hidden=args.d4_hidden)
         ok &= res["efficiency"] >= 0.85
     if g.rank == 0:
         print(f"# targets {'met' if ok else 'NOT met'}")

@@ -9,8 +9,8 @@ waits on their futures in the same order, so a hook may run several collectives 
 Built-in hooks (``state`` may be None or a ``ProcessGroup`` to use instead of DDP's):
 
 * :func:`allreduce_hook`: what DDP does without a hook (allreduce, divide by ``bucket.divisor``).
-* :func:`fp16_compress_hook`: divide, cast to float16, allreduce float16 (half the bytes of float32),
-  cast back. Transports sum float16 in float32 and round once.
+* :func:`fp16_compress_hook`: divide (in the bucket's dtype), cast to float16, allreduce float16
+  (half the bytes of float32), cast back. Transports sum float16 in float32 and round once.
 * :func:`bf16_compress_hook`: bfloat16 emulated in uint16 words (round to nearest even). No
   transport has a bfloat16 sum, so the reduction is a reduce-scatter done by hand: ``all_to_all``
   of bf16 chunks, a float32 sum of the n chunks this rank owns, rounded to bf16 once, then an
@@ -99,7 +99,7 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     if d == group.size:
         return HookFuture(group.allreduce(flat, "mean", out=flat, async_op=True))
     work = group.allreduce(flat, "sum", out=flat, async_op=True)
-    if d == 1:  # pre-divided by DDP
+    if d == 1:  # under join with one active rank
         return HookFuture(work)
 
     def scale(res: Any) -> Any:
@@ -110,11 +110,14 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
 
 
 def fp16_compress_hook(state: Any, bucket: GradBucket) -> HookFuture:
-    """Allreduce the bucket as float16 (pre-divided, so the sum cannot overflow), cast back."""
+    """Allreduce the bucket as float16, divided first so the sum fits whenever the mean does."""
     group = _group(state, bucket)
     flat = bucket.buffer()
     xp = xp_of(flat)
-    comp = xp.multiply(flat, 1.0 / bucket.divisor, dtype=np.float16, casting="unsafe")
+    comp = xp.empty(flat.shape, dtype=np.float16)
+    # Computed in the bucket's dtype, rounded to float16 once on the way out: casting first would
+    # turn every gradient above 65504 into inf even when its share of the mean fits.
+    xp.multiply(flat, 1.0 / bucket.divisor, out=comp, casting="unsafe")
     work = group.allreduce(comp, "sum", out=comp, async_op=True)
 
     def decompress(res: Any) -> Any:
