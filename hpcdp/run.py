@@ -4,6 +4,7 @@
 
     hpcdp-run -n 4 train.py --lr 0.1            # 4 local ranks, output lines prefixed "[rank N] "
     hpcdp-run -n 4 --nnodes 2 --node-rank 0 --master-addr node01 train.py
+    srun --ntasks-per-node=1 hpcdp-run -n 4 train.py   # nodes, node rank, master from SLURM
     mpirun -n 4 python -m hpcdp.run train.py    # in-process; an unhandled error aborts the job
 
 When one rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL after a grace
@@ -24,29 +25,88 @@ import sys
 import threading
 import time
 import traceback
-from typing import IO, Sequence
+from typing import IO, Mapping, Sequence
 
-__all__ = ["main", "parse_nodelist", "launch"]
+__all__ = ["main", "parse_nodelist", "node_layout", "launch"]
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 GRACE = 3.0
 
 
 def parse_nodelist(spec: str) -> list[str]:
-    """Expand a SLURM nodelist such as ``node[01-03,7],gpu7`` into host names."""
+    """Expand a SLURM nodelist such as ``node[01-03,7],gpu7`` or ``r[1-2]-n[1-2]`` into host names."""
     hosts: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?", spec):
-        prefix, ranges = m.group(1), m.group(2)
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            if "-" in part:
-                a, b = part.split("-", 1)
-                hosts += [f"{prefix}{i:0{len(a)}d}" for i in range(int(a), int(b) + 1)]
-            else:
-                hosts.append(prefix + part)
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", spec):  # commas outside brackets split
+        hosts += _expand_hosts(item)
     return hosts
+
+
+def _expand_hosts(pattern: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", pattern)
+    if m is None:
+        return [pattern]
+    head, tail = pattern[:m.start()], pattern[m.end():]
+    out: list[str] = []
+    for part in m.group(1).split(","):
+        if "-" in part:
+            a, b = part.split("-", 1)
+            values = [f"{i:0{len(a)}d}" for i in range(int(a), int(b) + 1)]
+        else:
+            values = [part]
+        for v in values:
+            out += _expand_hosts(head + v + tail)  # later brackets vary fastest, as in SLURM
+    return out
+
+
+def _slurm_int(environ: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = environ.get(name)
+        if raw:
+            if not raw.isdigit():
+                raise SystemExit(f"hpcdp-run: {name}={raw!r} is not a number")
+            return int(raw)
+    return None
+
+
+def node_layout(nnodes: int | None, node_rank: int | None, master_addr: str | None,
+                environ: Mapping[str, str]) -> tuple[int, int, str]:
+    """``(nnodes, node_rank, master_addr)``: the flags given, the rest from SLURM or defaults.
+
+    Under SLURM (``SLURM_JOB_ID`` set) the node count and master (first host) come from the
+    srun step (``SLURM_STEP_NUM_NODES``, ``SLURM_STEP_NODELIST``) or, in the batch script
+    itself, from the job (``SLURM_JOB_NUM_NODES``/``SLURM_NNODES``, ``SLURM_JOB_NODELIST``);
+    this node's rank from ``SLURM_NODEID``. Without SLURM: one node, master 127.0.0.1.
+
+    Args:
+        nnodes, node_rank, master_addr: the command-line values (None where not given).
+        environ: the environment to read, normally ``os.environ``.
+    """
+    if environ.get("SLURM_JOB_ID"):
+        step = bool(environ.get("SLURM_STEP_NODELIST"))
+        nodelist = (environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                    or environ.get("SLURM_NODELIST") or "")
+        hosts = parse_nodelist(nodelist)
+        if step:
+            count = _slurm_int(environ, "SLURM_STEP_NUM_NODES")
+            tasks = _slurm_int(environ, "SLURM_STEP_NUM_TASKS")
+            if nnodes is None and node_rank is None and tasks is not None and count is not None \
+                    and tasks > count:
+                raise SystemExit(
+                    f"hpcdp-run: this srun step runs {tasks} tasks on {count} node(s); start one "
+                    f"launcher per node (srun --ntasks-per-node=1 hpcdp-run -n RANKS_PER_NODE ...)")
+        else:
+            count = _slurm_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
+        if nnodes is None:
+            nnodes = count if count is not None else (len(hosts) or None)
+        if node_rank is None:
+            node_rank = _slurm_int(environ, "SLURM_NODEID")
+        if master_addr is None and hosts:
+            master_addr = hosts[0]
+    nnodes = 1 if nnodes is None else nnodes
+    node_rank = 0 if node_rank is None else node_rank
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise SystemExit(f"hpcdp-run: --node-rank {node_rank} is outside --nnodes {nnodes}")
+    return nnodes, node_rank, master_addr or "127.0.0.1"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,16 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = args[1:]
     if ns.nproc_per_node is None:
         return run_inprocess(ns.script, args, ns.module)
-    nnodes, node_rank, master = ns.nnodes, ns.node_rank, ns.master_addr
-    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_NODELIST"):
-        hosts = parse_nodelist(os.environ["SLURM_JOB_NODELIST"])
-        nnodes = nnodes or int(os.environ.get("SLURM_NNODES", len(hosts)))
-        node_rank = node_rank if node_rank is not None else int(os.environ.get("SLURM_NODEID", 0))
-        master = master or hosts[0]
-    nnodes, node_rank = nnodes or 1, node_rank or 0
-    master = master or "127.0.0.1"
-    if not 0 <= node_rank < nnodes:
-        raise SystemExit(f"hpcdp-run: --node-rank {node_rank} is outside --nnodes {nnodes}")
+    nnodes, node_rank, master = node_layout(ns.nnodes, ns.node_rank, ns.master_addr, os.environ)
     cmd = [sys.executable, "-u"] + (["-m", ns.script] if ns.module else [ns.script]) + args
     return launch(cmd, ns.nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master,
                   master_port=ns.master_port, grace=ns.grace)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcdp.run import parse_nodelist
+from hpcdp.run import node_layout, parse_nodelist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -256,3 +256,154 @@ def test_spawn_collect_sentinel_before_eof(monkeypatch) -> None:
     assert not t.is_alive(), "_collect hung"
     assert isinstance(out.get("err"), HpcdpError), out
     assert "rank 1 exited with code 3 without reporting a result" in str(out["err"])
+
+
+@pytest.mark.parametrize("spec, hosts", [
+    ("r[1-2]-n[1-2]", ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]),
+    ("node[1-2]-ib,x", ["node1-ib", "node2-ib", "x"]),
+    ("127.0.0.1", ["127.0.0.1"]),
+])
+def test_parse_nodelist_suffixes_and_several_brackets(spec: str, hosts: list[str]) -> None:
+    assert parse_nodelist(spec) == hosts
+
+
+# -- multi-node: two launchers on this machine form one world --------------------------------
+
+NODE_JOB = """
+    import os, sys
+    import numpy as np
+    import hpcdp
+    hpcdp.init()
+    x = hpcdp.allreduce(np.arange(100_000, dtype=np.float64) * (hpcdp.rank() + 1))
+    ok = np.array_equal(x, np.arange(100_000) * 10.0)  # 1 + 2 + 3 + 4
+    print("rank", hpcdp.rank(), "size", hpcdp.world_size(), "env", os.environ["RANK"],
+          os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], "ok", ok)
+    if hpcdp.rank() == int(os.environ.get("FAIL_RANK", "-1")):
+        sys.exit(4)
+    for _ in range(int(os.environ.get("ROUNDS", "0"))):
+        hpcdp.allreduce(x)
+    hpcdp.finalize()
+"""
+
+
+def _slurm_env(node: int) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1",
+            "SLURM_NNODES": "2", "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.1",
+            "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": str(node)}
+
+
+def _run_nodes(tmp_path, mode: str, extra: dict[str, str],
+               within: float = 60) -> tuple[list[subprocess.CompletedProcess], float]:
+    """Start one launcher per node (2 nodes x 2 ranks) on this machine; wait for both."""
+    from hpcdp.backends._tcp_spawn import free_port
+
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(NODE_JOB))
+    port = str(free_port())
+    procs = []
+    t0 = time.monotonic()
+    for node in (0, 1):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("OMPI_", "PMI", "SLURM", "HPCDP_", "MASTER_"))}
+        env.update(extra, PYTHONPATH=ROOT, HPCDP_SECRET="multi-node-test-secret")
+        args = ["-n", "2", "--master-port", port]
+        if mode == "flags":
+            args += ["--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1"]
+        else:
+            env.update(_slurm_env(node))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcdp.run", *args, str(path)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, within - (time.monotonic() - t0)))
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode", ["flags", "slurm"])
+def test_two_launchers_form_one_world(tmp_path, mode: str) -> None:
+    (n0, n1), _ = _run_nodes(tmp_path, mode, {})
+    assert n0.returncode == 0 and n1.returncode == 0, (n0.stderr, n1.stderr)
+    lines = sorted(n0.stdout.splitlines() + n1.stdout.splitlines())
+    assert lines == [f"[rank {r}] rank {r} size 4 env {r} 4 {r % 2} ok True" for r in range(4)]
+    assert all(line.startswith(("[rank 0]", "[rank 1]")) for line in n0.stdout.splitlines())
+    assert all(line.startswith(("[rank 2]", "[rank 3]")) for line in n1.stdout.splitlines())
+
+
+def test_failing_rank_on_one_node_fails_both_nodes(tmp_path) -> None:
+    """Rank 3 (node 1) exits 4: node 1's launcher stops rank 2 and exits 4; node 0's ranks
+    see their peers go and raise PeerFailureError (not a timeout), so node 0 fails too."""
+    (n0, n1), elapsed = _run_nodes(tmp_path, "flags", {"FAIL_RANK": "3", "ROUNDS": "100000"})
+    assert n1.returncode == 4, n1.stderr
+    assert n0.returncode != 0, n0.stderr
+    assert "PeerFailureError" in n0.stderr, n0.stderr
+    assert "CommTimeoutError" not in n0.stderr, n0.stderr
+    assert elapsed < 30
+
+
+# -- SLURM: nodes, node rank and master from the environment ---------------------------------
+
+@pytest.mark.parametrize("flags, env, expected", [
+    ((None, None, None), {}, (1, 0, "127.0.0.1")),
+    ((2, 1, "10.0.0.5"), {}, (2, 1, "10.0.0.5")),
+    # a SLURM variable without a SLURM job is not a SLURM job
+    ((None, None, None), {"SLURM_NODELIST": "n[1-4]", "SLURM_NODEID": "2"}, (1, 0, "127.0.0.1")),
+    # the batch script itself: the job's nodes
+    ((None, None, None), {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[01-04]",
+                          "SLURM_NNODES": "4", "SLURM_NODEID": "0"}, (4, 0, "node01")),
+    ((None, None, None), {"SLURM_JOB_ID": "7", "SLURM_NODELIST": "gpu[3-5]",
+                          "SLURM_JOB_NUM_NODES": "3", "SLURM_NODEID": "2"}, (3, 2, "gpu3")),
+    # inside an srun step on part of the job: the step's nodes, not the job's
+    ((None, None, None), {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[01-04]",
+                          "SLURM_NNODES": "4", "SLURM_STEP_NODELIST": "node[03-04]",
+                          "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+                          "SLURM_NODEID": "1"}, (2, 1, "node03")),
+    # no node count: the length of the nodelist
+    ((None, None, None), {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "a,b",
+                          "SLURM_NODEID": "1"}, (2, 1, "a")),
+    # flags win over SLURM
+    ((1, 0, "127.0.0.1"), {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[01-04]",
+                           "SLURM_NNODES": "4", "SLURM_NODEID": "3"}, (1, 0, "127.0.0.1")),
+    ((None, None, "10.1.1.1"), {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[01-02]",
+                                "SLURM_NNODES": "2", "SLURM_NODEID": "1"}, (2, 1, "10.1.1.1")),
+])
+def test_node_layout_from_slurm(flags, env, expected) -> None:
+    assert node_layout(*flags, env) == expected
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_NUM_NODES": "2",
+      "SLURM_STEP_NUM_TASKS": "8", "SLURM_NODEID": "0"}, "one launcher per node"),
+    ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2",
+      "SLURM_NODEID": "x"}, "SLURM_NODEID='x' is not a number"),
+    ({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2",
+      "SLURM_NODEID": "2"}, "--node-rank 2 is outside --nnodes 2"),
+])
+def test_node_layout_rejects_bad_slurm_environment(env, message) -> None:
+    with pytest.raises(SystemExit, match=message):
+        node_layout(None, None, None, env)
+
+
+def test_main_launches_with_the_slurm_layout(monkeypatch) -> None:
+    import hpcdp.run as run
+
+    calls = []
+    monkeypatch.setattr(run, "launch", lambda cmd, nproc, **kw: calls.append((cmd, nproc, kw)) or 0)
+    for k in [k for k in os.environ if k.startswith("SLURM")]:
+        monkeypatch.delenv(k)
+    for k, v in {"SLURM_JOB_ID": "9", "SLURM_STEP_NODELIST": "cn[100-101]",
+                 "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+                 "SLURM_NODEID": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert run.main(["-n", "4", "--master-port", "29999", "train.py", "--lr", "1"]) == 0
+    (cmd, nproc, kw), = calls
+    assert cmd[-3:] == ["train.py", "--lr", "1"] and nproc == 4
+    assert kw == {"nnodes": 2, "node_rank": 1, "master_addr": "cn100", "master_port": 29999,
+                  "grace": run.GRACE}

@@ -4,16 +4,14 @@ Every connection authenticates first (``_tcp_wire``); requests are small frames 
 ``SET key value`` and ``GET key timeout`` (which waits until the key exists or the timeout).
 Values are bytes; nothing is unpickled.
 
-The store must survive whatever reaches its port before the job starts: the accept loop rides
-out ``EMFILE``/``ECONNABORTED``, at most ``MAX_PENDING_HANDSHAKES`` unauthenticated connections
-are served at once (the excess is closed at once; real ranks retry), and rejections are logged
-rate-limited so a port scanner cannot flood the log. Clients put a deadline on every request,
-so a store whose node vanished (no RST) is an error, not a hang.
+The store must survive whatever reaches its port before the job starts; ``_tcp_accept`` (shared
+with the rank-to-rank listener) caps unauthenticated connections at ``MAX_PENDING_HANDSHAKES``,
+rides out ``EMFILE`` and rate-limits the rejection log, and clients retry while it sheds a
+flood. Clients put a deadline on every request, so a store whose node vanished (no RST) is an
+error, not a hang.
 """
 from __future__ import annotations
 
-import errno
-import math
 import socket
 import struct
 import threading
@@ -21,8 +19,9 @@ import time
 
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError
 from . import _tcp_wire as wire
+from ._tcp_accept import MAX_PENDING_HANDSHAKES, AuthListener, connect
 
-__all__ = ["StoreServer", "StoreClient"]
+__all__ = ["StoreServer", "StoreClient", "MAX_PENDING_HANDSHAKES"]
 
 SET, GET, VALUE, MISSING = 10, 11, 12, 13
 _KINDS = frozenset({SET, GET, VALUE, MISSING})
@@ -30,16 +29,8 @@ STORE_CAP = 1 << 20
 _KEYLEN = struct.Struct("<H")
 _TIMEOUT = struct.Struct("<d")
 
-#: unauthenticated connections served at once; more are closed immediately
-MAX_PENDING_HANDSHAKES = 64
 #: longest single wait a GET asks of the server; longer waits are several requests
 MAX_WAIT = 30.0
-#: rejection logging: one WARNING per peer host per window, at most _LOG_BURST per window
-_LOG_WINDOW = 5.0
-_LOG_BURST = 20
-_ACCEPT_RETRY = 0.05
-# accept() errors that mean the listening socket itself is gone
-_CLOSED_ERRNOS = frozenset({errno.EBADF, errno.EINVAL, errno.ENOTSOCK})
 
 
 def _wait_seconds(timeout: float) -> float:
@@ -49,51 +40,10 @@ def _wait_seconds(timeout: float) -> float:
     return min(float(timeout), MAX_WAIT)
 
 
-class _RejectionLog:
-    """Rate-limited ``log_rejection``: a single attacker is logged once per rejection, a flood is
-    logged one WARNING per host per ``_LOG_WINDOW`` seconds plus a periodic count of the rest."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.lock = threading.Lock()
-        self.last: dict[object, float] = {}
-        self.window_start = time.monotonic()
-        self.logged = 0
-        self.suppressed = 0
-
-    def __call__(self, addr: object, where: str, exc: BaseException) -> None:
-        host = addr[0] if isinstance(addr, tuple) and addr else addr
-        now = time.monotonic()
-        with self.lock:
-            if now - self.window_start >= _LOG_WINDOW:
-                self._flush(now)
-            t = self.last.get(host)
-            if (t is not None and now - t < _LOG_WINDOW) or self.logged >= _LOG_BURST:
-                self.suppressed += 1
-                return
-            self.logged += 1
-            if len(self.last) > 4096:
-                self.last = {h: s for h, s in self.last.items() if now - s < _LOG_WINDOW}
-            self.last[host] = now
-        wire.log_rejection(addr, where, exc)
-
-    def _flush(self, now: float) -> None:
-        if self.suppressed:
-            wire.LOG.warning("hpcdp.tcp: %s: %d more connection(s) rejected in the last %.0f s "
-                             "(not logged individually)", self.what, self.suppressed,
-                             now - self.window_start)
-        self.window_start, self.logged, self.suppressed = now, 0, 0
-
-    def flush(self) -> None:
-        with self.lock:
-            self._flush(time.monotonic())
-
-
 class StoreServer:
-    """A thread accepting authenticated clients; one thread per connection."""
+    """Serves authenticated clients, one thread per connection (``_tcp_accept.AuthListener``)."""
 
     def __init__(self, host: str, port: int, secret: bytes) -> None:
-        self.secret = secret
         self.data: dict[bytes, bytes] = {}
         self.cv = threading.Condition()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -102,60 +52,14 @@ class StoreServer:
         self.sock.listen(128)
         self.address = self.sock.getsockname()
         self._closed = False
-        self._conns: set[socket.socket] = set()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
-        self._reject = _RejectionLog(f"store {self.address[0]}:{self.address[1]}")
-        self._accept_errors = 0
-        self._accept_logged = -math.inf
-        threading.Thread(target=self._accept_loop, name="hpcdp-store", daemon=True).start()
+        self._listener = AuthListener(self.sock, secret, wire.ROLE_STORE, wire.STORE_ID,
+                                      f"store {self.address[0]}:{self.address[1]}", self._serve,
+                                      served="request")
+        self._conns = self._listener.conns
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, addr = self.sock.accept()
-            except OSError as exc:
-                if self._closed or exc.errno in _CLOSED_ERRNOS:
-                    return  # the listening socket was closed or shut down
-                self._accept_failed(exc)
-                time.sleep(_ACCEPT_RETRY)  # EMFILE & co.: let handshakes time out, then go on
-                continue
-            if not self._pending.acquire(blocking=False):
-                self._reject(addr, "store accept",
-                             HpcdpError(f"more than {MAX_PENDING_HANDSHAKES} unauthenticated "
-                                        "connections at once; closed"))
-                conn.close()
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                                 name="hpcdp-store-conn").start()
-            except RuntimeError as exc:  # cannot start a thread: treat like EMFILE
-                self._pending.release()
-                conn.close()
-                self._accept_failed(exc)
-                time.sleep(_ACCEPT_RETRY)
-
-    def _accept_failed(self, exc: BaseException) -> None:
-        self._accept_errors += 1
-        now = time.monotonic()
-        if now - self._accept_logged >= _LOG_WINDOW:
-            wire.LOG.warning("hpcdp.tcp: store %s:%s: accept failed (%s: %s); %d failure(s) since "
-                             "the last report; retrying", self.address[0], self.address[1],
-                             type(exc).__name__, exc, self._accept_errors)
-            self._accept_logged, self._accept_errors = now, 0
-
-    def _serve(self, conn: socket.socket, addr: object) -> None:
-        stage = "handshake"
-        pending = True
-        self._conns.add(conn)
+    def _serve(self, conn: socket.socket, _addr: object, _claimed: int) -> None:
         try:
-            if self._closed:
-                return
-            wire.server_handshake(conn, self.secret, wire.ROLE_STORE, wire.STORE_ID,
-                                  wire.handshake_timeout())
-            self._pending.release()
-            pending = False
             wire.set_nodelay(conn)
-            stage = "request"
             while not self._closed:
                 try:
                     raw = wire.recv_exact(conn, wire.HEADER.size)
@@ -185,33 +89,14 @@ class StoreServer:
                 else:
                     raise wire.ProtocolError(f"unexpected store request kind {kind}")
                 conn.sendall(wire.pack_header(reply[0], 0, 0, 0, len(reply[1])) + reply[1])
-        except Exception as exc:  # noqa: BLE001 - one bad client never kills the store
-            if not self._closed:
-                self._reject(addr, f"store {stage}", exc)
         finally:
-            if pending:
-                self._pending.release()
-            self._conns.discard(conn)
             conn.close()
 
     def close(self) -> None:
         self._closed = True
         with self.cv:
             self.cv.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
-        except OSError:
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        for c in list(self._conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._reject.flush()
+        self._listener.close()
 
 
 class StoreClient:
@@ -222,33 +107,10 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, secret: bytes, rank: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.01
-        while True:
-            sock = None
-            try:
-                sock = socket.create_connection((host, port), timeout=max(0.1, min(
-                    deadline - time.monotonic(), wire.handshake_timeout())))
-                wire.set_nodelay(sock)
-                wire.client_handshake(sock, secret, wire.ROLE_STORE, rank, wire.STORE_ID,
-                                      wire.handshake_timeout())
-                break
-            except (ConnectionError, socket.timeout, TimeoutError) as exc:
-                # refused (not up yet), or closed/reset (the store is shedding a burst of
-                # connections): try again until the rendezvous deadline
-                if sock is not None:
-                    sock.close()
-                if time.monotonic() + delay > deadline:
-                    raise CommTimeoutError(
-                        f"tcp rendezvous (rank {rank}): no store at {host}:{port} after "
-                        f"{timeout:g} s ({exc})") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-            except BaseException:
-                if sock is not None:
-                    sock.close()
-                raise
-        self.sock = sock
+        self.sock = connect(host, port, secret, wire.ROLE_STORE, rank, wire.STORE_ID,
+                            time.monotonic() + timeout,
+                            f"tcp rendezvous (rank {rank}): no store at {host}:{port} after "
+                            f"{timeout:g} s")
         self.host, self.port = host, port
         self.rank = rank
         self.margin = min(max(timeout, 1.0), 30.0) if timeout == timeout else 30.0

@@ -7,6 +7,7 @@ Startup (``create_world``), in order, on every rank:
 2. listen on loopback (local jobs) or on the interface that routes to the master, publish
    ``host:port`` in the store;
 3. connect to every higher rank and accept every lower one, each connection authenticated;
+   the listener sheds floods like the store (``_tcp_accept``) and connects are retried;
 4. publish ``ready/<rank>`` and wait for every rank's, so no rank starts before the mesh exists.
 
 Collectives run ``_algorithms`` on a per-group worker thread; ``send``/``recv`` post directly.
@@ -22,9 +23,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, CommTimeoutError, HpcdpError, PeerFailureError
+from ..errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
 from . import _algorithms as algo
 from . import _tcp_wire as wire
+from ._tcp_accept import AuthListener, connect
 from ._tcp_store import StoreClient, StoreServer
 from ._tcp_transport import COLL, P2P, Transport
 from .base import Backend, Request
@@ -167,7 +169,6 @@ class _World:
         self.server: StoreServer | None = None
         self.transport = Transport(rank, size, wire.max_frame())
         self._closed = False
-        self._mesh_done = threading.Event()
         self._expected = set(range(rank))
         self._cv = threading.Condition()
         host = bind_address(master)
@@ -176,16 +177,22 @@ class _World:
             self.server = StoreServer(store_host, port, secret)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind((host, 0))
-        self.listener.listen(max(16, size))
-        threading.Thread(target=self._accept_loop, name=f"hpcdp-accept-{rank}", daemon=True).start()
+        self.listener.listen(max(128, size))
+        # the same gate as the store: capped unauthenticated handshakes, rate-limited log
+        self._acceptor = AuthListener(self.listener, secret, wire.ROLE_PEER, rank,
+                                      f"rank {rank} peer listener", self._admit,
+                                      served="admission")
         self.store = StoreClient(master, port, secret, rank, timeout)
         lhost, lport = self.listener.getsockname()
         self.store.set(f"addr/{rank}", f"{lhost}:{lport}".encode())
         deadline = time.monotonic() + timeout
         for peer in range(rank + 1, size):
-            h, p = self.store.get(f"addr/{peer}", max(0.0, deadline - time.monotonic())).decode().rsplit(":", 1)
-            sock = socket.create_connection((h, int(p)), timeout=max(0.1, deadline - time.monotonic()))
-            wire.client_handshake(sock, secret, wire.ROLE_PEER, rank, peer, wire.handshake_timeout())
+            addr = self.store.get(f"addr/{peer}", max(0.0, deadline - time.monotonic()))
+            h, p = addr.decode().rsplit(":", 1)
+            # retried: the peer's listener may be shedding a flood of unauthenticated connections
+            sock = connect(h, int(p), secret, wire.ROLE_PEER, rank, peer, deadline,
+                           f"tcp rendezvous (rank {rank}): cannot reach rank {peer} at {h}:{p} "
+                           f"within {timeout:g} s")
             self.transport.add_peer(peer, sock)
         with self._cv:
             while self._expected:
@@ -199,40 +206,22 @@ class _World:
         for r in range(size):
             self.store.get(f"ready/{r}", max(0.0, deadline - time.monotonic()))
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, addr = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(conn, addr), daemon=True,
-                             name="hpcdp-admit").start()
-
-    def _admit(self, conn: socket.socket, addr: object) -> None:
-        try:
-            claimed = wire.server_handshake(conn, self.secret, wire.ROLE_PEER, self.rank,
-                                            wire.handshake_timeout())
-            with self._cv:
-                if claimed not in self._expected:
-                    raise wire.ProtocolError(f"unexpected connection claiming rank {claimed} "
-                                             f"(mesh of rank {self.rank} has no slot for it)")
-                self._expected.discard(claimed)
-                self.transport.add_peer(claimed, conn)
-                self._cv.notify_all()
-        except (OSError, HpcdpError, TimeoutError) as exc:
-            wire.log_rejection(addr, f"rank {self.rank} peer listener", exc)
-            conn.close()
+    def _admit(self, conn: socket.socket, _addr: object, claimed: int) -> None:
+        """An authenticated peer joins the mesh, once, if it is a lower rank (they connect up)."""
+        with self._cv:
+            if self._closed or claimed not in self._expected:
+                raise wire.ProtocolError(f"unexpected connection claiming rank {claimed} "
+                                         f"(mesh of rank {self.rank} has no slot for it)")
+            self._expected.discard(claimed)
+            self.transport.add_peer(claimed, conn)
+            self._cv.notify_all()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._acceptor.close()
         self.transport.close()
-        for s in (self.listener,):
-            try:
-                s.close()
-            except OSError:
-                pass
         self.store.close()
         if self.server is not None:
             self.server.close()

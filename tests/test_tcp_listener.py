@@ -1,0 +1,206 @@
+"""A rank's peer listener faces the network like the store: a flood of silent connections is shed
+(bounded threads, rate-limited log), neither a running job nor the rendezvous stops, and an
+authenticated peer that announces an oversized frame is dropped, not trusted."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hpcdp
+from hpcdp.backends import _tcp_accept as accept
+from hpcdp.backends import _tcp_wire as wire
+from hpcdp.backends._tcp_spawn import free_port, spawn_processes
+from hpcdp.backends._tcp_store import StoreClient
+from hpcdp.backends._tcp_transport import COLL, Transport
+from hpcdp.backends.tcp import TCPBackend, _World
+
+SECRET = "listener-test-secret"
+FLOOD = accept.MAX_PENDING_HANDSHAKES + 100
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def log():
+    handler = _Collect()
+    logger = logging.getLogger("hpcdp.tcp")
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _closed_within(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def flooded_job(rank: int, info: str) -> dict:
+    """Checked allreduces until the test writes ``stop``; the peak thread count of this rank."""
+    handler = _Collect()
+    logging.getLogger("hpcdp.tcp").addHandler(handler)
+    be = hpcdp.get_default_group().backend
+    Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
+    stop = Path(info, "stop")
+    n, bad, t0 = 0, 0, time.monotonic()
+    base = peak = threading.active_count()
+    while True:
+        done = hpcdp.broadcast(np.array([stop.exists() or time.monotonic() - t0 > 30]), root=0)
+        if done[0]:
+            break
+        x = np.arange(20_000, dtype=np.float64) * (rank + 1)
+        bad += int(not np.array_equal(hpcdp.allreduce(x), np.arange(20_000) * 3.0))
+        n += 1
+        peak = max(peak, threading.active_count())
+        time.sleep(0.002)
+    hpcdp.barrier()
+    return {"n": n, "bad": bad, "base": base, "peak": peak, "log": handler.messages}
+
+
+def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
+    port = free_port()
+    # long enough that the whole flood arrives while the first MAX_PENDING_HANDSHAKES wait
+    env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "3"}
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["res"] = spawn_processes(flooded_job, 2, args=(str(tmp_path),), timeout=30,
+                                         join_timeout=60, env=env)
+        except BaseException as exc:  # noqa: BLE001
+            out["err"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    socks: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "port1").exists():
+            assert time.monotonic() < deadline and t.is_alive(), out
+            time.sleep(0.02)
+        time.sleep(0.05)
+        peer_port = int((tmp_path / "port1").read_text())
+        socks = [socket.create_connection(("127.0.0.1", peer_port)) for _ in range(FLOOD)]
+        # the connections past the cap are closed at once, the rest at the handshake timeout
+        shed = sum(_closed_within(s, 0.3) for s in socks[accept.MAX_PENDING_HANDSHAKES:])
+        assert shed >= FLOOD - accept.MAX_PENDING_HANDSHAKES - 2
+        assert all(_closed_within(s, 5.0) for s in socks[:accept.MAX_PENDING_HANDSHAKES])
+        time.sleep(0.2)  # the job goes on after the flood
+    finally:
+        for s in socks:
+            s.close()
+        (tmp_path / "stop").write_text("")
+        t.join(60)
+    assert not t.is_alive(), "job hung"
+    assert "err" not in out, out.get("err")
+    r0, r1 = out["res"]
+    assert r0["bad"] == 0 and r1["bad"] == 0 and r0["n"] > 0 and r1["n"] > 0
+    # no thread per flooding connection: at most the cap on unauthenticated handshakes
+    assert r1["peak"] <= r1["base"] + accept.MAX_PENDING_HANDSHAKES + 2, r1
+    dropped = [m for m in r1["log"] if "dropped connection" in m]
+    assert 1 <= len(dropped) <= 3, r1["log"]  # rate-limited: FLOOD rejections, a few lines
+
+
+def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
+    """Rank 1's listener is saturated by silent connections the moment it publishes its address:
+    rank 0's first connection is shed, it retries, and the mesh still forms."""
+    monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "3")
+    monkeypatch.delenv("HPCDP_BIND_ADDR", raising=False)
+    port = free_port()
+    flood: list[socket.socket] = []
+    real_set = StoreClient.set
+
+    def set_after_flood(self: StoreClient, key: str, value: bytes) -> None:
+        if key == "addr/1":
+            host, p = value.decode().rsplit(":", 1)
+            flood.extend(socket.create_connection((host, int(p))) for _ in range(FLOOD))
+            for s in flood[accept.MAX_PENDING_HANDSHAKES:]:
+                _closed_within(s, 2.0)  # the gate is full now
+        real_set(self, key, value)
+
+    attempts: list[int] = []
+    real_handshake = wire.client_handshake
+
+    def counting_handshake(sock, secret, role, my_id, target, timeout):
+        if role == wire.ROLE_PEER:
+            attempts.append(target)
+        return real_handshake(sock, secret, role, my_id, target, timeout)
+
+    monkeypatch.setattr(StoreClient, "set", set_after_flood)
+    monkeypatch.setattr(wire, "client_handshake", counting_handshake)
+    worlds: dict = {}
+
+    def start(rank: int) -> None:
+        try:
+            worlds[rank] = _World(rank, 2, "127.0.0.1", port, SECRET.encode(), 20.0)
+        except BaseException as exc:  # noqa: BLE001
+            worlds[rank] = exc
+
+    threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in (0, 1)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    try:
+        assert not any(t.is_alive() for t in threads), "rendezvous hung"
+        assert all(isinstance(w, _World) for w in worlds.values()), worlds
+        assert time.monotonic() - t0 < 30
+        assert attempts.count(1) >= 2, attempts  # shed once at least, then admitted
+        assert any("unauthenticated connections at once" in m for m in log), log
+        b0 = TCPBackend(worlds[0], (0, 1), 0)
+        b1 = TCPBackend(worlds[1], (0, 1), 0)
+        got = np.zeros(4)
+        rq = b1.recv(got, 0, 5)
+        b0.send(np.arange(4.0), 1, 5).wait(5.0)
+        assert rq.wait(5.0) and np.array_equal(got, np.arange(4.0))
+    finally:
+        for s in flood:
+            s.close()
+        for w in worlds.values():
+            if isinstance(w, _World):
+                w.close()
+
+
+def test_authenticated_peer_announcing_a_huge_frame_is_dropped(log) -> None:
+    """Past the handshake, a frame header claiming 2**40 bytes fails that peer (nothing is
+    allocated) and is logged once; the receive waiting on it raises ``PeerFailureError``."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    evil = socket.create_connection(lsock.getsockname())
+    conn, _ = lsock.accept()
+    lsock.close()
+    t = Transport(0, 2, 1 << 20)
+    try:
+        t.add_peer(1, conn)
+        buf = np.zeros(16)
+        rq = t.irecv(buf, 1, COLL, 0, 3, "no collective message from rank 1")
+        evil.sendall(wire.pack_header(COLL, 0, 0, 3, 2**40))
+        t0 = time.monotonic()
+        with pytest.raises(hpcdp.PeerFailureError, match="rank 1 sent a malformed frame"):
+            rq.wait(10.0)
+        assert time.monotonic() - t0 < 5
+        assert 1 in t.crashed
+        frames = [m for m in log if "exceeds the cap" in m]
+        assert len(frames) == 1, log
+    finally:
+        t.close(flush_timeout=1.0)
+        evil.close()
