@@ -65,7 +65,7 @@ def test_clean_job_exits_zero(tmp_path) -> None:
         assert hpcdp.allreduce(np.ones(2))[0] == hpcdp.world_size()
         # one write per line: mpirun forwards each rank's pipe as it comes, so print()'s
         # separate writes of "done", " ", ... from two ranks can interleave mid-line
-        sys.stdout.write(f"done {hpcdp.rank()} {sys.argv[1:]}\n"); sys.stdout.flush()
+        sys.stdout.write(f"done {hpcdp.rank()} {sys.argv[1:]}\\n"); sys.stdout.flush()
     """)
     assert code == 0, out
     assert "done 0" in out and "done 1" in out
