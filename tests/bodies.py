@@ -430,3 +430,25 @@ def body_all_collectives_async_and_out(rank: int) -> list[str]:
     if hpcdp.all_gather_object(rank * 2) != [2 * r for r in range(n)]:
         fails.append("all_gather_object wrong")
     return fails
+
+
+def body_medium_all_gather(rank: int) -> list[str]:
+    """all_gather results of 64 KiB-8 MiB (MPI moves them point to point), several in flight."""
+    n = hpcdp.world_size()
+    fails: list[str] = []
+    for count, dtype in ((20_000, np.float32), (70_000, np.int64), (300_001, np.float64)):
+        works = [hpcdp.all_gather(np.full(count, 10 * rank + k, dtype), async_op=True)
+                 for k in range(3)]
+        mid = hpcdp.allreduce(np.full(count, rank, dtype))  # a collective between them
+        for k, w in enumerate(works):
+            got = w.wait()
+            want = np.stack([np.full(count, 10 * r + k, dtype) for r in range(n)])
+            if got.shape != want.shape or not np.array_equal(got, want):
+                fails.append(f"all_gather of {count} {np.dtype(dtype)} #{k} wrong")
+        if not np.array_equal(mid, np.full(count, sum(range(n)), dtype)):
+            fails.append(f"allreduce between all_gathers of {count} wrong")
+    out = np.empty((n, 40_000), np.float32)
+    if hpcdp.all_gather(np.arange(40_000, dtype=np.float32) + rank, out=out) is not out \
+            or not np.array_equal(out[:, 0], np.arange(n)):
+        fails.append("all_gather out= of 160 KB blocks wrong")
+    return fails

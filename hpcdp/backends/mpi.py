@@ -282,6 +282,12 @@ class _Chain(Request):
             _GRAVEYARD.append(self)
 
 
+#: all_gather results of this many bytes go point to point (see ``MPIBackend.all_gather``);
+#: the tag is far from the chunk indices that the split paths use on the same communicator
+_P2P_GATHER_MIN, _P2P_GATHER_MAX = 64 << 10, 8 << 20
+_GATHER_TAG = 32766  # MPI guarantees tags up to 32767
+
+
 def _chunks(n: int) -> list[tuple[int, int]]:
     step = _MAX_COUNT
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
@@ -401,6 +407,19 @@ class MPIBackend(Backend):
 
     @_gpu(recv=("recvbuf",))
     def all_gather(self, sendbuf, recvbuf):
+        if (_P2P_GATHER_MIN <= recvbuf.nbytes < _P2P_GATHER_MAX and type(recvbuf) is np.ndarray
+                and sendbuf.size <= _MAX_COUNT):
+            # Open MPI 4's libnbc Iallgather copies this rank's block before it sends anything
+            # and then moves the rest round by round: 1.5-2x the blocking Allgather's time at
+            # 0.5-2 MiB on 2 ranks here. Posting every transfer at once and copying our own
+            # block while they run matches Allgather; from 8 MiB on libnbc is as fast.
+            t, me = self._types[sendbuf.dtype], self.rank
+            reqs = [self._p2p.Irecv([recvbuf[j], t], j, _GATHER_TAG)
+                    for j in range(self.size) if j != me]
+            reqs += [self._p2p.Isend([sendbuf, t], j, _GATHER_TAG)
+                     for j in range(self.size) if j != me]
+            recvbuf[me] = sendbuf
+            return _MPIRequest(reqs or [_MPI.REQUEST_NULL], what="all_gather")
         if sendbuf.size <= _MAX_COUNT:
             req = self.comm.Iallgather(self._buf(sendbuf), self._buf(recvbuf))
             return _MPIRequest([req], what="all_gather")
