@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _debug
-from ._arrays import is_cupy, xp_of
+from ._arrays import _SUPPORTED, is_cupy, xp_of
 from ._validate import check_array, check_divisible, check_out, check_rank, check_tag
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError
@@ -109,6 +109,7 @@ class ProcessGroup:
         self._groups = itertools.count(1)
         self._broken: str | None = None
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
+        self._max_tag = getattr(backend, "max_tag", 2**31 - 1)
         self._debug = _debug.debug_level()
         self._fast = False  # whether blocking allreduces may take the latency path
         self._refresh_fast()
@@ -419,7 +420,7 @@ class ProcessGroup:
         if self.backend is None:
             self._begin(op)  # raises: not a member
         peer = check_rank(where, peer_name, peer, self.size)
-        tag = check_tag(where, tag, getattr(self.backend, "max_tag", 2**31 - 1))
+        tag = check_tag(where, tag, self._max_tag)
         check_array(where, x)
         self._check_module(where, x)
         return where, peer, tag
@@ -440,14 +441,37 @@ class ProcessGroup:
         req = self.backend.recv(tmp.reshape(-1), src, tag)
         return Work(self, f"recv(src={src}, tag={tag})", 0, req, self._finish_into(buf, tmp))
 
+    def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
+        """Whether a blocking send/recv may skip ``Work``: the same checks as ``_check_p2p``
+        for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
+        return (self._fast and type(x) is np.ndarray and type(peer) is int and type(tag) is int
+                and 0 <= peer < self.size and peer != self.rank and 0 <= tag <= self._max_tag
+                and x.dtype in _SUPPORTED and x.flags.c_contiguous)
+
+    def _p2p_wait(self, op: str, req: Request, timeout: float | None) -> None:
+        t = self.timeout if timeout is None else timeout
+        try:
+            done = req.wait(t)
+        except HpcdpError as exc:
+            raise annotate(exc, work_where(self, op, 0)) from exc
+        if not done:
+            raise timeout_error(self, op, 0, req, t)
+
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
+        if self._p2p_fast(x, dst, tag):
+            req = self.backend.send(x if x.ndim == 1 else x.reshape(-1), dst, tag)
+            return self._p2p_wait(f"send(dst={dst}, tag={tag})", req, timeout)
         if dst == self.rank:
             raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
         self.isend(x, dst, tag).wait(timeout)
 
     def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
         """Receive into ``buf`` from ``src``; returns ``buf``."""
+        if self._p2p_fast(buf, src, tag) and buf.flags.writeable:
+            req = self.backend.recv(buf if buf.ndim == 1 else buf.reshape(-1), src, tag)
+            self._p2p_wait(f"recv(src={src}, tag={tag})", req, timeout)
+            return buf
         if src == self.rank:
             raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
         return self.irecv(buf, src, tag).wait(timeout)

@@ -101,7 +101,8 @@ def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request, t: flo
     """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank."""
     pending = req.pending()
     req.abandon()
-    group._note_timeout(op, seq)
+    if seq:  # a collective (point-to-point calls have no sequence number) leaves ranks out of step
+        group._note_timeout(op, seq)
     return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")
 
 

@@ -11,14 +11,14 @@ from bodies import (
     body_async, body_bad_inputs, body_finished_peer, body_out_and_inplace, body_out_errors,
     body_p2p, body_review_regressions, body_sim_shape_mismatch, body_split_messages,
     body_subgroups, body_timeout_then_late_peer, body_all_collectives_async_and_out,
-    body_medium_all_gather,
+    body_medium_all_gather, body_p2p_timeout,
 )
 from cases import body_mismatch, body_sleepy_timeout
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 
 BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
           body_bad_inputs, body_review_regressions, body_all_collectives_async_and_out,
-          body_medium_all_gather]
+          body_medium_all_gather, body_p2p_timeout]
 
 
 def _check(per_rank: list[list[str]]) -> None:

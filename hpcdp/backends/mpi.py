@@ -135,7 +135,7 @@ def _reap() -> None:
 class _MPIRequest(Request):
     """One or more MPI requests plus host-side work to run once they all completed."""
 
-    __slots__ = ("reqs", "post", "done", "what", "keep")
+    __slots__ = ("reqs", "post", "done", "what", "keep", "cancellable")
 
     def __init__(self, reqs: list[Any], post: Callable[[], None] | None = None, what: str = "") -> None:
         self.reqs = reqs
@@ -143,6 +143,8 @@ class _MPIRequest(Request):
         self.done = False
         self.what = what
         self.keep: tuple[Any, ...] = ()  # mpi4py does not hold buffers of nonblocking calls
+        #: receives may be cancelled when given up on; collectives and sends may not
+        self.cancellable = False
 
     def test(self) -> bool:
         if self.done:
@@ -175,6 +177,9 @@ class _MPIRequest(Request):
 
     def abandon(self) -> None:
         if not self.done:
+            if self.cancellable:  # a late message must not land in a buffer given up on
+                for r in self.reqs:
+                    r.Cancel()
             _bury(self)
 
     def __del__(self) -> None:
@@ -508,7 +513,9 @@ class MPIBackend(Backend):
     @_gpu(recv=("buf",))
     def recv(self, buf, src, tag):
         reqs = [self.comm.Irecv(self._buf(buf, lo, hi), src, tag) for lo, hi in _chunks(buf.size)]
-        return _MPIRequest(reqs, what=f"recv from rank {src} (tag {tag})")
+        req = _MPIRequest(reqs, what=f"recv from rank {src} (tag {tag})")
+        req.cancellable = True
+        return req
 
     # -- groups -----------------------------------------------------------------------------
     def new_group(self, ranks):
