@@ -38,3 +38,17 @@ def run_mpi(fn: Callable[..., Any], *args: Any) -> list[Any]:
     """Run a body on the MPI world; every rank gets every rank's return value."""
     mine = fn(hpcdp.rank(), *args)
     return hpcdp.all_gather_object(mine)
+
+
+@pytest.fixture
+def log():
+    """Messages the ``hpcdp.tcp`` logger emits during the test (DEBUG and up)."""
+    import logging
+
+    from tcp_helpers import LogCollector
+
+    handler = LogCollector(logging.DEBUG).attach()
+    try:
+        yield handler.messages
+    finally:
+        handler.detach()

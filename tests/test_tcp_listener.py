@@ -3,7 +3,6 @@
 authenticated peer that announces an oversized frame is dropped, not trusted."""
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -15,7 +14,8 @@ import pytest
 import hpcdp
 from hpcdp.backends import _tcp_accept as accept
 from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import free_port, spawn_processes
+from hpcdp.backends._tcp_spawn import free_port
+from tcp_helpers import LogCollector, closed_by_server, start_job
 from hpcdp.backends._tcp_store import StoreClient
 from hpcdp.backends._tcp_transport import COLL, Transport
 from hpcdp.backends.tcp import TCPBackend, _World
@@ -24,40 +24,9 @@ SECRET = "listener-test-secret"
 FLOOD = accept.MAX_PENDING_HANDSHAKES + 100
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def log():
-    handler = _Collect()
-    logger = logging.getLogger("hpcdp.tcp")
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
-
-
-def _closed_within(sock: socket.socket, within: float) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
-
-
 def flooded_job(rank: int, info: str) -> dict:
     """Checked allreduces until the test writes ``stop``; the peak thread count of this rank."""
-    handler = _Collect()
-    logging.getLogger("hpcdp.tcp").addHandler(handler)
+    handler = LogCollector().attach()
     be = hpcdp.get_default_group().backend
     Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
     stop = Path(info, "stop")
@@ -80,17 +49,7 @@ def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
     port = free_port()
     # long enough that the whole flood arrives while the first MAX_PENDING_HANDSHAKES wait
     env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "3"}
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["res"] = spawn_processes(flooded_job, 2, args=(str(tmp_path),), timeout=30,
-                                         join_timeout=60, env=env)
-        except BaseException as exc:  # noqa: BLE001
-            out["err"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
+    t, out = start_job(flooded_job, 2, (str(tmp_path),), env)
     socks: list[socket.socket] = []
     try:
         deadline = time.monotonic() + 20
@@ -101,9 +60,9 @@ def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
         peer_port = int((tmp_path / "port1").read_text())
         socks = [socket.create_connection(("127.0.0.1", peer_port)) for _ in range(FLOOD)]
         # the connections past the cap are closed at once, the rest at the handshake timeout
-        shed = sum(_closed_within(s, 0.3) for s in socks[accept.MAX_PENDING_HANDSHAKES:])
+        shed = sum(closed_by_server(s, 0.3) for s in socks[accept.MAX_PENDING_HANDSHAKES:])
         assert shed >= FLOOD - accept.MAX_PENDING_HANDSHAKES - 2
-        assert all(_closed_within(s, 5.0) for s in socks[:accept.MAX_PENDING_HANDSHAKES])
+        assert all(closed_by_server(s, 5.0) for s in socks[:accept.MAX_PENDING_HANDSHAKES])
         time.sleep(0.2)  # the job goes on after the flood
     finally:
         for s in socks:
@@ -134,7 +93,7 @@ def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
             host, p = value.decode().rsplit(":", 1)
             flood.extend(socket.create_connection((host, int(p))) for _ in range(FLOOD))
             for s in flood[accept.MAX_PENDING_HANDSHAKES:]:
-                _closed_within(s, 2.0)  # the gate is full now
+                closed_by_server(s, 2.0)  # the gate is full now
         real_set(self, key, value)
 
     attempts: list[int] = []

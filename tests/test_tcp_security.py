@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import secrets
 import socket
 import struct
-import threading
 import time
 from pathlib import Path
 
@@ -21,24 +19,15 @@ import pytest
 
 import hpcdp
 from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import free_port, spawn_processes
+from hpcdp.backends._tcp_spawn import free_port
+from tcp_helpers import LogCollector, closed_by_server, start_job
 
 SECRET = secrets.token_hex(32)
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def job(rank: int, info: str) -> dict:
     """Allreduce in a loop until the test writes ``stop``; returns counts and the rejection log."""
-    handler = _Collect()
-    logging.getLogger("hpcdp.tcp").addHandler(handler)
+    handler = LogCollector().attach()
     be = hpcdp.get_default_group().backend
     Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
     stop = Path(info, "stop")
@@ -57,19 +46,6 @@ def job(rank: int, info: str) -> dict:
 def _hello(target: int, nonce: bytes | None = None) -> bytes:
     return struct.pack("<4sBBHii32s", b"HPCD", 1, wire.ROLE_STORE if target < 0 else wire.ROLE_PEER,
                        0, 5, target, nonce or secrets.token_bytes(32))
-
-
-def _closed_by_server(sock: socket.socket, within: float = 5.0) -> bool:
-    sock.settimeout(within)
-    try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
-    except (ConnectionResetError, BrokenPipeError):
-        return True
-    except socket.timeout:
-        return False
 
 
 def attack_random(port: int, target: int) -> socket.socket:
@@ -124,17 +100,7 @@ ATTACKS = {"random": attack_random, "wrong_hmac": attack_wrong_hmac, "replay": a
 def test_attacker_is_dropped_and_job_finishes(attack: str, tmp_path) -> None:
     port = free_port()
     env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "1"}
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["res"] = spawn_processes(job, 2, args=(str(tmp_path),), timeout=30,
-                                         join_timeout=60, env=env)
-        except BaseException as exc:  # noqa: BLE001
-            out["err"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
+    t, out = start_job(job, 2, (str(tmp_path),), env)
     try:
         deadline = time.monotonic() + 20
         while not (tmp_path / "port1").exists():
@@ -147,7 +113,7 @@ def test_attacker_is_dropped_and_job_finishes(attack: str, tmp_path) -> None:
         for where, (p, tgt) in targets.items():
             s = ATTACKS[attack](p, tgt)
             names[where] = str(s.getsockname())
-            assert _closed_by_server(s), f"{attack} on {where} was not dropped"
+            assert closed_by_server(s), f"{attack} on {where} was not dropped"
             s.close()
     finally:
         (tmp_path / "stop").write_text("")

@@ -2,7 +2,6 @@
 an odd timeout kill a store thread."""
 from __future__ import annotations
 
-import logging
 import os
 import re
 import socket
@@ -18,29 +17,10 @@ from hpcdp.backends import _tcp_store as store
 from hpcdp.backends import _tcp_wire as wire
 from hpcdp.backends._tcp_store import StoreClient, StoreServer
 from hpcdp.errors import CommTimeoutError, PeerFailureError
+from tcp_helpers import closed_by_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = b"k" * 32
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def log():
-    handler = _Collect()
-    logger = logging.getLogger("hpcdp.tcp")
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture
@@ -54,16 +34,6 @@ def server():
 
 def _client(srv: StoreServer, timeout: float = 5.0) -> StoreClient:
     return StoreClient("127.0.0.1", srv.address[1], SECRET, 1, timeout=timeout)
-
-
-def _wait_closed(sock: socket.socket, within: float) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except socket.timeout:
-        return False
 
 
 def test_set_get_and_missing_key(server) -> None:
@@ -151,7 +121,7 @@ def test_excess_unauthenticated_connections_are_shed(server, monkeypatch) -> Non
     n = store.MAX_PENDING_HANDSHAKES + 20
     socks = [socket.create_connection(server.address) for _ in range(n)]
     try:
-        closed = sum(_wait_closed(s, 0.3 if i >= store.MAX_PENDING_HANDSHAKES else 0.01)
+        closed = sum(closed_by_server(s, 0.3 if i >= store.MAX_PENDING_HANDSHAKES else 0.01)
                      for i, s in enumerate(socks))
         assert closed >= 20 - 2  # the excess, give or take a connection finishing early
         c = _client(server, timeout=20.0)  # retries until the silent ones time out
@@ -167,7 +137,7 @@ def test_rejections_are_rate_limited(server, log) -> None:
     for _ in range(50):
         s = socket.create_connection(server.address)
         s.sendall(os.urandom(wire.HELLO_SIZE))
-        _wait_closed(s, 5.0)
+        closed_by_server(s, 5.0)
         s.close()
     deadline = time.monotonic() + 5
     while len(server._conns) and time.monotonic() < deadline:
