@@ -1,10 +1,8 @@
 """Every collective x op x dtype x shape against numpy, on every backend and world size."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-import hpcdp
 from cases import COLLECTIVES, body_collective
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 

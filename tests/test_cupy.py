@@ -4,7 +4,6 @@ The array-module checks themselves run everywhere with a stand-in ``cupy`` modul
 """
 from __future__ import annotations
 
-import os
 import sys
 import types
 

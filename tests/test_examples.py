@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-import hpcdp
 from conftest import run_mpi, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

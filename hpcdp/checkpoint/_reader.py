@@ -9,7 +9,6 @@ is loaded in part: ``load`` returns a new state and never modifies ``like``.
 from __future__ import annotations
 
 import os
-from math import prod
 from typing import Any
 
 import h5py

@@ -24,7 +24,6 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 
 from ..errors import CheckpointError
 from . import _commit

@@ -47,7 +47,7 @@ import numpy as np
 from .._arrays import xp_of
 from ..errors import HpcdpError
 from ._buckets import Bucket, build_buckets
-from .comm_hooks import GradBucket, HookFuture, allreduce_hook
+from .comm_hooks import GradBucket, allreduce_hook
 
 __all__ = ["DDP"]
 
