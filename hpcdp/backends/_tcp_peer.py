@@ -25,7 +25,7 @@ _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 class _Req(Request):
     """A send or receive; completion is a released lock, so waiters sleep instead of polling."""
 
-    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader")
+    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader", "owner")
 
     def __init__(self, view: memoryview | None, desc: str, key: Any = None) -> None:
         self._lock = threading.Lock()
@@ -38,6 +38,8 @@ class _Req(Request):
         self.key = key
         #: (transport, peer) when the waiting thread may read the peer's socket itself
         self.reader: tuple[Transport, _Peer] | None = None
+        #: the transport a posted receive waits in (None for sends)
+        self.owner: Transport | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.done:
@@ -68,6 +70,12 @@ class _Req(Request):
 
     def pending(self) -> str:
         return _text(self.desc)
+
+    def abandon(self) -> None:
+        """Given up on after a timeout: a receive still waiting for its message is unposted, so
+        a late message is not written into a buffer its owner has taken back."""
+        if not self.done and self.owner is not None:
+            self.owner._unpost(self)
 
 
 class _Sent(Request):
@@ -112,6 +120,8 @@ class _Peer:
         self.sview = memoryview(self.stage)
         self.spos = self.send = 0
         self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks]
+        #: frame payload in progress: [destination view, bytes in, frame bytes, frame flags]
+        self.fill: list[Any] | None = None
         self.stopped = False  # the stream ended (EOF, error or malformed frame): nothing more to read
         self.why, self.crashed = "closed its connection (process exited or crashed)", True
         self.direct_poll = select.poll()  # used only under rlock (poll objects are not shareable)

@@ -121,11 +121,19 @@ class Transport:
                     self._send_frame(r, ABORT, channel, kind, memoryview(b""), _Req(None, "abort"))
 
     # -- receiving --------------------------------------------------------------------------
-    def _read_frame(self, peer: _Peer) -> bool:
+    def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
 
-        Returns False, having read nothing, when no frame started within ``RECV_TICK``.
+        Returns False when nothing (more) arrived within ``RECV_TICK`` or, for a thread waiting
+        on its own receive, by ``deadline``. A frame cut short stays in ``peer.fill`` and is
+        finished by whichever thread reads next, so a peer that stalls in the middle of a
+        message (stopped, swapped out) never holds a waiter past its deadline.
         """
+        if peer.fill is not None:
+            if not self._fill(peer, deadline):
+                return False
+            self._frame_done(peer)
+            return True
         sock, src, view = peer.sock, peer.rank, peer.sview
         pos, end = peer.spos, peer.send
         if end - pos < _HDR:
@@ -137,8 +145,8 @@ class Transport:
             while end < _HDR:
                 try:
                     k = sock.recv_into(view[end:], _STAGE - end)
-                except BlockingIOError:  # SO_RCVTIMEO expired
-                    if not end:
+                except BlockingIOError:  # SO_RCVTIMEO expired; a partial header stays staged
+                    if not end or (deadline is not None and _monotonic() >= deadline):
                         return False
                     continue
                 if k == 0:
@@ -164,22 +172,57 @@ class Transport:
                 if q is not None and not q:
                     del self.posted[key]
             cur = peer.cur = [key, req, 0, []]
-        key, req, off, chunks = cur
+        req, off, chunks = cur[1], cur[2], cur[3]
         if req is not None and req.error is None and off + n <= req.nbytes:
             dest = req.view[off:off + n] if off or n != req.nbytes else req.view
         else:
             buf = bytearray(n)
             chunks.append(buf)
             dest = memoryview(buf)
-        if n:
-            self._payload(peer, dest, n)
+        take = min(n, peer.send - pos)  # read-ahead bytes first
+        if take:
+            dest[:take] = view[pos:pos + take]
+            peer.spos = pos + take
+        peer.fill = [dest, take, n, flags]
+        if take < n and not self._fill(peer, deadline):
+            return False
+        self._frame_done(peer)
+        return True
+
+    def _fill(self, peer: _Peer, deadline: float | None) -> bool:
+        """Read the rest of the payload in ``peer.fill`` straight into its destination (zero
+        copy); False, keeping what arrived, if ``deadline`` passes first."""
+        fill = peer.fill
+        dest, got, n = fill[0], fill[1], fill[2]
+        sock = peer.sock
+        while got < n:
+            try:
+                # MSG_WAITALL: one wake-up per large piece, not one per segment
+                k = sock.recv_into(dest[got:], n - got, _WAITALL)
+            except BlockingIOError:  # nothing for a RECV_TICK
+                k = -1
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            if k > 0:
+                got += k
+            if got < n and deadline is not None and _monotonic() >= deadline:
+                fill[1] = got
+                return False
+        return True
+
+    def _frame_done(self, peer: _Peer) -> None:
+        """The payload of the current frame is in place: complete its message if it was the last."""
+        n, flags = peer.fill[2], peer.fill[3]
+        peer.fill = None
+        cur = peer.cur
+        key, req, off, chunks = cur
         cur[2] = off + n
         if flags & _MORE:
-            return True
+            return
         peer.cur = None
         if req is not None:
             self._finish_recv(req, off + n, chunks)
-            return True
+            return
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         with self.lock:
             q = self.posted.get(key)
@@ -190,35 +233,6 @@ class Transport:
                 self.unexpected.setdefault(key, collections.deque()).append(data)
         if req is not None:
             self._deliver(req, data)
-        return True
-
-    def _payload(self, peer: _Peer, dest: memoryview, n: int) -> None:
-        """Fill ``dest`` (``n`` bytes): read-ahead bytes first, then the socket."""
-        pos, end = peer.spos, peer.send
-        take = min(n, end - pos)
-        if take:
-            dest[:take] = peer.sview[pos:pos + take]
-            peer.spos = pos = pos + take
-        if take == n:
-            return
-        sock = peer.sock
-        if n - take >= _STAGE // 2:  # large: straight into the destination (zero copy)
-            _recv_into(sock, dest[take:], False)
-            return
-        # small rest: read it (and maybe the next frames) into the stage, then copy
-        view = peer.sview
-        need = n - take
-        end = 0
-        while end < need:
-            try:
-                k = sock.recv_into(view[end:], _STAGE - end)
-            except BlockingIOError:
-                continue
-            if k == 0:
-                raise ConnectionError("connection closed by peer")
-            end += k
-        dest[take:] = view[:need]
-        peer.spos, peer.send = need, end
 
     def _reader_failed(self, peer: _Peer, exc: BaseException) -> None:
         """The stream from ``peer`` ended (the caller holds ``peer.rlock``)."""
@@ -231,7 +245,7 @@ class Transport:
             peer.why, peer.crashed = f"sent a malformed frame ({exc})", True
         peer.eof.set()
         self.mark_dead(peer.rank, peer.why, peer.crashed)
-        cur, peer.cur = peer.cur, None  # a message that was arriving when the stream ended
+        cur, peer.cur, peer.fill = peer.cur, None, None  # a message cut off by the end
         if cur is not None and cur[1] is not None:
             cur[1].finish(PeerFailureError(f"rank {peer.rank} {peer.why}", peers=[peer.rank]))
         with peer.bgcv:
@@ -291,7 +305,7 @@ class Transport:
                             if (left < RECV_TICK and peer.send <= peer.spos
                                     and not poll(max(1, int(left * 1000 + 0.999)))):
                                 break
-                        self._read_frame(peer)
+                        self._read_frame(peer, deadline)
                 except (ProtocolError, OSError, ConnectionError) as exc:
                     self._reader_failed(peer, exc)
                 finally:
@@ -324,7 +338,8 @@ class Transport:
         try:
             poll = peer.direct_poll.poll
             while not peer.stopped and (peer.send > peer.spos or poll(0)):
-                self._read_frame(peer)
+                if not self._read_frame(peer, _monotonic()):  # a frame still arriving: later
+                    break
         except (ProtocolError, OSError, ConnectionError) as exc:
             self._reader_failed(peer, exc)
         finally:
@@ -348,6 +363,7 @@ class Transport:
               desc: Any) -> _Req:
         key = (src, kind, channel, tag)
         req = _Req(memoryview(buf).cast("B") if buf.nbytes else _EMPTY, desc, key)
+        req.owner = self
         with self.lock:
             data = None
             if self.unexpected:
@@ -378,6 +394,17 @@ class Transport:
             req.finish(PeerFailureError(f"{_text(desc)}: {why}",
                                         peers=[src] if src in self.dead else []))
         return req
+
+    def _unpost(self, req: _Req) -> None:
+        """Withdraw a receive no message has matched yet (one already arriving completes)."""
+        with self.lock:
+            q = self.posted.get(req.key)
+            if q is None or req not in q:
+                return
+            q.remove(req)
+            if not q:
+                del self.posted[req.key]
+        req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
 
     # -- sending ----------------------------------------------------------------------------
     def isend(self, buf: np.ndarray, dst: int, kind: int, channel: int, tag: int,
@@ -518,24 +545,6 @@ class Transport:
                 peer.sock.close()
             except OSError:
                 pass
-
-
-def _recv_into(sock: socket.socket, view: memoryview, idle_ok: bool) -> bool:
-    """Fill ``view``; EOF first raises ``ConnectionError``. With ``idle_ok``, return False when
-    nothing at all arrived within the socket's receive timeout (a partial fill keeps waiting)."""
-    got, n = 0, len(view)
-    flags = 0 if idle_ok else _WAITALL  # one wake-up per large piece, not one per segment
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:] if got else view, n - got, flags)
-        except BlockingIOError:  # SO_RCVTIMEO expired
-            if idle_ok and not got:
-                return False
-            continue
-        if k == 0:
-            raise ConnectionError("connection closed by peer")
-        got += k
-    return True
 
 
 def _addr(sock: socket.socket) -> object:
