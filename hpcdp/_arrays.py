@@ -37,6 +37,8 @@ def is_array(x: Any) -> bool:
 
 def xp_of(x: Any) -> ModuleType:
     """numpy or cupy, whichever owns ``x``."""
+    if type(x) is np.ndarray:  # the common case, without the cupy lookup
+        return np
     if is_cupy(x):
         return cupy_or_none()  # type: ignore[return-value]
     return np
@@ -47,4 +49,4 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def is_supported_dtype(dt: np.dtype) -> bool:
-    return np.dtype(dt) in _SUPPORTED
+    return (dt if isinstance(dt, np.dtype) else np.dtype(dt)) in _SUPPORTED
