@@ -66,7 +66,9 @@ def check_across(group: "ProcessGroup", opname: str, seq: int, timeout: float, *
     if not req.wait(timeout):
         from .work import timeout_error
 
-        raise timeout_error(group, f"{opname} (HPCDP_DEBUG check)", seq, req, timeout)
+        err = timeout_error(group, f"{opname} (HPCDP_DEBUG check)", seq, req, timeout)
+        if err is not None:
+            raise err
     records = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in recv]
     keys = [{k: v for k, v in r.items() if k not in ("rank", "line")} for r in records]
     if any(k != keys[0] for k in keys[1:]):

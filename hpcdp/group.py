@@ -226,7 +226,10 @@ class ProcessGroup:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
         # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
         # checks as below, in fewer Python operations, because small allreduces are latency-bound.
-        rop = _FAST_OPS.get(op)
+        try:
+            rop = _FAST_OPS.get(op)
+        except TypeError:  # unhashable: the general path says what is wrong with it
+            rop = None
         if (rop is not None and self._fast and not async_op and type(x) is np.ndarray
                 and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and (out is None or (
                     type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
@@ -245,8 +248,8 @@ class ProcessGroup:
                                                           rflat, rop, t)
             except HpcdpError as exc:
                 raise annotate(exc, work_where(self, "allreduce", seq)) from exc
-            if req is not None:
-                raise timeout_error(self, "allreduce", seq, req, t)
+            if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+                raise err
             return out
         where = self._where("allreduce")
         rop = as_op(op, where)
@@ -454,8 +457,8 @@ class ProcessGroup:
             done = req.wait(t)
         except HpcdpError as exc:
             raise annotate(exc, work_where(self, op, 0)) from exc
-        if not done:
-            raise timeout_error(self, op, 0, req, t)
+        if not done and (err := timeout_error(self, op, 0, req, t)):
+            raise err
 
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""

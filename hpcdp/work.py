@@ -55,7 +55,9 @@ class Work:
         except HpcdpError as exc:
             self._raise(annotate(exc, self._where()))
         if not ok:
-            self._raise(timeout_error(self._group, self._op, self._seq, self._req, t))
+            err = timeout_error(self._group, self._op, self._seq, self._req, t)
+            if err is not None:
+                self._raise(err)
         return self._complete()
 
     def is_completed(self) -> bool:
@@ -97,10 +99,15 @@ def annotate(exc: HpcdpError, where: str) -> HpcdpError:
     return type(exc)(f"{where}: {exc}")
 
 
-def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request, t: float) -> CommTimeoutError:
-    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank."""
+def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request,
+                  t: float) -> CommTimeoutError | None:
+    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank.
+
+    None when the request turned out to have completed as it was given up (no error then).
+    """
     pending = req.pending()
-    req.abandon()
+    if req.abandon():
+        return None
     if seq:  # a collective (point-to-point calls have no sequence number) leaves ranks out of step
         group._note_timeout(op, seq)
     return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")

@@ -180,6 +180,7 @@ def body_bad_inputs(rank: int) -> list[str]:
     fails: list[str] = []
     cases: list[tuple[str, Any, type]] = [
         ("unknown op", lambda: hpcdp.allreduce(np.ones(2), "median"), ValueError),
+        ("unhashable op", lambda: hpcdp.allreduce(np.ones(2), np.ones(2)), ValueError),
         ("mean on ints", lambda: hpcdp.allreduce(np.ones(2, np.int32), "mean"), TypeError),
         ("max on complex", lambda: hpcdp.allreduce(np.ones(2, np.complex64), "max"), TypeError),
         ("bad root", lambda: hpcdp.broadcast(np.ones(2), root=n), ValueError),

@@ -15,23 +15,46 @@ import hpcdp
 from conftest import run_mpi
 from hpcdp.errors import HpcdpError
 
-BIG = 64 << 20  # far more than the socket buffers hold: the sender is mid-message when stopped
+MID = 16 << 20  # several times what the socket buffers hold
+
+
+def _stop_half_way() -> None:
+    """Make this rank's next send of ``MID`` bytes stop itself (SIGSTOP) after half the payload:
+    deterministic, unlike a timer racing the transfer. SIGCONT from a peer resumes it."""
+    from hpcdp.backends import _tcp_wire as wire
+
+    tr = hpcdp.get_default_group().backend.transport
+    whole = tr._write
+
+    def half_then_stop(peer, hdr, view) -> None:
+        if view.nbytes != MID:
+            return whole(peer, hdr, view)
+        kind, channel, tag = hdr
+        peer.sock.sendall(wire.pack_header(kind, 0, channel, tag, view.nbytes))
+        peer.sock.sendall(view[:MID // 2])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        peer.sock.sendall(view[MID // 2:])
+
+    tr._write = half_then_stop
 
 
 def stalled_sender(rank: int, out: str, what: str) -> str:
+    data = np.full(MID, 3, np.uint8) if what == "recv" else np.ones(8 * MID // 8)
+    hpcdp.barrier()
     if rank == 1:
-        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()
         if what == "recv":
-            hpcdp.send(np.ones(BIG, np.uint8), 0)
+            _stop_half_way()
+            hpcdp.send(data, 0)
         else:
-            hpcdp.allreduce(np.ones(BIG // 8), timeout=60)
+            threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+            hpcdp.allreduce(data, timeout=60)
         return "not stopped"
     t0 = time.monotonic()
     try:
         if what == "recv":
-            hpcdp.recv(np.empty(BIG, np.uint8), 1, timeout=2)
+            hpcdp.recv(np.zeros(MID, np.uint8), 1, timeout=2)
         else:
-            hpcdp.allreduce(np.ones(BIG // 8), timeout=2)
+            hpcdp.allreduce(data, timeout=2)
         result = {"error": None}
     except hpcdp.CommTimeoutError as exc:
         result = {"error": "timeout", "message": str(exc)}
@@ -56,6 +79,70 @@ def test_peer_stopped_mid_message_times_out_on_time(what: str, tmp_path) -> None
     assert res["error"] == "timeout", res
     assert 1.9 <= res["elapsed"] <= 3.5, res
     assert ("recv(src=1" if what == "recv" else "allreduce #") in res["message"], res
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def resumed_sender(rank: int, mode: str) -> dict:
+    """Rank 1 stops itself half-way through a send; rank 0 gives up on the receive (timeout) or is
+    interrupted in it (a signal handler that raises, as Ctrl-C does), then wakes rank 1."""
+    pids = hpcdp.all_gather_object(os.getpid())
+    if rank == 1:
+        data = np.full(MID, 3, np.uint8)
+        _stop_half_way()
+        hpcdp.barrier()
+        hpcdp.send(data, 0, tag=7)
+        hpcdp.send(np.full(10, 5.0), 0, tag=8)
+        hpcdp.barrier(timeout=60)
+        return {}
+    out: dict = {}
+    buf = np.zeros(MID, np.uint8)
+    work = hpcdp.irecv(buf, 1, tag=7)  # posted before the message comes: it lands in buf
+    hpcdp.barrier()
+    try:
+        if mode == "timeout":
+            work.wait(1.0)
+        else:
+            old = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(_Interrupt()))
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            try:
+                work.wait(30)
+            finally:
+                signal.signal(signal.SIGALRM, old)
+        out["first"] = "completed"
+    except hpcdp.CommTimeoutError:
+        out["first"] = "timeout"
+    except _Interrupt:
+        out["first"] = "interrupted"
+    out["in_buf_at_give_up"] = int(np.count_nonzero(buf))
+    os.kill(pids[1], signal.SIGCONT)
+    if mode == "timeout":  # the message waits, whole, for a new receive
+        again = hpcdp.recv(np.zeros(MID, np.uint8), 1, tag=7, timeout=30)
+        out["again_ok"] = bool(np.all(again == 3))
+    out["next"] = hpcdp.recv(np.zeros(10), 1, tag=8, timeout=30).tolist()
+    out["in_buf_later"] = int(np.count_nonzero(buf))
+    hpcdp.barrier(timeout=30)
+    return out
+
+
+def test_receive_abandoned_mid_message_keeps_stream_and_buffer() -> None:
+    r0, _ = hpcdp.spawn(resumed_sender, 2, backend="tcp", args=("timeout",), timeout=60,
+                        join_timeout=90)
+    assert r0["first"] == "timeout", r0
+    assert 0 < r0["in_buf_at_give_up"] < MID, r0  # it was stopped mid-message
+    assert r0["in_buf_later"] == r0["in_buf_at_give_up"], r0  # nothing written after giving up
+    assert r0["again_ok"] and r0["next"] == [5.0] * 10, r0
+
+
+def test_receive_interrupted_mid_message_loses_no_byte() -> None:
+    r0, _ = hpcdp.spawn(resumed_sender, 2, backend="tcp", args=("interrupt",), timeout=60,
+                        join_timeout=90)
+    assert r0["first"] == "interrupted" and 0 < r0["in_buf_at_give_up"] < MID, r0
+    # the interrupted receive stays posted: its message completes into it, and the stream goes
+    # on in step (the next message arrives intact)
+    assert r0["next"] == [5.0] * 10 and r0["in_buf_later"] == MID, r0
 
 
 def late_message(rank: int) -> list[str]:

@@ -25,7 +25,8 @@ _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 class _Req(Request):
     """A send or receive; completion is a released lock, so waiters sleep instead of polling."""
 
-    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader", "owner")
+    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader", "owner",
+                 "abandoned", "claimed")
 
     def __init__(self, view: memoryview | None, desc: str, key: Any = None) -> None:
         self._lock = threading.Lock()
@@ -40,6 +41,11 @@ class _Req(Request):
         self.reader: tuple[Transport, _Peer] | None = None
         #: the transport a posted receive waits in (None for sends)
         self.owner: Transport | None = None
+        #: given up on after a timeout: its message, if one arrives, is kept for a later receive
+        self.abandoned = False
+        #: its message is complete and being handed over: too late to give it up (both flags
+        #: change under the transport's lock, so exactly one of them wins)
+        self.claimed = False
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.done:
@@ -71,11 +77,13 @@ class _Req(Request):
     def pending(self) -> str:
         return _text(self.desc)
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
         """Given up on after a timeout: a receive still waiting for its message is unposted, so
-        a late message is not written into a buffer its owner has taken back."""
-        if not self.done and self.owner is not None:
-            self.owner._unpost(self)
+        a late message is not written into a buffer its owner has taken back. True when the
+        message had completed after all (the caller then reports success, not a timeout)."""
+        if self.owner is not None:
+            return self.owner._unpost(self)
+        return self.done and self.error is None
 
 
 class _Sent(Request):

@@ -155,11 +155,12 @@ class Transport:
                 peer.send = end
         kind, flags, channel, tag, n = wire.unpack_header_from(peer.stage, pos, _KINDS, self.cap)
         pos += _HDR
-        peer.spos = pos
         if kind == BYE:
+            peer.spos = pos
             peer.why, peer.crashed = "has shut down (finalize)", False
             return True
         if kind == ABORT:
+            peer.spos = pos
             self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
                                "group after a timeout", (), notify=False)
             return True
@@ -172,6 +173,8 @@ class Transport:
                 if q is not None and not q:
                     del self.posted[key]
             cur = peer.cur = [key, req, 0, []]
+        elif cur[1] is not None and cur[1].abandoned:
+            self._redirect(peer)
         req, off, chunks = cur[1], cur[2], cur[3]
         if req is not None and req.error is None and off + n <= req.nbytes:
             dest = req.view[off:off + n] if off or n != req.nbytes else req.view
@@ -182,8 +185,10 @@ class Transport:
         take = min(n, peer.send - pos)  # read-ahead bytes first
         if take:
             dest[:take] = view[pos:pos + take]
-            peer.spos = pos + take
+        # the header and the read-ahead are consumed only now, together with the state that
+        # lets any thread resume the payload (an exception above leaves the frame unread)
         peer.fill = [dest, take, n, flags]
+        peer.spos = pos + take
         if take < n and not self._fill(peer, deadline):
             return False
         self._frame_done(peer)
@@ -191,30 +196,56 @@ class Transport:
 
     def _fill(self, peer: _Peer, deadline: float | None) -> bool:
         """Read the rest of the payload in ``peer.fill`` straight into its destination (zero
-        copy); False, keeping what arrived, if ``deadline`` passes first."""
-        fill = peer.fill
-        dest, got, n = fill[0], fill[1], fill[2]
-        sock = peer.sock
-        while got < n:
+        copy); False, keeping what arrived, if ``deadline`` passes first. Progress is recorded
+        after every read, so an exception (Ctrl-C) in between loses no byte."""
+        fill, cur, sock = peer.fill, peer.cur, peer.sock
+        n = fill[2]
+        while fill[1] < n:
+            if cur is not None and cur[1] is not None and cur[1].abandoned:
+                self._redirect(peer)  # its owner gave up on it: keep the message ourselves
+            got = fill[1]
             try:
                 # MSG_WAITALL: one wake-up per large piece, not one per segment
-                k = sock.recv_into(dest[got:], n - got, _WAITALL)
+                k = sock.recv_into(fill[0][got:], n - got, _WAITALL)
             except BlockingIOError:  # nothing for a RECV_TICK
                 k = -1
             if k == 0:
                 raise ConnectionError("connection closed by peer")
             if k > 0:
-                got += k
-            if got < n and deadline is not None and _monotonic() >= deadline:
-                fill[1] = got
+                fill[1] = got + k
+            if fill[1] < n and deadline is not None and _monotonic() >= deadline:
                 return False
         return True
 
+    def _redirect(self, peer: _Peer) -> None:
+        """The receive the arriving message matched was abandoned (timeout): move what arrived,
+        and the rest, into buffers of our own, so the message waits for a later receive and
+        nothing more is written into the abandoned buffer. The caller holds ``peer.rlock``."""
+        cur, fill = peer.cur, peer.fill
+        req, off = cur[1], cur[2]
+        chunks: list[Any] = [bytearray(req.view[:off])] if off else []
+        if fill is not None:
+            got, n = fill[1], fill[2]
+            buf = bytearray(n)
+            buf[:got] = fill[0][:got]
+            chunks.append(buf)
+            fill[0] = memoryview(buf)
+        cur[1], cur[3] = None, chunks
+        req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
+
     def _frame_done(self, peer: _Peer) -> None:
         """The payload of the current frame is in place: complete its message if it was the last."""
-        n, flags = peer.fill[2], peer.fill[3]
-        peer.fill = None
         cur = peer.cur
+        flags = peer.fill[3]
+        req = cur[1]
+        if req is not None and not flags & _MORE:
+            with self.lock:  # the last frame: hand the message over unless it was given up
+                given_up = req.abandoned
+                req.claimed = not given_up
+            if given_up:
+                self._redirect(peer)
+        n = peer.fill[2]
+        peer.fill = None
         key, req, off, chunks = cur
         cur[2] = off + n
         if flags & _MORE:
@@ -231,6 +262,8 @@ class Transport:
                 del self.posted[key]
             if req is None:
                 self.unexpected.setdefault(key, collections.deque()).append(data)
+            else:
+                req.claimed = True
         if req is not None:
             self._deliver(req, data)
 
@@ -395,16 +428,46 @@ class Transport:
                                         peers=[src] if src in self.dead else []))
         return req
 
-    def _unpost(self, req: _Req) -> None:
-        """Withdraw a receive no message has matched yet (one already arriving completes)."""
+    def _unpost(self, req: _Req) -> bool:
+        """Withdraw a receive given up on; True if its message had completed after all.
+
+        If the message is already arriving, whoever reads next moves it to buffers of its own
+        before its next read (at once, here, if no thread is reading) and fails ``req``: the
+        message then waits for a later receive, as if it had come after the timeout.
+        """
         with self.lock:
-            q = self.posted.get(req.key)
-            if q is None or req not in q:
-                return
-            q.remove(req)
-            if not q:
-                del self.posted[req.key]
-        req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
+            if req.claimed or req.done:
+                claimed = True
+            else:
+                claimed, req.abandoned = False, True
+                q = self.posted.get(req.key)
+                queued = q is not None and req in q
+                if queued:
+                    q.remove(req)
+                    if not q:
+                        del self.posted[req.key]
+        if claimed:  # handed over just as the deadline passed: it is (about to be) complete
+            if req._lock.acquire(timeout=5.0):
+                req._lock.release()
+            return req.done and req.error is None
+        if queued:
+            req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
+            return False
+        peer = self.peers.get(req.key[0])
+        # A reader busy with the message redirects it after its current read (at most a
+        # RECV_TICK): wait for that, so no byte lands in the buffer once the caller has it back.
+        until = _monotonic() + 2 * RECV_TICK + 0.05
+        while peer is not None and peer.cur is not None and peer.cur[1] is req:
+            if peer.rlock.acquire(timeout=0.01):
+                try:
+                    if peer.cur is not None and peer.cur[1] is req:
+                        self._redirect(peer)
+                finally:
+                    peer.rlock.release()
+                break
+            if _monotonic() > until:
+                break
+        return False
 
     # -- sending ----------------------------------------------------------------------------
     def isend(self, buf: np.ndarray, dst: int, kind: int, channel: int, tag: int,

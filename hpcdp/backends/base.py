@@ -38,8 +38,12 @@ class Request(abc.ABC):
         """What has not arrived yet, for timeout messages ("ranks [1, 3] have not joined")."""
         return "the operation did not complete"
 
-    def abandon(self) -> None:
-        """Called after a timeout; lets peers that arrive later fail fast instead of hanging."""
+    def abandon(self) -> bool | None:
+        """Called after a timeout; lets peers that arrive later fail fast instead of hanging.
+
+        A transport that can tell returns True when the operation completed after all (its last
+        bytes came in as the deadline passed): the caller then reports success.
+        """
 
 
 class CompletedRequest(Request):

@@ -251,7 +251,11 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
                         dev.set(h)
                     self._staging.give(h)
 
-            return _Chain(req, copy_back)
+            def release() -> None:  # given up on: the device arrays are the user's again
+                for _dev, h in staged.values():
+                    self._staging.give(h)
+
+            return _Chain(req, copy_back, on_abandon=release)
 
         return wrapper
 
@@ -259,8 +263,13 @@ def _gpu(recv: Sequence[str]) -> Callable[[Callable[..., Request]], Callable[...
 
 
 class _Chain(Request):
-    def __init__(self, req: Request, then: Callable[[], None]) -> None:
+    """``req``, then host-side work (``then``) once it completed; ``on_abandon`` replaces that
+    work when the request is given up on (a staged receive must not copy back late)."""
+
+    def __init__(self, req: Request, then: Callable[[], None],
+                 on_abandon: Callable[[], None] | None = None) -> None:
         self.req, self.then, self.done = req, then, False
+        self.on_abandon = on_abandon
         self.keep: Any = ()
 
     def test(self) -> bool:
@@ -280,6 +289,12 @@ class _Chain(Request):
 
     def abandon(self) -> None:
         if not self.done:
+            if self.on_abandon is not None:
+                self.then = self.on_abandon
+                cancel = getattr(self.req, "cancellable", False)
+                if cancel:  # a receive: cancel it, as an unstaged one is
+                    for r in self.req.reqs:
+                        r.Cancel()
             _bury(self)  # holds the inner request and the staging buffers its callback uses
 
     def __del__(self) -> None:
@@ -412,8 +427,8 @@ class MPIBackend(Backend):
 
     @_gpu(recv=("recvbuf",))
     def all_gather(self, sendbuf, recvbuf):
-        if (_P2P_GATHER_MIN <= recvbuf.nbytes < _P2P_GATHER_MAX and type(recvbuf) is np.ndarray
-                and sendbuf.size <= _MAX_COUNT):
+        # (chosen by size alone, so every rank takes the same path whatever its array module)
+        if _P2P_GATHER_MIN <= recvbuf.nbytes < _P2P_GATHER_MAX and sendbuf.size <= _MAX_COUNT:
             # Open MPI 4's libnbc Iallgather copies this rank's block before it sends anything
             # and then moves the rest round by round: 1.5-2x the blocking Allgather's time at
             # 0.5-2 MiB on 2 ranks here. Posting every transfer at once and copying our own
