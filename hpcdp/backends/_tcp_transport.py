@@ -9,7 +9,8 @@ two ranks sending large messages to each other never block. The background threa
 while a waiter reads directly (and for a short linger after, so a ping-pong does not wake it on
 every message). Small sends go out inline on the calling thread (latency); large ones through a
 per-peer sender thread, so ``isend`` returns at once and the caller can reduce while the bytes move.
-Matching is per (source, kind, channel, tag), in order, so messages never overtake.
+Matching is per (source, kind, channel, tag), in order, so messages never overtake. The frame
+parser itself (resumable at any byte) is ``_tcp_frames.FrameReader``.
 """
 from __future__ import annotations
 
@@ -24,26 +25,19 @@ import numpy as np
 
 from ..errors import PeerFailureError, ProtocolError
 from . import _tcp_wire as wire
-from ._tcp_peer import _STAGE, _Peer, _Req, _Sent, _text
+from ._tcp_frames import ABORT, BYE, COLL, MORE, P2P, RECV_TICK, FrameReader
+from ._tcp_peer import _Peer, _Req, _Sent, _text
 from .base import Request
 
 __all__ = ["Transport", "P2P", "COLL", "BYE", "ABORT"]
 
-P2P, COLL, BYE, ABORT = 1, 2, 3, 4
-_KINDS = frozenset({P2P, COLL, BYE, ABORT})
 INLINE_BYTES = 64 * 1024
 #: a thread waiting for a receive this small (or any user p2p receive) reads the socket itself
 DIRECT_BYTES = 256 * 1024
 #: after a direct read the background receiver stays parked this long (seconds) unless kicked
 LINGER = 0.002
-#: SO_RCVTIMEO of peer sockets: a direct reader blocks in recv() itself (no poll() per message)
-#: and gets control back this often to check its deadline
-RECV_TICK = 0.1
-_MORE = 1
 _EMPTY = memoryview(bytearray(0))
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _pack = wire.HEADER.pack
-_HDR = wire.HEADER.size
 _monotonic = time.monotonic
 
 
@@ -51,7 +45,7 @@ def _as_bytes(buf: np.ndarray) -> memoryview:
     return memoryview(buf).cast("B") if buf.nbytes else memoryview(bytearray(0))
 
 
-class Transport:
+class Transport(FrameReader):
     """This process's half of the full mesh; shared by every group (channel) of the job."""
 
     def __init__(self, rank: int, size: int, cap: int) -> None:
@@ -120,153 +114,7 @@ class Transport:
                 if r != self.rank and r not in self.dead:
                     self._send_frame(r, ABORT, channel, kind, memoryview(b""), _Req(None, "abort"))
 
-    # -- receiving --------------------------------------------------------------------------
-    def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
-        """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
-
-        Returns False when nothing (more) arrived within ``RECV_TICK`` or, for a thread waiting
-        on its own receive, by ``deadline``. A frame cut short stays in ``peer.fill`` and is
-        finished by whichever thread reads next, so a peer that stalls in the middle of a
-        message (stopped, swapped out) never holds a waiter past its deadline.
-        """
-        if peer.fill is not None:
-            if not self._fill(peer, deadline):
-                return False
-            self._frame_done(peer)
-            return True
-        sock, src, view = peer.sock, peer.rank, peer.sview
-        pos, end = peer.spos, peer.send
-        if end - pos < _HDR:
-            if end > pos:
-                view[:end - pos] = view[pos:end]
-            end -= pos
-            pos = 0
-            peer.spos, peer.send = 0, end
-            while end < _HDR:
-                try:
-                    k = sock.recv_into(view[end:], _STAGE - end)
-                except BlockingIOError:  # SO_RCVTIMEO expired; a partial header stays staged
-                    if not end or (deadline is not None and _monotonic() >= deadline):
-                        return False
-                    continue
-                if k == 0:
-                    raise ConnectionError("connection closed by peer")
-                end += k
-                peer.send = end
-        kind, flags, channel, tag, n = wire.unpack_header_from(peer.stage, pos, _KINDS, self.cap)
-        pos += _HDR
-        if kind == BYE:
-            peer.spos = pos
-            peer.why, peer.crashed = "has shut down (finalize)", False
-            return True
-        if kind == ABORT:
-            peer.spos = pos
-            self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
-                               "group after a timeout", (), notify=False)
-            return True
-        cur = peer.cur
-        if cur is None:
-            key = (src, kind, channel, tag)
-            with self.lock:
-                q = self.posted.get(key)
-                req = q.popleft() if q else None
-                if q is not None and not q:
-                    del self.posted[key]
-            cur = peer.cur = [key, req, 0, []]
-        elif cur[1] is not None and cur[1].abandoned:
-            self._redirect(peer)
-        req, off, chunks = cur[1], cur[2], cur[3]
-        if req is not None and req.error is None and off + n <= req.nbytes:
-            dest = req.view[off:off + n] if off or n != req.nbytes else req.view
-        else:
-            buf = bytearray(n)
-            chunks.append(buf)
-            dest = memoryview(buf)
-        take = min(n, peer.send - pos)  # read-ahead bytes first
-        if take:
-            dest[:take] = view[pos:pos + take]
-        # the header and the read-ahead are consumed only now, together with the state that
-        # lets any thread resume the payload (an exception above leaves the frame unread)
-        peer.fill = [dest, take, n, flags]
-        peer.spos = pos + take
-        if take < n and not self._fill(peer, deadline):
-            return False
-        self._frame_done(peer)
-        return True
-
-    def _fill(self, peer: _Peer, deadline: float | None) -> bool:
-        """Read the rest of the payload in ``peer.fill`` straight into its destination (zero
-        copy); False, keeping what arrived, if ``deadline`` passes first. Progress is recorded
-        after every read, so an exception (Ctrl-C) in between loses no byte."""
-        fill, cur, sock = peer.fill, peer.cur, peer.sock
-        n = fill[2]
-        while fill[1] < n:
-            if cur is not None and cur[1] is not None and cur[1].abandoned:
-                self._redirect(peer)  # its owner gave up on it: keep the message ourselves
-            got = fill[1]
-            try:
-                # MSG_WAITALL: one wake-up per large piece, not one per segment
-                k = sock.recv_into(fill[0][got:], n - got, _WAITALL)
-            except BlockingIOError:  # nothing for a RECV_TICK
-                k = -1
-            if k == 0:
-                raise ConnectionError("connection closed by peer")
-            if k > 0:
-                fill[1] = got + k
-            if fill[1] < n and deadline is not None and _monotonic() >= deadline:
-                return False
-        return True
-
-    def _redirect(self, peer: _Peer) -> None:
-        """The receive the arriving message matched was abandoned (timeout): move what arrived,
-        and the rest, into buffers of our own, so the message waits for a later receive and
-        nothing more is written into the abandoned buffer. The caller holds ``peer.rlock``."""
-        cur, fill = peer.cur, peer.fill
-        req, off = cur[1], cur[2]
-        chunks: list[Any] = [bytearray(req.view[:off])] if off else []
-        if fill is not None:
-            got, n = fill[1], fill[2]
-            buf = bytearray(n)
-            buf[:got] = fill[0][:got]
-            chunks.append(buf)
-            fill[0] = memoryview(buf)
-        cur[1], cur[3] = None, chunks
-        req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
-
-    def _frame_done(self, peer: _Peer) -> None:
-        """The payload of the current frame is in place: complete its message if it was the last."""
-        cur = peer.cur
-        flags = peer.fill[3]
-        req = cur[1]
-        if req is not None and not flags & _MORE:
-            with self.lock:  # the last frame: hand the message over unless it was given up
-                given_up = req.abandoned
-                req.claimed = not given_up
-            if given_up:
-                self._redirect(peer)
-        n = peer.fill[2]
-        peer.fill = None
-        key, req, off, chunks = cur
-        cur[2] = off + n
-        if flags & _MORE:
-            return
-        peer.cur = None
-        if req is not None:
-            self._finish_recv(req, off + n, chunks)
-            return
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        with self.lock:
-            q = self.posted.get(key)
-            req = q.popleft() if q else None
-            if q is not None and not q:
-                del self.posted[key]
-            if req is None:
-                self.unexpected.setdefault(key, collections.deque()).append(data)
-            else:
-                req.claimed = True
-        if req is not None:
-            self._deliver(req, data)
-
+    # -- receiving (frames are parsed by FrameReader) ---------------------------------------
     def _reader_failed(self, peer: _Peer, exc: BaseException) -> None:
         """The stream from ``peer`` ended (the caller holds ``peer.rlock``)."""
         if peer.stopped:
@@ -377,20 +225,6 @@ class Transport:
             self._reader_failed(peer, exc)
         finally:
             peer.rlock.release()
-
-    def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
-        if got != req.nbytes or chunks:
-            req.finish(ValueError(f"{_text(req.desc)}: message has {got} bytes, buffer has {req.nbytes}"))
-        else:
-            req.finish()
-
-    def _deliver(self, req: _Req, data: bytes) -> None:
-        if len(data) != req.nbytes:
-            req.finish(ValueError(f"{_text(req.desc)}: message has {len(data)} bytes, buffer has "
-                                  f"{req.nbytes}"))
-            return
-        req.view[:] = data
-        req.finish()
 
     def irecv(self, buf: np.ndarray, src: int, kind: int, channel: int, tag: int,
               desc: Any) -> _Req:
@@ -553,7 +387,7 @@ class Transport:
         step = self.cap
         for a in range(0, n, step):
             b = min(n, a + step)
-            sock.sendall(wire.pack_header(kind, _MORE if b < n else 0, channel, tag, b - a))
+            sock.sendall(wire.pack_header(kind, MORE if b < n else 0, channel, tag, b - a))
             sock.sendall(view[a:b])
 
     def _send_loop(self, peer: _Peer) -> None:

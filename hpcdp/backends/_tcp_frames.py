@@ -1,0 +1,209 @@
+"""Reading frames off a peer's socket: the one parser every receiving thread runs.
+
+A frame is ``[HEADER][payload]`` (``_tcp_wire``); a message is one or more frames, the last
+without the MORE flag. The parser matches a message to a posted receive when its first frame
+arrives and reads the payload straight into that buffer (zero copy), else into buffers of its
+own that the unexpected-message queue keeps. Its state lives on the ``_Peer`` (``cur``: the
+message, ``fill``: the frame's payload in progress, the read-ahead stage), updated after every
+read, so whichever thread holds the peer's read lock can stop at any byte (a deadline, an
+exception) and any thread can resume: a peer that stalls mid-message never holds a waiter past
+its deadline, and Ctrl-C in a receive loses no byte of the stream.
+"""
+from __future__ import annotations
+
+import collections
+import socket
+import time
+from typing import Any, Callable
+
+from ..errors import PeerFailureError
+from . import _tcp_wire as wire
+from ._tcp_peer import _STAGE, _Peer, _Req, _text
+
+__all__ = ["P2P", "COLL", "BYE", "ABORT", "MORE", "RECV_TICK", "FrameReader"]
+
+P2P, COLL, BYE, ABORT = 1, 2, 3, 4
+KINDS = frozenset({P2P, COLL, BYE, ABORT})
+#: header flag: more frames of the same message follow
+MORE = 1
+#: SO_RCVTIMEO of peer sockets: a direct reader blocks in recv() itself (no poll() per message)
+#: and gets control back this often to check its deadline
+RECV_TICK = 0.1
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_HDR = wire.HEADER.size
+_monotonic = time.monotonic
+
+
+class FrameReader:
+    """The receiving half of ``Transport``: parse, match and deliver frames.
+
+    Needs from the transport: ``cap`` (largest frame), ``lock`` guarding ``posted`` and
+    ``unexpected`` (per (source, kind, channel, tag) queues), and ``abort_channel``.
+    Every method here runs with ``peer.rlock`` held.
+    """
+
+    cap: int
+    lock: Any
+    posted: dict[tuple, collections.deque[_Req]]
+    unexpected: dict[tuple, collections.deque[bytes]]
+    abort_channel: Callable[[int, int, str, tuple[int, ...], bool], None]
+
+    def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
+        """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
+
+        Returns False when nothing (more) arrived within ``RECV_TICK`` or, for a thread waiting
+        on its own receive, by ``deadline``. A frame cut short stays in ``peer.fill`` and is
+        finished by whichever thread reads next, so a peer that stalls in the middle of a
+        message (stopped, swapped out) never holds a waiter past its deadline.
+        """
+        if peer.fill is not None:
+            if not self._fill(peer, deadline):
+                return False
+            self._frame_done(peer)
+            return True
+        sock, src, view = peer.sock, peer.rank, peer.sview
+        pos, end = peer.spos, peer.send
+        if end - pos < _HDR:
+            if end > pos:
+                view[:end - pos] = view[pos:end]
+            end -= pos
+            pos = 0
+            peer.spos, peer.send = 0, end
+            while end < _HDR:
+                try:
+                    k = sock.recv_into(view[end:], _STAGE - end)
+                except BlockingIOError:  # SO_RCVTIMEO expired; a partial header stays staged
+                    if not end or (deadline is not None and _monotonic() >= deadline):
+                        return False
+                    continue
+                if k == 0:
+                    raise ConnectionError("connection closed by peer")
+                end += k
+                peer.send = end
+        kind, flags, channel, tag, n = wire.unpack_header_from(peer.stage, pos, KINDS, self.cap)
+        pos += _HDR
+        if kind == BYE:
+            peer.spos = pos
+            peer.why, peer.crashed = "has shut down (finalize)", False
+            return True
+        if kind == ABORT:
+            peer.spos = pos
+            self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
+                               "group after a timeout", (), notify=False)
+            return True
+        cur = peer.cur
+        if cur is None:
+            key = (src, kind, channel, tag)
+            with self.lock:
+                q = self.posted.get(key)
+                req = q.popleft() if q else None
+                if q is not None and not q:
+                    del self.posted[key]
+            cur = peer.cur = [key, req, 0, []]
+        elif cur[1] is not None and cur[1].abandoned:
+            self._redirect(peer)
+        req, off, chunks = cur[1], cur[2], cur[3]
+        if req is not None and req.error is None and off + n <= req.nbytes:
+            dest = req.view[off:off + n] if off or n != req.nbytes else req.view
+        else:
+            buf = bytearray(n)
+            chunks.append(buf)
+            dest = memoryview(buf)
+        take = min(n, peer.send - pos)  # read-ahead bytes first
+        if take:
+            dest[:take] = view[pos:pos + take]
+        # the header and the read-ahead are consumed only now, together with the state that
+        # lets any thread resume the payload (an exception above leaves the frame unread)
+        peer.fill = [dest, take, n, flags]
+        peer.spos = pos + take
+        if take < n and not self._fill(peer, deadline):
+            return False
+        self._frame_done(peer)
+        return True
+
+    def _fill(self, peer: _Peer, deadline: float | None) -> bool:
+        """Read the rest of the payload in ``peer.fill`` straight into its destination (zero
+        copy); False, keeping what arrived, if ``deadline`` passes first. Progress is recorded
+        after every read, so an exception (Ctrl-C) in between loses no byte."""
+        fill, cur, sock = peer.fill, peer.cur, peer.sock
+        n = fill[2]
+        while fill[1] < n:
+            if cur is not None and cur[1] is not None and cur[1].abandoned:
+                self._redirect(peer)  # its owner gave up on it: keep the message ourselves
+            got = fill[1]
+            try:
+                # MSG_WAITALL: one wake-up per large piece, not one per segment
+                k = sock.recv_into(fill[0][got:], n - got, _WAITALL)
+            except BlockingIOError:  # nothing for a RECV_TICK
+                k = -1
+            if k == 0:
+                raise ConnectionError("connection closed by peer")
+            if k > 0:
+                fill[1] = got + k
+            if fill[1] < n and deadline is not None and _monotonic() >= deadline:
+                return False
+        return True
+
+    def _redirect(self, peer: _Peer) -> None:
+        """The receive the arriving message matched was abandoned (timeout): move what arrived,
+        and the rest, into buffers of our own, so the message waits for a later receive and
+        nothing more is written into the abandoned buffer. The caller holds ``peer.rlock``."""
+        cur, fill = peer.cur, peer.fill
+        req, off = cur[1], cur[2]
+        chunks: list[Any] = [bytearray(req.view[:off])] if off else []
+        if fill is not None:
+            got, n = fill[1], fill[2]
+            buf = bytearray(n)
+            buf[:got] = fill[0][:got]
+            chunks.append(buf)
+            fill[0] = memoryview(buf)
+        cur[1], cur[3] = None, chunks
+        req.finish(PeerFailureError(f"{_text(req.desc)}: abandoned after a timeout"))
+
+    def _frame_done(self, peer: _Peer) -> None:
+        """The payload of the current frame is in place: complete its message if it was the last."""
+        cur = peer.cur
+        flags = peer.fill[3]
+        req = cur[1]
+        if req is not None and not flags & MORE:
+            with self.lock:  # the last frame: hand the message over unless it was given up
+                given_up = req.abandoned
+                req.claimed = not given_up
+            if given_up:
+                self._redirect(peer)
+        n = peer.fill[2]
+        peer.fill = None
+        key, req, off, chunks = cur
+        cur[2] = off + n
+        if flags & MORE:
+            return
+        peer.cur = None
+        if req is not None:
+            self._finish_recv(req, off + n, chunks)
+            return
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        with self.lock:
+            q = self.posted.get(key)
+            req = q.popleft() if q else None
+            if q is not None and not q:
+                del self.posted[key]
+            if req is None:
+                self.unexpected.setdefault(key, collections.deque()).append(data)
+            else:
+                req.claimed = True
+        if req is not None:
+            self._deliver(req, data)
+
+    def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
+        if got != req.nbytes or chunks:
+            req.finish(ValueError(f"{_text(req.desc)}: message has {got} bytes, buffer has {req.nbytes}"))
+        else:
+            req.finish()
+
+    def _deliver(self, req: _Req, data: bytes) -> None:
+        if len(data) != req.nbytes:
+            req.finish(ValueError(f"{_text(req.desc)}: message has {len(data)} bytes, buffer has "
+                                  f"{req.nbytes}"))
+            return
+        req.view[:] = data
+        req.finish()
