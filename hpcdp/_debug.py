@@ -62,13 +62,10 @@ def check_across(group: "ProcessGroup", opname: str, seq: int, timeout: float, *
     send = np.zeros(_FP_BYTES, np.uint8)
     send[: len(raw)] = np.frombuffer(raw, np.uint8)
     recv = np.empty((group.size, _FP_BYTES), np.uint8)
-    req = group.backend.all_gather(send, recv)
-    if not req.wait(timeout):
-        from .work import timeout_error
+    from .work import wait_for
 
-        err = timeout_error(group, f"{opname} (HPCDP_DEBUG check)", seq, req, timeout)
-        if err is not None:
-            raise err
+    wait_for(group, f"{opname} (HPCDP_DEBUG check)", seq,
+             group.backend.all_gather(send, recv), timeout)
     records = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in recv]
     keys = [{k: v for k, v in r.items() if k not in ("rank", "line")} for r in records]
     if any(k != keys[0] for k in keys[1:]):

@@ -21,7 +21,7 @@ from ._validate import check_array, check_divisible, check_out, check_rank, chec
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError
 from .ops import ReduceOp, as_op, check_op_dtype
-from .work import CompletedWork, Work, annotate, timeout_error, work_where
+from .work import CompletedWork, Work, annotate, timeout_error, wait_for, work_where
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -451,20 +451,12 @@ class ProcessGroup:
                 and 0 <= peer < self.size and peer != self.rank and 0 <= tag <= self._max_tag
                 and x.dtype in _SUPPORTED and x.flags.c_contiguous)
 
-    def _p2p_wait(self, op: str, req: Request, timeout: float | None) -> None:
-        t = self.timeout if timeout is None else timeout
-        try:
-            done = req.wait(t)
-        except HpcdpError as exc:
-            raise annotate(exc, work_where(self, op, 0)) from exc
-        if not done and (err := timeout_error(self, op, 0, req, t)):
-            raise err
-
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
         if self._p2p_fast(x, dst, tag):
             req = self.backend.send(x if x.ndim == 1 else x.reshape(-1), dst, tag)
-            return self._p2p_wait(f"send(dst={dst}, tag={tag})", req, timeout)
+            return wait_for(self, f"send(dst={dst}, tag={tag})", 0, req,
+                            self.timeout if timeout is None else timeout)
         if dst == self.rank:
             raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
         self.isend(x, dst, tag).wait(timeout)
@@ -473,7 +465,8 @@ class ProcessGroup:
         """Receive into ``buf`` from ``src``; returns ``buf``."""
         if self._p2p_fast(buf, src, tag) and buf.flags.writeable:
             req = self.backend.recv(buf if buf.ndim == 1 else buf.reshape(-1), src, tag)
-            self._p2p_wait(f"recv(src={src}, tag={tag})", req, timeout)
+            wait_for(self, f"recv(src={src}, tag={tag})", 0, req,
+                     self.timeout if timeout is None else timeout)
             return buf
         if src == self.rank:
             raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")

@@ -51,13 +51,9 @@ class Work:
             raise self._error
         t = self._group.timeout if timeout is None else timeout
         try:
-            ok = self._req.wait(t)
+            wait_for(self._group, self._op, self._seq, self._req, t)
         except HpcdpError as exc:
-            self._raise(annotate(exc, self._where()))
-        if not ok:
-            err = timeout_error(self._group, self._op, self._seq, self._req, t)
-            if err is not None:
-                self._raise(err)
+            self._raise(exc)
         return self._complete()
 
     def is_completed(self) -> bool:
@@ -88,8 +84,19 @@ def _nothing() -> None:
 
 
 def work_where(group: "ProcessGroup", op: str, seq: int) -> str:
-    """"allreduce #7 on group world (rank 1 of 4)": how errors name a collective."""
-    return f"{op} #{seq} on group {group.name} (rank {group.rank} of {group.size})"
+    """"allreduce #7 on group world (rank 1 of 4)": how errors name a call (p2p has no #)."""
+    num = f" #{seq}" if seq else ""
+    return f"{op}{num} on group {group.name} (rank {group.rank} of {group.size})"
+
+
+def wait_for(group: "ProcessGroup", op: str, seq: int, req: Request, timeout: float) -> None:
+    """Wait for ``req``; the transport's error or a ``CommTimeoutError``, naming the call."""
+    try:
+        done = req.wait(timeout)
+    except HpcdpError as exc:
+        raise annotate(exc, work_where(group, op, seq)) from exc
+    if not done and (err := timeout_error(group, op, seq, req, timeout)):
+        raise err
 
 
 def annotate(exc: HpcdpError, where: str) -> HpcdpError:

@@ -4,8 +4,13 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
+from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
+import hpcdp
 from hpcdp.backends._tcp_spawn import spawn_processes
 
 
@@ -54,3 +59,30 @@ def start_job(fn: Callable[..., Any], n: int, args: tuple, env: dict[str, str]
     t = threading.Thread(target=run)
     t.start()
     return t, out
+
+
+def checked_allreduce_job(rank: int, info: str, count: int = 50_000,
+                          pause: float = 0.0) -> dict[str, Any]:
+    """A 2-rank job under attack: checked allreduces until the test writes ``info/stop``.
+
+    Publishes this rank's listener port as ``info/port<rank>``; returns the number of rounds,
+    how many gave a wrong answer, the base and peak thread counts and the ``hpcdp.tcp`` log.
+    """
+    handler = LogCollector().attach()
+    be = hpcdp.get_default_group().backend
+    Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
+    stop = Path(info, "stop")
+    n, bad, t0 = 0, 0, time.monotonic()
+    base = peak = threading.active_count()
+    while True:
+        done = hpcdp.broadcast(np.array([stop.exists() or time.monotonic() - t0 > 30]), root=0)
+        if done[0]:
+            break
+        x = np.arange(count, dtype=np.float64) * (rank + 1)
+        bad += int(not np.array_equal(hpcdp.allreduce(x), np.arange(count) * 3.0))
+        n += 1
+        peak = max(peak, threading.active_count())
+        if pause:
+            time.sleep(pause)
+    hpcdp.barrier()
+    return {"n": n, "bad": bad, "base": base, "peak": peak, "log": handler.messages}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,41 +14,20 @@ import hpcdp
 from hpcdp.backends import _tcp_accept as accept
 from hpcdp.backends import _tcp_wire as wire
 from hpcdp.backends._tcp_spawn import free_port
-from tcp_helpers import LogCollector, closed_by_server, start_job
 from hpcdp.backends._tcp_store import StoreClient
 from hpcdp.backends._tcp_transport import COLL, Transport
 from hpcdp.backends.tcp import TCPBackend, _World
+from tcp_helpers import checked_allreduce_job, closed_by_server, start_job
 
 SECRET = "listener-test-secret"
 FLOOD = accept.MAX_PENDING_HANDSHAKES + 100
-
-
-def flooded_job(rank: int, info: str) -> dict:
-    """Checked allreduces until the test writes ``stop``; the peak thread count of this rank."""
-    handler = LogCollector().attach()
-    be = hpcdp.get_default_group().backend
-    Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
-    stop = Path(info, "stop")
-    n, bad, t0 = 0, 0, time.monotonic()
-    base = peak = threading.active_count()
-    while True:
-        done = hpcdp.broadcast(np.array([stop.exists() or time.monotonic() - t0 > 30]), root=0)
-        if done[0]:
-            break
-        x = np.arange(20_000, dtype=np.float64) * (rank + 1)
-        bad += int(not np.array_equal(hpcdp.allreduce(x), np.arange(20_000) * 3.0))
-        n += 1
-        peak = max(peak, threading.active_count())
-        time.sleep(0.002)
-    hpcdp.barrier()
-    return {"n": n, "bad": bad, "base": base, "peak": peak, "log": handler.messages}
 
 
 def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
     port = free_port()
     # long enough that the whole flood arrives while the first MAX_PENDING_HANDSHAKES wait
     env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "3"}
-    t, out = start_job(flooded_job, 2, (str(tmp_path),), env)
+    t, out = start_job(checked_allreduce_job, 2, (str(tmp_path), 20_000, 0.002), env)
     socks: list[socket.socket] = []
     try:
         deadline = time.monotonic() + 20

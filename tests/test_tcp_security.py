@@ -12,35 +12,15 @@ import secrets
 import socket
 import struct
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 import hpcdp
 from hpcdp.backends import _tcp_wire as wire
 from hpcdp.backends._tcp_spawn import free_port
-from tcp_helpers import LogCollector, closed_by_server, start_job
+from tcp_helpers import checked_allreduce_job, closed_by_server, start_job
 
 SECRET = secrets.token_hex(32)
-
-
-def job(rank: int, info: str) -> dict:
-    """Allreduce in a loop until the test writes ``stop``; returns counts and the rejection log."""
-    handler = LogCollector().attach()
-    be = hpcdp.get_default_group().backend
-    Path(info, f"port{rank}").write_text(str(be.world.listener.getsockname()[1]))
-    stop = Path(info, "stop")
-    n, bad, t0 = 0, 0, time.monotonic()
-    while True:
-        done = hpcdp.broadcast(np.array([stop.exists() or time.monotonic() - t0 > 30]), root=0)
-        if done[0]:
-            break
-        x = np.arange(50_000, dtype=np.float64) * (rank + 1)
-        bad += int(not np.array_equal(hpcdp.allreduce(x), np.arange(50_000) * 3.0))
-        n += 1
-    hpcdp.barrier()
-    return {"n": n, "bad": bad, "log": handler.messages}
 
 
 def _hello(target: int, nonce: bytes | None = None) -> bytes:
@@ -100,7 +80,7 @@ ATTACKS = {"random": attack_random, "wrong_hmac": attack_wrong_hmac, "replay": a
 def test_attacker_is_dropped_and_job_finishes(attack: str, tmp_path) -> None:
     port = free_port()
     env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "1"}
-    t, out = start_job(job, 2, (str(tmp_path),), env)
+    t, out = start_job(checked_allreduce_job, 2, (str(tmp_path),), env)
     try:
         deadline = time.monotonic() + 20
         while not (tmp_path / "port1").exists():

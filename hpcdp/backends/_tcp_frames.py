@@ -95,10 +95,7 @@ class FrameReader:
         if cur is None:
             key = (src, kind, channel, tag)
             with self.lock:
-                q = self.posted.get(key)
-                req = q.popleft() if q else None
-                if q is not None and not q:
-                    del self.posted[key]
+                req = self._take_posted(key)
             cur = peer.cur = [key, req, 0, []]
         elif cur[1] is not None and cur[1].abandoned:
             self._redirect(peer)
@@ -181,16 +178,26 @@ class FrameReader:
         if req is not None:
             self._finish_recv(req, off + n, chunks)
             return
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+    def _take_posted(self, key: tuple) -> _Req | None:
+        """The oldest receive posted for ``key``, unposted; the caller holds ``self.lock``."""
+        q = self.posted.get(key)
+        if not q:
+            return None
+        req = q.popleft()
+        if not q:
+            del self.posted[key]
+        return req
+
+    def _arrived(self, key: tuple, data: bytes | bytearray) -> None:
+        """A whole message: into the oldest receive posted for it, else the unexpected queue."""
         with self.lock:
-            q = self.posted.get(key)
-            req = q.popleft() if q else None
-            if q is not None and not q:
-                del self.posted[key]
+            req = self._take_posted(key)
             if req is None:
                 self.unexpected.setdefault(key, collections.deque()).append(data)
             else:
-                req.claimed = True
+                req.claimed = True  # too late to give it up (see Transport._unpost)
         if req is not None:
             self._deliver(req, data)
 

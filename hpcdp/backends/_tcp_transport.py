@@ -328,17 +328,7 @@ class Transport(FrameReader):
         view = _as_bytes(buf)
         req = _Req(view, desc)
         if dst == self.rank:  # loopback: match locally, copying (the sender may reuse buf)
-            data = bytes(view)
-            key = (dst, kind, channel, tag)
-            with self.lock:
-                q = self.posted.get(key)
-                rq = q.popleft() if q else None
-                if q is not None and not q:
-                    del self.posted[key]
-                if rq is None:
-                    self.unexpected.setdefault(key, collections.deque()).append(data)
-            if rq is not None:
-                self._deliver(rq, data)
+            self._arrived((dst, kind, channel, tag), bytes(view))
             req.finish()
             return req
         if dst in self.dead:

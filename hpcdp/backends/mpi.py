@@ -175,11 +175,16 @@ class _MPIRequest(Request):
         return (f"{self.what or 'the MPI operation'} did not complete: at least one rank of the "
                 "group has not made the matching call")
 
+    def cancel(self) -> None:
+        """Withdraw a receive given up on, so a late message does not land in its buffer
+        (collectives and sends cannot be cancelled: for them this does nothing)."""
+        if self.cancellable and not self.done:
+            for r in self.reqs:
+                r.Cancel()
+
     def abandon(self) -> None:
         if not self.done:
-            if self.cancellable:  # a late message must not land in a buffer given up on
-                for r in self.reqs:
-                    r.Cancel()
+            self.cancel()
             _bury(self)
 
     def __del__(self) -> None:
@@ -291,10 +296,8 @@ class _Chain(Request):
         if not self.done:
             if self.on_abandon is not None:
                 self.then = self.on_abandon
-                cancel = getattr(self.req, "cancellable", False)
-                if cancel:  # a receive: cancel it, as an unstaged one is
-                    for r in self.req.reqs:
-                        r.Cancel()
+                if isinstance(self.req, _MPIRequest):
+                    self.req.cancel()  # a staged receive is withdrawn as an unstaged one is
             _bury(self)  # holds the inner request and the staging buffers its callback uses
 
     def __del__(self) -> None:
