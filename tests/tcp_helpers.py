@@ -86,3 +86,14 @@ def checked_allreduce_job(rank: int, info: str, count: int = 50_000,
             time.sleep(pause)
     hpcdp.barrier()
     return {"n": n, "bad": bad, "base": base, "peak": peak, "log": handler.messages}
+
+
+def published_port(info: str, rank: int, job: threading.Thread, out: dict[str, Any]) -> int:
+    """The listener port ``checked_allreduce_job`` publishes for ``rank`` (waits up to 20 s)."""
+    path = Path(info, f"port{rank}")
+    deadline = time.monotonic() + 20
+    while not path.exists():
+        assert time.monotonic() < deadline and job.is_alive(), out
+        time.sleep(0.02)
+    time.sleep(0.05)  # written, not just created
+    return int(path.read_text())

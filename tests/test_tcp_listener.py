@@ -17,7 +17,7 @@ from hpcdp.backends._tcp_spawn import free_port
 from hpcdp.backends._tcp_store import StoreClient
 from hpcdp.backends._tcp_transport import COLL, Transport
 from hpcdp.backends.tcp import TCPBackend, _World
-from tcp_helpers import checked_allreduce_job, closed_by_server, start_job
+from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
 
 SECRET = "listener-test-secret"
 FLOOD = accept.MAX_PENDING_HANDSHAKES + 100
@@ -30,12 +30,7 @@ def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
     t, out = start_job(checked_allreduce_job, 2, (str(tmp_path), 20_000, 0.002), env)
     socks: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "port1").exists():
-            assert time.monotonic() < deadline and t.is_alive(), out
-            time.sleep(0.02)
-        time.sleep(0.05)
-        peer_port = int((tmp_path / "port1").read_text())
+        peer_port = published_port(str(tmp_path), 1, t, out)
         socks = [socket.create_connection(("127.0.0.1", peer_port)) for _ in range(FLOOD)]
         # the connections past the cap are closed at once, the rest at the handshake timeout
         shed = sum(closed_by_server(s, 0.3) for s in socks[accept.MAX_PENDING_HANDSHAKES:])

@@ -11,14 +11,13 @@ import os
 import secrets
 import socket
 import struct
-import time
 
 import pytest
 
 import hpcdp
 from hpcdp.backends import _tcp_wire as wire
 from hpcdp.backends._tcp_spawn import free_port
-from tcp_helpers import checked_allreduce_job, closed_by_server, start_job
+from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
 
 SECRET = secrets.token_hex(32)
 
@@ -82,12 +81,7 @@ def test_attacker_is_dropped_and_job_finishes(attack: str, tmp_path) -> None:
     env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "1"}
     t, out = start_job(checked_allreduce_job, 2, (str(tmp_path),), env)
     try:
-        deadline = time.monotonic() + 20
-        while not (tmp_path / "port1").exists():
-            assert time.monotonic() < deadline and t.is_alive(), out
-            time.sleep(0.02)
-        time.sleep(0.05)
-        peer_port = int((tmp_path / "port1").read_text())
+        peer_port = published_port(str(tmp_path), 1, t, out)
         targets = {"store": (port, -1), "peer": (peer_port, 1)}
         names = {}
         for where, (p, tgt) in targets.items():
