@@ -41,7 +41,9 @@ PINS := \
   scikit-learn==1.9.1 \
   scipy==1.17.1 \
   tqdm==4.70.1 \
-  crc32c==2.9.post0
+  crc32c==2.9.post0 \
+  msgpack==1.2.4 \
+  matplotlib==3.11.2
 H5PY_VERSION := $(patsubst h5py==%,%,$(filter h5py==%,$(PINS)))
 # torch is for benchmarks only (`make bench-deps`); never installed by install/test.
 TORCH_VERSION := 2.13.0
