@@ -46,6 +46,7 @@ import numpy as np
 
 from .._arrays import xp_of
 from ..errors import HpcdpError
+from ..nn.module import Module
 from ._buckets import Bucket, build_buckets
 from .comm_hooks import GradBucket, allreduce_hook
 
@@ -304,8 +305,10 @@ class DDP:
             if self._join is not None:  # every training forward, so joined ranks stay in step
                 self._join.notify_active(self._require_sync)
             self._sync_buffers()
-        fwd = getattr(self.module, "forward", None)
-        return fwd(*args, **kwargs) if fwd is not None else self.module(*args, **kwargs)
+        # An hpcdp.nn module's __call__ fires its forward hooks; a foreign object may offer only forward.
+        if isinstance(self.module, Module) or getattr(self.module, "forward", None) is None:
+            return self.module(*args, **kwargs)
+        return self.module.forward(*args, **kwargs)
 
     def backward(self, grad_output: Any) -> Any:
         """Run the module's backward; return its result once all gradients are averaged."""
@@ -313,7 +316,9 @@ class DDP:
         sync = self._require_sync
         self._begin_pass(sync)
         try:
-            out = self.module.backward(grad_output)
+            # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
+            run = getattr(self.module, "run_backward", None)
+            out = run(grad_output) if run is not None else self.module.backward(grad_output)
         except BaseException:
             self._in_backward = False
             raise

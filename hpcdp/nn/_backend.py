@@ -1,13 +1,14 @@
 """numpy/cupy dispatch for hpcdp.nn and hpcdp.optim (kept local so nn imports nothing else of hpcdp)."""
 from __future__ import annotations
 
+import math
 import sys
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-__all__ = ["xp_of", "is_cupy", "to_module", "copy_into", "scatter_add", "resolve_xp", "is_float_dtype"]
+__all__ = ["xp_of", "is_cupy", "to_module", "copy_into", "scatter_add", "resolve_xp", "is_float_dtype", "erf"]
 
 
 def _cupy() -> ModuleType | None:
@@ -70,3 +71,16 @@ def scatter_add(target: Any, index: Any, values: Any) -> None:
 def is_float_dtype(dtype: Any) -> bool:
     """Tell whether ``dtype`` is a real floating dtype (parameters and gradients must be)."""
     return np.issubdtype(np.dtype(dtype), np.floating)
+
+
+def erf(x: Any) -> Any:
+    """Elementwise error function on numpy (scipy, else math.erf) or cupy (cupyx) arrays."""
+    if is_cupy(x):
+        import cupyx.scipy.special
+
+        return cupyx.scipy.special.erf(x)
+    try:
+        from scipy.special import erf as _erf
+    except ImportError:  # scipy is optional: a vectorised math.erf is exact, only slower
+        return np.vectorize(math.erf, otypes=[np.result_type(x, np.float32)])(x)
+    return _erf(x)

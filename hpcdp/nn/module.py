@@ -7,6 +7,8 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from ._backend import copy_into, is_float_dtype, resolve_xp, to_module, xp_of
+from .hooks import HooksMixin
+from .microbatch import SavedTensorsMixin
 from .parameter import Parameter
 
 __all__ = ["Module", "IncompatibleKeys"]
@@ -19,16 +21,23 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-class Module:
-    """Base class: ``forward`` caches what ``backward`` needs; ``backward`` returns the input gradient.
+class Module(HooksMixin, SavedTensorsMixin):
+    """Base class: ``forward`` saves what backward needs; backward returns the input gradient.
 
     Assigning a :class:`Parameter` or a :class:`Module` to an attribute registers it (as in torch);
     non-trainable arrays are registered with :meth:`register_buffer`. Iteration order is
     torch's (own members in registration order, then children depth first), identical on every rank.
 
-    Backward contract: ``backward(grad_output)`` must call ``p.accumulate_grad(g)`` for each of its own
-    parameters as soon as ``g`` is computed (before computing the input gradient and returning), in
-    reverse registration order, so gradient hooks fire in reverse parameter order across the model.
+    Backward comes in two parts so pipeline schedules can defer the weight gradient:
+    ``backward_input(grad_output)`` returns the input gradient and keeps (``save_for_weight``) what
+    the weight gradient needs; ``backward_weight()`` computes it, ``p.accumulate_grad(g)`` per own
+    parameter in reverse registration order (firing the gradient hooks DDP overlaps with), and frees
+    what was kept. ``backward(grad_output)`` is both, one after the other. Everything a layer keeps
+    is stored per microbatch (``save_for_backward``/``saved_tensors``, see ``nn.microbatch``).
+
+    A module may instead implement only ``forward`` and a fused ``backward`` (as before the split):
+    then ``backward_input`` runs that ``backward`` and ``backward_weight`` has nothing left to do.
+    Hooks (``register_forward_pre_hook`` ...) fire around any of them; see :mod:`hpcdp.nn.hooks`.
     """
 
     training: bool
@@ -38,6 +47,9 @@ class Module:
         object.__setattr__(self, "_buffers", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "training", True)
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+                     "_saved_fwd", "_saved_wgt"):
+            object.__setattr__(self, kind, {})
 
     # -- registration --------------------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
@@ -202,15 +214,40 @@ class Module:
 
     # -- compute ---------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Compute the output and cache what backward needs."""
+        """Compute the output and save (``save_for_backward``) what backward needs."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward")
 
     def backward(self, grad_output: Any) -> Any:
-        """Accumulate parameter gradients and return the gradient with respect to the input."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement backward")
+        """Accumulate parameter gradients and return the gradient with respect to the input.
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        The default runs ``backward_input`` then ``backward_weight``; containers override it to run
+        each child's whole backward in turn, so gradient hooks fire as early as possible.
+        """
+        if type(self).backward_input is Module.backward_input:
+            raise NotImplementedError(f"{type(self).__name__} implements neither backward nor backward_input")
+        grad_input = self.backward_input(grad_output)
+        self.backward_weight()
+        return grad_input
+
+    def backward_input(self, grad_output: Any) -> Any:
+        """Return the input gradient and keep what ``backward_weight`` needs (current microbatch).
+
+        For a module that only implements a fused ``backward``, this runs it (weight part included).
+        """
+        if type(self).backward is Module.backward:
+            raise NotImplementedError(f"{type(self).__name__} implements neither backward nor backward_input")
+        return self.backward(grad_output)
+
+    def _needs_weight_grad(self) -> bool:
+        """Tell whether any own parameter wants a gradient (else backward_input keeps nothing)."""
+        return any(p is not None and p.requires_grad for p in self._parameters.values())
+
+    def backward_weight(self) -> None:
+        """Accumulate the parameter gradients of the current microbatch's ``backward_input``.
+
+        Fires the parameters' gradient hooks. The default has nothing to do (no parameters of its
+        own, or a fused ``backward`` already did it).
+        """
 
     # -- state -----------------------------------------------------------------------------------------
     def _persistent_buffers(self, prefix: str = "") -> Iterator[tuple[str, Any]]:

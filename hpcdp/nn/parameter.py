@@ -38,7 +38,8 @@ class Parameter:
     Hook contract (what DDP relies on to overlap communication with backward):
 
     * Layers call :meth:`accumulate_grad` exactly once per parameter per backward pass, at the moment
-      their backward has computed that parameter's gradient and before they return.
+      their backward has computed that parameter's gradient and before they return. With a split
+      backward that moment is ``backward_weight`` (once per microbatch), not ``backward_input``.
     * ``accumulate_grad`` first adds the gradient into ``.grad`` (allocating it on first use, in
       place afterwards, so a ``.grad`` that is a view into a larger buffer stays that view) and then
       calls every hook ``fn(param)`` in registration order. When a hook runs, ``param.grad`` holds the
