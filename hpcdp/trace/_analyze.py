@@ -1,0 +1,258 @@
+"""``python -m hpcdp.trace analyze DIR``: the first operation where the ranks' flight records diverge.
+
+Collectives of a group carry a per-group sequence number, so the records of all members line up
+by (group, seq). Walking each group's sequence from the oldest number every member still holds,
+the first number where a member is missing, called something else, or did not complete is that
+group's divergence; the earliest of those (by the reference clock) is reported, together with
+what each rank that did not get there was doing instead and the source lines.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._files import Entry, FlightRecord, clean, load_flight_records
+from ._recorder import COMPLETED
+
+__all__ = ["Divergence", "find_divergence", "describe", "analyze", "fmt_ranks"]
+
+
+def fmt_ranks(ranks: Any) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    rs = sorted(set(int(r) for r in ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else (f"{rs[i]}, {rs[j]}" if j == i + 1 else f"{rs[i]}-{rs[j]}"))
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _plural(ranks: Any) -> str:
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + fmt_ranks(ranks)
+
+
+@dataclass
+class Divergence:
+    """Where the records part ways. ``kind``: "missing" (some members never called it),
+    "mismatch" (some called something else at that number) or "stuck" (all called it; it did
+    not complete everywhere)."""
+
+    kind: str
+    group: str
+    seq: int
+    expected: Entry
+    reached: dict[int, Entry]
+    others: dict[int, Entry]            # members that called a different op at this seq
+    missing: list[int]                  # members with a record but no entry at this seq
+    no_record: list[int]                # members that wrote no flight record at all
+    instead: dict[int, str] = field(default_factory=dict)
+    instead_at: dict[int, tuple[str, int] | None] = field(default_factory=dict)
+
+    @property
+    def first_start(self) -> int:
+        return min(e.start for e in self.reached.values())
+
+    @property
+    def not_reached(self) -> list[int]:
+        return sorted(set(self.others) | set(self.missing) | set(self.no_record))
+
+
+def _shape(e: Entry) -> str:
+    bits = []
+    if e.shape is not None:
+        bits.append("shape (" + ", ".join(map(str, e.shape)) + ("," if len(e.shape) == 1 else "") + ")")
+    if e.dtype:
+        bits.append(clean(e.dtype, 30))
+    if e.peer >= 0:
+        bits.append(f"{'root' if e.seq else 'peer'} {e.peer}")
+    return ", ".join(bits)
+
+
+def _at(e: Entry) -> str:
+    return f" at {clean(e.line, 300)}" if e.line else " (line not recorded; HPCDP_TRACE_LINES=1 records every line)"
+
+
+def _group_members(records: dict[int, FlightRecord]) -> dict[str, tuple[int, ...]]:
+    members: dict[str, set[int]] = defaultdict(set)
+    for rec in records.values():
+        for e in rec.entries:
+            if e.group_ranks is not None:
+                members[e.group].update(e.group_ranks)
+            members[e.group].add(rec.rank)
+    return {g: tuple(sorted(m)) for g, m in members.items()}
+
+
+def _by_seq(records: dict[int, FlightRecord], group: str) -> dict[int, dict[int, Entry]]:
+    out: dict[int, dict[int, Entry]] = {}
+    for r, rec in records.items():
+        out[r] = {e.seq: e for e in rec.entries if e.group == group and e.seq > 0}
+    return out
+
+
+def _group_divergence(records: dict[int, FlightRecord], group: str,
+                      members: tuple[int, ...]) -> Divergence | None:
+    seqs = _by_seq(records, group)
+    have = [r for r in members if r in records]
+    no_record = [r for r in members if r not in records]
+    lows = [min(seqs[r]) for r in have if seqs[r]]
+    if not lows:
+        return None
+    # Compare only numbers every member still holds; a member whose ring never showed this
+    # group (and dropped nothing) simply never got there.
+    start = max(lows)
+    for r in have:
+        if not seqs[r] and records[r].total_ops > records[r].capacity > 0:
+            return None  # its ring overflowed: nothing can be said about this group
+    top = max(max(seqs[r]) for r in have if seqs[r])
+    for s in range(start, top + 1):
+        at = {r: seqs[r].get(s) for r in have}
+        present = {r: e for r, e in at.items() if e is not None}
+        if not present:
+            continue
+        holders: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for r, e in sorted(present.items()):
+            holders[e.signature()].append(r)
+        best_sig = min(holders, key=lambda sig: (-len(holders[sig]), holders[sig][0]))
+        reached = {r: e for r, e in present.items() if e.signature() == best_sig}
+        others = {r: e for r, e in present.items() if e.signature() != best_sig}
+        missing = [r for r, e in at.items() if e is None]
+        done = all(e.state == COMPLETED for e in present.values())
+        if not others and not missing and done:
+            continue
+        if not others and not missing:
+            kind = "stuck"
+        else:
+            kind = "mismatch" if others else "missing"
+        expected = reached[min(reached)]
+        return Divergence(kind, group, s, expected, reached, others, missing, no_record)
+    return None
+
+
+def _instead(d: Divergence, records: dict[int, FlightRecord]) -> None:
+    """Fill ``d.instead``: what each rank that did not reach the operation was doing."""
+    for r, e in d.others.items():
+        d.instead[r] = f"called {e.call()} instead ({_shape(e) or 'no arguments'}; {e.state}){_at(e)}"
+        d.instead_at[r] = (e.group, e.seq)
+    for r in d.missing:
+        rec = records[r]
+        mine = [e for e in rec.entries if e.group == d.group and 0 < e.seq < d.seq]
+        after = rec.entries if not mine else [e for e in rec.entries if e.id > mine[-1].id]
+        pending = [e for e in after if e.state != COMPLETED]
+        last = f"its last operation on group {clean(d.group, 80)} was #{mine[-1].seq}" if mine else \
+            f"it recorded nothing on group {clean(d.group, 80)}"
+        if pending:  # the newest unfinished one is where it is (older ones may be forgotten async ops)
+            e = pending[-1]
+            d.instead[r] = f"was in {e.call()} ({e.state}){_at(e)}; {last}"
+            d.instead_at[r] = (e.group, e.seq) if e.seq else None
+            continue
+        d.instead_at[r] = None
+        now = next((t for t in rec.threads if isinstance(t.get("line"), str)), None)
+        where = f"; its thread was at {clean(now['line'])} when it dumped" if now else ""
+        if after:
+            e = after[-1]
+            d.instead[r] = f"had finished {e.call()}{_at(e)} and started nothing after it{where}; {last}"
+        else:
+            d.instead[r] = f"had started no operation since{where}; {last}"
+    for r in d.no_record:
+        d.instead[r] = "wrote no flight record (killed, crashed hard, or never reached a dump)"
+        d.instead_at[r] = None
+
+
+def find_divergence(records: dict[int, FlightRecord]) -> Divergence | None:
+    """The first divergence across groups, or None when every shared operation completed alike."""
+    members = _group_members(records)
+    world = max(rec.world_size for rec in records.values())
+    if "world" in members:  # ranks with no record at all are still members of the world group
+        members["world"] = tuple(sorted(set(members["world"]) | set(range(world))))
+    cands = [d for g in sorted(members) if (d := _group_divergence(records, g, members[g]))]
+    if not cands:
+        return None
+    for d in cands:
+        _instead(d, records)
+    cands.sort(key=lambda d: (d.first_start, d.group, d.seq))
+    first = cands[0]
+    # The ranks that did not reach `first` may all be at another group's divergence point that
+    # more ranks reached (A skipped an op on one group and went on to another): the same event,
+    # better told from the side of the majority.
+    targets = {first.instead_at.get(r) for r in first.not_reached}
+    if len(targets) == 1 and None not in targets:
+        tgt = targets.pop()
+        for d in cands[1:]:
+            if (d.group, d.seq) == tgt and len(d.reached) > len(first.reached):
+                return d
+    return first
+
+
+def describe(d: Divergence | None, records: dict[int, FlightRecord]) -> str:
+    """One paragraph for a person at 3 a.m."""
+    world = max(rec.world_size for rec in records.values())
+    absent = sorted(set(range(world)) - set(records))
+    if d is None:
+        n = sum(len(r.entries) for r in records.values())
+        tail = f" ({_plural(absent)} wrote no record)" if absent else ""
+        return (f"No divergence found in {len(records)} flight records{tail}: every operation that all "
+                f"members of its group still hold was called alike and completed ({n} entries read).")
+    e = d.expected
+    lines: dict[str, list[int]] = defaultdict(list)
+    states: dict[str, list[int]] = defaultdict(list)
+    for r, x in d.reached.items():
+        lines[x.line or "?"].append(r)
+        states[x.state].append(r)
+    if len(lines) == 1:
+        where = _at(e)
+    else:
+        where = " at " + "; ".join(f"{clean(ln)} ({_plural(rs)})" for ln, rs in lines.items())
+    state = "; ".join(f"{st} on {_plural(rs)}" for st, rs in states.items())
+    head = (f"First divergence: {e.call()} ({_shape(e) or 'no arguments'}) was reached by "
+            f"{_plural(d.reached)}{where} ({state})")
+    if d.kind == "stuck":
+        text = (f"{head}. Every member of group {clean(d.group, 80)} with a record called it alike: "
+                f"it did not complete on {_plural([r for r, x in d.reached.items() if x.state != COMPLETED])}; "
+                "look for a peer stalled inside the transport or a failed link.")
+        if d.no_record:
+            text = text[:-1] + f"; {_plural(d.no_record)} of the group wrote no flight record (killed or crashed?)."
+    else:
+        groups: dict[str, list[int]] = defaultdict(list)
+        for r in d.not_reached:
+            groups[d.instead[r]].append(r)
+        rest = "; ".join(f"{_plural(rs)} {what}" for what, rs in groups.items())
+        text = f"{head}, but not by {_plural(d.not_reached)}: {rest}."
+    reasons = Counter(rec.reason for rec in records.values() if rec.reason)
+    if reasons:
+        text += " Records dumped on: " + "; ".join(f"{clean(k, 120)} ({n})" for k, n in reasons.most_common(3)) + "."
+    if absent and not set(absent) <= set(d.no_record):
+        text += f" No flight record from {_plural(absent)}."
+    return text
+
+
+def analyze(directory: str) -> str:
+    """Load ``directory``'s flight records and describe their first divergence."""
+    stale: list[int] = []
+    records = load_flight_records(directory, stale)
+    return describe(find_divergence(records), records) + stale_note(stale)
+
+
+def stale_note(stale: list[int]) -> str:
+    return (f" (Set aside the records of {_plural(stale)}: they are from an earlier job.)"
+            if stale else "")
+
+
+def summary(records: dict[int, FlightRecord]) -> list[str]:
+    """One line per rank: its last operation and any unfinished ones (``analyze -v``)."""
+    out = []
+    for r, rec in sorted(records.items()):
+        pend = [e for e in rec.entries if e.state != COMPLETED]
+        last = rec.entries[-1] if rec.entries else None
+        head = f"rank {r} ({rec.host} pid {rec.pid}): {len(rec.entries)} ops kept of {rec.total_ops}"
+        if last is not None:
+            head += f"; last {last.call()} {last.state}{_at(last)}"
+        if pend:
+            head += "; unfinished: " + ", ".join(f"{e.call()} ({e.state})" for e in pend[-3:])
+        out.append(head)
+    return out
+

@@ -1,0 +1,321 @@
+"""Writing flight records: on ``CommTimeoutError``, on SIGUSR1, after an uncaught exception.
+
+One JSON file per rank, ``<HPCDP_TRACE_DIR>/flight-rank<R>.json`` (default ``./hpcdp-trace/``),
+written to a temporary name and renamed, so a reader never sees half a record. A later dump
+replaces an earlier one: it holds everything the earlier did plus what happened since.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from ..errors import CommTimeoutError, PeerFailureError
+from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
+from ._recorder import (
+    FAILED, TIMED_OUT, STARTED, Op, Recorder, _process_rank, all_recorders, bind_rank, recorder,
+    user_frame, where_of, world_size_seen,
+)
+
+__all__ = ["FORMAT", "trace_dir", "dump", "install", "record_path", "describe_group", "op_json",
+           "on_error", "job_id"]
+
+FORMAT = "hpcdp.flight/1"
+_dump_lock = threading.RLock()
+_reasons: list[str] = []
+_installed: set[str] = set()
+#: run at every dump (the timeline module flushes, so a rank killed after it leaves its events)
+on_dump: list[Callable[[], None]] = []
+
+
+def trace_dir(directory: str | os.PathLike[str] | None = None) -> str:
+    """``directory``, else ``HPCDP_TRACE_DIR``, else ``./hpcdp-trace``."""
+    return os.fspath(directory) if directory else (os.environ.get("HPCDP_TRACE_DIR") or "hpcdp-trace")
+
+
+def record_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"flight-rank{rank}.json")
+
+
+def job_id() -> str:
+    """Which job (and restart attempt) this process belongs to, from the launcher's environment.
+
+    ``analyze`` uses it to set aside records that an earlier job left in the same directory.
+    """
+    env = os.environ
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('SLURM_STEP_ID', '')}"
+    for key in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
+        if env.get(key):
+            return f"mpi-{env[key]}"
+    if env.get("HPCDP_SECRET"):  # hpcdp-run: a fresh secret per attempt (only a digest is kept)
+        import hashlib
+
+        return "run-" + hashlib.sha256(env["HPCDP_SECRET"].encode()).hexdigest()[:16]
+    return f"pid-{socket.gethostname()}-{os.getpid()}"
+
+
+def describe_group(group: Any) -> tuple[str, list[int] | None, int]:
+    """(name, global ranks or None, this rank's group rank or -1) of a group object or a name."""
+    if isinstance(group, str):
+        return group, None, -1
+    name = str(getattr(group, "name", group))
+    try:
+        ranks = [int(r) for r in getattr(group, "ranks")]
+    except (AttributeError, TypeError, ValueError):
+        ranks = None
+    try:
+        grank = int(getattr(group, "rank"))
+    except (AttributeError, TypeError, ValueError):
+        grank = -1
+    return name, ranks, grank
+
+
+def _jsonable_shape(shape: Any) -> list[int] | None:
+    if shape is None:
+        return None
+    try:
+        return [int(s) for s in shape]
+    except (TypeError, ValueError):
+        return None
+
+
+def op_json(o: Op, line: str | None = None) -> dict[str, Any]:
+    """One entry of a flight record (times: this process's wall clock, nanoseconds)."""
+    name, ranks, grank = describe_group(o.group)
+    return {
+        "id": o.id, "seq": int(o.seq), "op": str(o.op), "group": name, "group_ranks": ranks,
+        "group_rank": grank, "shape": _jsonable_shape(o.shape),
+        "dtype": None if o.dtype is None else str(o.dtype), "peer": int(o.peer),
+        "start_ns": o.start_ns + WALL_MINUS_MONO_NS,
+        "end_ns": None if o.end_ns is None else o.end_ns + WALL_MINUS_MONO_NS,
+        "state": o.state, "thread": o.thread, "line": o.line or line,
+    }
+
+
+_TRACE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_trace(f: Any) -> Any:
+    """Skip the dump machinery itself (this package's frames) at the top of a stack."""
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_TRACE_DIR):
+        f = f.f_back
+    return f
+
+
+def _in_pkg(f: Any) -> bool:
+    return user_frame(f) is not f
+
+
+def _stacks(idents: set[int]) -> dict[int, dict[str, Any]]:
+    """For each live thread in ``idents``: its name, where it is, and whether it is inside hpcdp.
+
+    A thread blocked in an operation sits in stdlib or C code called from hpcdp: its line is
+    the caller of the innermost hpcdp frame. Otherwise it is the innermost frame itself.
+    """
+    frames = sys._current_frames()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out: dict[int, dict[str, Any]] = {}
+    for ident in idents:
+        f = _outside_trace(frames.get(ident))
+        if f is None:
+            continue
+        g = f
+        while g is not None and not _in_pkg(g):
+            g = g.f_back
+        u = f if g is None else user_frame(g)
+        stack = [f"{fs.filename}:{fs.lineno} ({fs.name})" for fs in traceback.extract_stack(f, limit=12)]
+        out[ident] = {
+            "name": names.get(ident, str(ident)),
+            "line": None if u is None else where_of((u.f_code, u.f_lineno)),
+            "in_hpcdp": g is not None,
+            "stack": stack,
+        }
+    return out
+
+
+def _record(rec: Recorder, reason: str) -> dict[str, Any]:
+    ops = rec.snapshot()
+    threads = _stacks({o.thread for o in ops})
+    # A thread blocked inside hpcdp is in its newest unfinished operation: give that one the
+    # thread's current line (the line the rank is stuck at) when it recorded none itself.
+    newest: dict[int, Op] = {}
+    for o in ops:
+        if o.state == STARTED:
+            newest[o.thread] = o
+    entries = []
+    for o in ops:
+        line = None
+        t = threads.get(o.thread)
+        if o.line is None and t is not None and t["in_hpcdp"] and newest.get(o.thread) is o:
+            line = t["line"]
+        entries.append(op_json(o, line))
+    seen = [r for o in ops for r in (describe_group(o.group)[1] or ())]
+    world = max(world_size_seen[0], rec.rank + 1, max(seen, default=-1) + 1)
+    return {
+        "format": FORMAT,
+        "rank": rec.rank,
+        "world_size": world,
+        "job": job_id(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "reason": reason,
+        "reasons": list(_reasons),
+        "dumped_at_ns": now_ns() + WALL_MINUS_MONO_NS,
+        "clock_offset_ns": clock_offset_ns(rec.rank),
+        "capacity": rec.capacity,
+        "total_ops": rec.total(),
+        "threads": [dict(v, ident=k) for k, v in sorted(threads.items())],
+        "entries": entries,
+    }
+
+
+def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None = None,
+         rank: int | None = None, raise_errors: bool = False) -> list[str]:
+    """Write the flight record of every rank recorded in this process (or only ``rank``).
+
+    Called by the collective layer on ``CommTimeoutError``, by the SIGUSR1 handler and by the
+    excepthook; safe from any thread and re-entrant. Returns the paths written. Errors (a
+    read-only directory, a full disk) are reported on stderr and swallowed unless
+    ``raise_errors``: a dump must never hide the error that caused it.
+    """
+    with _dump_lock:
+        _reasons.append(reason)
+        del _reasons[:-20]
+        d = trace_dir(directory)
+        written: list[str] = []
+        recs = all_recorders() if rank is None else [recorder(rank)]
+        try:
+            if os.path.lexists(d) and not os.path.isdir(d):
+                raise NotADirectoryError(f"HPCDP_TRACE_DIR {d!r} exists and is not a directory")
+            os.makedirs(d, exist_ok=True)
+            for rec in recs:
+                if rec.capacity == 0:
+                    continue
+                path = record_path(d, rec.rank)
+                tmp = os.path.join(d, f".flight-rank{rec.rank}.{os.getpid()}.{threading.get_ident()}.tmp")
+                with open(tmp, "w") as fh:
+                    json.dump(_record(rec, reason), fh, default=str)
+                os.replace(tmp, path)
+                written.append(path)
+        except Exception as exc:  # noqa: BLE001 - reported; the caller has a worse error to raise
+            if raise_errors:
+                raise
+            print(f"hpcdp.trace: could not write the flight record to {d!r} ({reason}): {exc}",
+                  file=sys.stderr)
+        for hook in on_dump:
+            try:
+                hook()
+            except Exception as exc:  # noqa: BLE001 - same: never mask the caller's error
+                print(f"hpcdp.trace: {exc}", file=sys.stderr)
+        return written
+
+
+_last_auto = [0.0]
+
+
+def _auto_interval() -> float:
+    raw = os.environ.get("HPCDP_TRACE_DUMP_INTERVAL", "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else 1.0
+    except ValueError:
+        return 1.0
+
+
+def on_error(rec: Recorder | None, token: int, exc: BaseException) -> None:
+    """What the collective layer calls when operation ``token`` raised ``exc``.
+
+    Ends it as timed out (``CommTimeoutError``) or failed, and on a timeout or a peer failure
+    dumps every rank of this process, at most once per ``HPCDP_TRACE_DUMP_INTERVAL`` seconds
+    (default 1), so code that polls with short timeouts does not write a file per poll.
+    """
+    if rec is not None:
+        rec.end(token, TIMED_OUT if isinstance(exc, CommTimeoutError) else FAILED)
+    if isinstance(exc, (CommTimeoutError, PeerFailureError)):
+        now = time.monotonic()
+        with _dump_lock:
+            if now - _last_auto[0] < _auto_interval() and _last_auto[0]:
+                return
+            _last_auto[0] = now
+        dump(f"{type(exc).__name__}: {exc}")
+
+
+def install(rank: int, world_size: int, *, signals: bool = True) -> None:
+    """Make this process (or thread, for simulated ranks) rank ``rank`` of ``world_size`` and arm the dumps.
+
+    Idempotent. From the main thread it also sets the process rank, a SIGUSR1 handler (which
+    chains to any handler already there, e.g. a preemption helper's) and, once per process,
+    an excepthook for the main and other threads. From another thread it only binds the rank.
+    """
+    rank, world_size = int(rank), int(world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"install: rank {rank} is not in [0, {world_size})")
+    world_size_seen[0] = max(world_size_seen[0], world_size)
+    recorder(rank)
+    if threading.current_thread() is not threading.main_thread():
+        bind_rank(rank)
+        return
+    _process_rank[0] = rank
+    with _dump_lock:
+        if signals and "signal" not in _installed and hasattr(signal, "SIGUSR1"):
+            _chain_signal(signal.SIGUSR1)
+            _installed.add("signal")
+        if "excepthook" not in _installed:
+            _chain_excepthooks()
+            atexit.register(_at_exit)
+            _installed.add("excepthook")
+
+
+def _chain_signal(signum: int) -> None:
+    prev = signal.getsignal(signum)
+
+    def on_signal(sig: int, frame: Any) -> None:
+        dump(f"signal {signal.Signals(sig).name}")
+        if callable(prev):
+            prev(sig, frame)
+
+    signal.signal(signum, on_signal)
+
+
+_uncaught: list[str] = []
+
+
+def _chain_excepthooks() -> None:
+    prev_hook: Callable[..., Any] = sys.excepthook
+    prev_thread_hook: Callable[..., Any] = threading.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        _uncaught.append(f"uncaught {tp.__name__}: {value}")
+        dump(_uncaught[-1])
+        prev_hook(tp, value, tb)
+
+    def thread_hook(args: Any) -> None:
+        if args.exc_type is not SystemExit:
+            _uncaught.append(f"uncaught {args.exc_type.__name__} in thread "
+                             f"{getattr(args.thread, 'name', '?')}: {args.exc_value}")
+            dump(_uncaught[-1])
+        prev_thread_hook(args)
+
+    sys.excepthook = hook
+    threading.excepthook = thread_hook
+
+
+def _at_exit() -> None:
+    """After an uncaught exception, dump once more at exit: handlers and ``finally`` blocks
+    may have run (and timed out) operations since the excepthook's dump."""
+    if _uncaught:
+        dump(f"exit after {_uncaught[-1]}")
+
+
+def reset_hooks_for_tests() -> None:
+    """Forget dump reasons, uncaught exceptions and the last automatic dump (the hooks stay)."""
+    _reasons.clear()
+    _uncaught.clear()
+    _last_auto[0] = 0.0

@@ -1,0 +1,240 @@
+"""Reading flight records and timelines back: untrusted input, checked before use.
+
+Only regular files named ``flight-rank<N>.json`` / ``trace-rank<N>.json`` directly inside the
+directory the user named are read (no symlinks, no paths taken from file contents), each at most
+``MAX_BYTES``; everything is JSON (nothing is executed), and every field is type-checked so a
+damaged or hostile file gives a clear ``ValueError`` naming the file, not a crash later.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._recorder import STATES
+
+__all__ = [
+    "MAX_BYTES", "Entry", "FlightRecord", "list_rank_files", "read_json", "load_flight_records",
+    "load_timeline", "clean",
+]
+
+MAX_BYTES = 1 << 30
+_FLIGHT_FORMAT = "hpcdp.flight/1"
+_CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def clean(text: Any, limit: int = 300) -> str:
+    """``text`` safe to print on a terminal: control characters escaped, length capped."""
+    s = _CTRL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def list_rank_files(directory: str, prefix: str) -> dict[int, str]:
+    """``{rank: path}`` of regular files ``<prefix><rank>.json`` in ``directory`` (symlinks skipped)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory!r} is not a directory")
+    pat = re.compile(re.escape(prefix) + r"(\d{1,9})\.json")
+    out: dict[int, str] = {}
+    with os.scandir(directory) as it:
+        for de in it:
+            m = pat.fullmatch(de.name)
+            if m and de.is_file(follow_symlinks=False):
+                out[int(m.group(1))] = os.path.join(directory, de.name)
+    return dict(sorted(out.items()))
+
+
+def read_json(path: str, *, repair_trace: bool = False, limit: int | None = None) -> Any:
+    """Parse ``path`` (a regular file of at most ``limit`` bytes, default ``MAX_BYTES``).
+
+    ``repair_trace``: a timeline cut short by a crash (``{"traceEvents":[`` ... without its
+    closing) is closed before parsing.
+    """
+    limit = MAX_BYTES if limit is None else limit
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    if st.st_size > limit:
+        raise ValueError(f"{path}: {st.st_size} bytes, more than the {limit} this reader accepts")
+    with open(path, "rb") as fh:
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise ValueError(f"{path}: grew past {limit} bytes while being read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        if repair_trace:
+            body = text.rstrip()
+            if body.startswith('{"traceEvents":['):
+                body = body.rstrip(",")
+                try:
+                    return json.loads(body + "]}")
+                except json.JSONDecodeError:
+                    pass
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _int(v: Any, what: str, lo: int | None = None) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{what} must be an integer, got {clean(repr(v), 60)}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{what} must be >= {lo}, got {v}")
+    return v
+
+
+def _opt_str(v: Any, what: str, limit: int = 4096) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise ValueError(f"{what} must be a string, got {clean(repr(v), 60)}")
+    return v[:limit]
+
+
+def _int_list(v: Any, what: str) -> tuple[int, ...] | None:
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > 1 << 20:
+        raise ValueError(f"{what} must be a list of integers")
+    return tuple(_int(x, what) for x in v)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One operation of a rank's flight record; ``start``/``end`` are on the reference clock (ns)."""
+
+    rank: int
+    id: int
+    seq: int
+    op: str
+    group: str
+    group_ranks: tuple[int, ...] | None
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    peer: int
+    start: int
+    end: int | None
+    state: str
+    line: str | None
+    thread: int
+
+    def call(self) -> str:
+        """``allreduce #5 on group world`` (p2p: ``recv(peer 3) on group world``)."""
+        if self.seq:
+            return f"{clean(self.op, 60)} #{self.seq} on group {clean(self.group, 80)}"
+        peer = f"(peer {self.peer})" if self.peer >= 0 else ""
+        return f"{clean(self.op, 60)}{peer} on group {clean(self.group, 80)}"
+
+    def signature(self) -> tuple[Any, ...]:
+        return (self.op, self.shape, self.dtype, self.peer)
+
+
+@dataclass
+class FlightRecord:
+    """One rank's dump."""
+
+    path: str
+    rank: int
+    world_size: int
+    job: str
+    host: str
+    pid: int
+    reason: str
+    dumped_at: int
+    entries: list[Entry]
+    threads: list[dict[str, Any]] = field(default_factory=list)
+    capacity: int = 0
+    total_ops: int = 0
+
+
+def _entry(d: Any, rank: int, offset: int, where: str) -> Entry:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is not an object")
+    state = d.get("state")
+    if state not in STATES:
+        raise ValueError(f"{where}: state must be one of {STATES}, got {clean(repr(state), 60)}")
+    end = d.get("end_ns")
+    op = _opt_str(d.get("op"), f"{where}.op", 200)
+    group = _opt_str(d.get("group"), f"{where}.group", 400)
+    if op is None or group is None:
+        raise ValueError(f"{where}: op and group are required")
+    return Entry(
+        rank=rank, id=_int(d.get("id"), f"{where}.id", 0), seq=_int(d.get("seq"), f"{where}.seq", 0),
+        op=op, group=group, group_ranks=_int_list(d.get("group_ranks"), f"{where}.group_ranks"),
+        shape=_int_list(d.get("shape"), f"{where}.shape"), dtype=_opt_str(d.get("dtype"), f"{where}.dtype", 60),
+        peer=_int(d.get("peer", -1), f"{where}.peer"),
+        start=_int(d.get("start_ns"), f"{where}.start_ns") + offset,
+        end=None if end is None else _int(end, f"{where}.end_ns") + offset,
+        state=state, line=_opt_str(d.get("line"), f"{where}.line"),
+        thread=_int(d.get("thread", 0), f"{where}.thread"),
+    )
+
+
+def parse_flight_record(doc: Any, path: str) -> FlightRecord:
+    """Check one dump's structure; times are moved onto the reference clock."""
+    if not isinstance(doc, dict) or doc.get("format") != _FLIGHT_FORMAT:
+        raise ValueError(f"{path}: not an hpcdp flight record (format {_FLIGHT_FORMAT!r} expected)")
+    rank = _int(doc.get("rank"), f"{path}: rank", 0)
+    world = _int(doc.get("world_size"), f"{path}: world_size", 1)
+    if rank >= world:
+        raise ValueError(f"{path}: rank {rank} is not below world_size {world}")
+    offset = _int(doc.get("clock_offset_ns", 0), f"{path}: clock_offset_ns")
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: entries must be a list")
+    entries = [_entry(d, rank, offset, f"{path}: entries[{i}]") for i, d in enumerate(raw)]
+    entries.sort(key=lambda e: e.id)
+    threads = [t for t in doc.get("threads", []) if isinstance(t, dict)] if isinstance(doc.get("threads"), list) else []
+    return FlightRecord(
+        path=path, rank=rank, world_size=world, job=clean(doc.get("job", ""), 200), host=clean(doc.get("host", "?"), 100),
+        pid=_int(doc.get("pid", 0), f"{path}: pid"), reason=clean(doc.get("reason", ""), 400),
+        dumped_at=_int(doc.get("dumped_at_ns", 0), f"{path}: dumped_at_ns") + offset,
+        entries=entries, threads=threads, capacity=_int(doc.get("capacity", 0), f"{path}: capacity", 0),
+        total_ops=_int(doc.get("total_ops", 0), f"{path}: total_ops", 0),
+    )
+
+
+def load_flight_records(directory: str, stale: list[int] | None = None) -> dict[int, FlightRecord]:
+    """The ``flight-rank<N>.json`` files of ``directory``'s newest job, checked, by rank.
+
+    Records an earlier job left there (another job id) are set aside; their ranks are appended
+    to ``stale`` when given.
+    """
+    out: dict[int, FlightRecord] = {}
+    for rank, path in list_rank_files(directory, "flight-rank").items():
+        rec = parse_flight_record(read_json(path), path)
+        if rec.rank != rank:
+            raise ValueError(f"{path}: the file name says rank {rank} but it holds rank {rec.rank}")
+        out[rank] = rec
+    if not out:
+        raise FileNotFoundError(f"no flight records (flight-rank<N>.json) in {directory!r}")
+    newest = max(out.values(), key=lambda r: r.dumped_at).job
+    old = sorted(r for r, rec in out.items() if rec.job != newest)
+    if stale is not None:
+        stale.extend(old)
+    return {r: rec for r, rec in out.items() if rec.job == newest}
+
+
+def load_timeline(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(events, metadata) of one Chrome-trace file, repaired if it was cut short."""
+    doc = read_json(path, repair_trace=True)
+    meta: dict[str, Any] = {}
+    if isinstance(doc, list):
+        events = doc
+    elif isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list):
+        events = doc["traceEvents"]
+        if isinstance(doc.get("otherData"), dict):
+            meta = dict(doc["otherData"])
+    else:
+        raise ValueError(f"{path}: not a Chrome trace (a list of events or {{'traceEvents': [...]}})")
+    good = [e for e in events if isinstance(e, dict) and isinstance(e.get("ph"), str)]
+    if not meta:
+        for e in good:
+            if e.get("ph") == "M" and e.get("name") == "hpcdp_clock" and isinstance(e.get("args"), dict):
+                meta = dict(e["args"])
+    return good, meta

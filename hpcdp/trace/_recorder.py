@@ -1,0 +1,333 @@
+"""The flight recorder: the last N operations of each rank, in a ring cheap enough to stay on.
+
+Contract for the collective layer (the only caller on the hot path)::
+
+    self._rec = trace.active_recorder(global_rank)    # once per group; None when switched off
+    ...
+    rec = self._rec
+    tok = rec.begin("allreduce", self, seq, x.shape, x.dtype, -1) if rec is not None else 0
+    try:
+        ... run the operation ...
+    except Exception as exc:
+        trace.on_error(rec, tok, exc)                  # timed out / failed; dumps on a timeout
+        raise
+    if rec is not None:
+        rec.end(tok)
+
+``begin``/``end`` are plain closures stored on the instance (no method binding, no lock). Each
+ring slot is replaced by one tuple store, atomic under the GIL, and an end is paired with its
+begin by token, so threads may begin and end operations concurrently and a slot that a newer
+operation took over is never misattributed.
+
+Source lines: walking the stack out of hpcdp costs as much as the rest of ``begin``, so by
+default only failed or timed-out operations (on the error path) record their caller's line;
+``dump`` fills in the line of each thread's in-flight operation from its live stack, which is
+where a hung rank is stuck. ``HPCDP_TRACE=1`` or ``HPCDP_TRACE_LINES=1`` (or
+``configure(lines=True)``) records the line of every operation.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ._clock import now_ns
+
+__all__ = [
+    "STARTED", "COMPLETED", "TIMED_OUT", "FAILED", "STATES", "Recorder", "Op", "recorder",
+    "active_recorder", "configure", "reset", "all_recorders", "bind_rank", "current_rank",
+    "user_frame", "where_of", "DEFAULT_CAPACITY", "hide_frames",
+]
+
+STARTED = "started"
+COMPLETED = "completed"
+TIMED_OUT = "timed out"
+FAILED = "failed"
+STATES = (STARTED, COMPLETED, TIMED_OUT, FAILED)
+
+DEFAULT_CAPACITY = 2048
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_inside: dict[str, bool] = {}
+_hidden: set[Any] = set()
+
+
+def hide_frames(fn: Any) -> Any:
+    """Decorator: source lines skip ``fn``'s frames too, as they skip hpcdp's own.
+
+    For wrappers around hpcdp calls (a framework adapter, a test helper), so that recorded
+    lines point at the wrapper's caller.
+    """
+    _hidden.add(getattr(fn, "__code__", fn))
+    return fn
+
+
+def user_frame(f: Any) -> Any:
+    """The first frame at or above ``f`` whose code lies outside hpcdp (and ``hide_frames``)."""
+    inside, hidden = _inside, _hidden
+    while f is not None:
+        code = f.f_code
+        fn = code.co_filename
+        hit = inside.get(fn)
+        if hit is None:
+            hit = inside[fn] = os.path.abspath(fn).startswith(_PKG_DIR)
+        if not hit and code not in hidden:
+            return f
+        f = f.f_back
+    return None
+
+
+def where_of(where: tuple[Any, int] | None) -> str | None:
+    """``"path/to/train.py:42 (step)"`` for a stored ``(code, lineno)``."""
+    if where is None:
+        return None
+    code, line = where
+    return f"{code.co_filename}:{line} ({code.co_name})"
+
+
+def _caller(depth: int) -> tuple[Any, int] | None:
+    try:
+        f = user_frame(sys._getframe(depth + 1))
+    except ValueError:
+        return None
+    return None if f is None else (f.f_code, f.f_lineno)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One recorded operation, as ``Recorder.snapshot`` returns it (times: ``now_ns`` readings)."""
+
+    id: int
+    op: str
+    group: Any
+    seq: int
+    shape: Any
+    dtype: Any
+    peer: int
+    start_ns: int
+    end_ns: int | None
+    state: str
+    thread: int
+    where: tuple[Any, int] | None
+
+    @property
+    def line(self) -> str | None:
+        return where_of(self.where)
+
+
+class Recorder:
+    """A ring of the last ``capacity`` operations of one rank.
+
+    Args:
+        rank: the global rank whose operations these are.
+        capacity: entries kept; 0 makes ``begin``/``end`` no-ops.
+        lines: record the caller's source line of every operation (slower; see module doc).
+    """
+
+    def __init__(self, rank: int, capacity: int = DEFAULT_CAPACITY, *, lines: bool = False) -> None:
+        if capacity < 0:
+            raise ValueError(f"Recorder: capacity must be >= 0, got {capacity}")
+        self.rank = int(rank)
+        self.capacity = int(capacity)
+        self.lines = bool(lines)
+        self._rows: list[Any] = [None] * self.capacity
+        self._ends: list[Any] = [None] * self.capacity
+        self._count = itertools.count(1)
+        self._timeline: Any = None
+        self.begin: Callable[..., int]
+        self.end: Callable[..., None]
+        self._build()
+
+    def attach_timeline(self, timeline: Any) -> None:
+        """Also emit each finished operation to ``timeline`` (``HPCDP_TRACE=1``); None detaches."""
+        self._timeline = timeline
+        self._build()
+
+    def set_lines(self, lines: bool) -> None:
+        self.lines = bool(lines)
+        self._build()
+
+    def _build(self) -> None:
+        cap = self.capacity
+        if cap == 0:
+            self.begin = lambda *a, **k: 0
+            self.end = lambda *a, **k: None
+            return
+        rows, ends, nxt, clock = self._rows, self._ends, self._count.__next__, now_ns
+        ident = threading.get_ident
+        tl = self._timeline
+
+        def finish(token: int, state: str, t1: int) -> None:
+            if state != COMPLETED:
+                if state not in STATES:
+                    raise ValueError(f"Recorder.end: state must be one of {STATES}, got {state!r}")
+                ends[token % cap] = (token, t1, state, _caller(2))  # the error path: cost is fine
+            else:
+                ends[token % cap] = (token, t1, COMPLETED, None)
+            if tl is not None:
+                row = rows[token % cap]
+                if row is not None and row[0] == token:
+                    tl.op_event(row, t1, state)
+
+        if tl is None:
+            def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
+                """Mark operation ``token`` finished; a failure also records where it was called."""
+                if state is COMPLETED:
+                    ends[token % cap] = (token, _c(), COMPLETED, None)
+                else:
+                    finish(token, state, _c())
+        else:
+            def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
+                """Mark operation ``token`` finished; a failure also records where it was called."""
+                finish(token, state, _c())
+
+        if self.lines or tl is not None:
+            def begin(op: str, group: Any, seq: int = 0, shape: Any = None, dtype: Any = None,
+                      peer: int = -1) -> int:
+                """Record the start of ``op``; returns the token ``end`` takes."""
+                token = nxt()
+                rows[token % cap] = (token, op, group, seq, shape, dtype, peer, clock(), ident(),
+                                     _caller(1))
+                return token
+        else:
+            def begin(op: str, group: Any, seq: int = 0, shape: Any = None, dtype: Any = None,
+                      peer: int = -1, _n: Any = nxt, _c: Any = clock, _i: Any = ident) -> int:
+                """Record the start of ``op``; returns the token ``end`` takes."""
+                token = _n()
+                rows[token % cap] = (token, op, group, seq, shape, dtype, peer, _c(), _i(), None)
+                return token
+
+        self.begin = begin
+        self.end = end
+
+    def snapshot(self) -> list[Op]:
+        """The retained operations, oldest first (safe while other threads record)."""
+        rows, ends = list(self._rows), list(self._ends)
+        done = {e[0]: e for e in ends if e is not None}
+        out = []
+        for r in sorted((r for r in rows if r is not None), key=lambda r: r[0]):
+            e = done.get(r[0])
+            out.append(Op(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7],
+                          None if e is None else e[1], STARTED if e is None else e[2], r[8],
+                          r[9] if r[9] is not None or e is None else e[3]))
+        return out
+
+    def total(self) -> int:
+        """Operations begun so far (retained or not)."""
+        return max((r[0] for r in self._rows if r is not None), default=0)
+
+    def clear(self) -> None:
+        """Forget every entry (tokens keep counting, so late ``end`` calls stay harmless)."""
+        for i in range(self.capacity):
+            self._rows[i] = None
+            self._ends[i] = None
+
+    def __repr__(self) -> str:
+        return f"<Recorder rank {self.rank} capacity {self.capacity} ops {self.total()}>"
+
+
+# -- registry: one recorder per global rank living in this process ----------------------------
+
+_recorders: dict[int, Recorder] = {}
+_lock = threading.Lock()
+_tls = threading.local()
+_process_rank: list[int] = [0]
+#: the largest world size ``install`` was told (dumps name it; 0 = unknown)
+world_size_seen: list[int] = [0]
+_settings: dict[str, Any] = {}
+#: set by the timeline module while ``HPCDP_TRACE`` is on: rank -> Timeline
+timeline_factory: list[Callable[[int], Any] | None] = [None]
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_capacity() -> int:
+    raw = os.environ.get("HPCDP_FLIGHT_RECORDER", "").strip()
+    if not raw:
+        return DEFAULT_CAPACITY
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"HPCDP_FLIGHT_RECORDER={raw!r}: expected a number of entries (0 = off)") from None
+    if n < 0:
+        raise ValueError(f"HPCDP_FLIGHT_RECORDER={raw!r} must be >= 0")
+    return n
+
+
+def _setting(key: str) -> Any:
+    if key not in _settings:
+        _settings["capacity"] = _settings.get("capacity", _env_capacity())
+        _settings["lines"] = _settings.get("lines", _truthy("HPCDP_TRACE_LINES") or _truthy("HPCDP_TRACE"))
+    return _settings[key]
+
+
+def bind_rank(rank: int | None) -> None:
+    """Make ``rank`` this thread's rank (simulated ranks are threads); None unbinds."""
+    _tls.rank = rank
+
+
+def current_rank() -> int:
+    """This thread's bound rank, else the process's (from ``install``), else 0."""
+    r = getattr(_tls, "rank", None)
+    return _process_rank[0] if r is None else r
+
+
+def recorder(rank: int | None = None) -> Recorder:
+    """The recorder of global ``rank`` in this process (default: the current rank), made on first use."""
+    r = current_rank() if rank is None else int(rank)
+    rec = _recorders.get(r)
+    if rec is not None:
+        return rec
+    with _lock:
+        rec = _recorders.get(r)
+        if rec is None:
+            rec = Recorder(r, _setting("capacity"), lines=_setting("lines"))
+            make = timeline_factory[0]
+            if make is not None:
+                rec.attach_timeline(make(r))
+            _recorders[r] = rec
+    return rec
+
+
+def active_recorder(rank: int | None = None) -> Recorder | None:
+    """``recorder(rank)``, or None when recording is off (``HPCDP_FLIGHT_RECORDER=0``)."""
+    rec = recorder(rank)
+    return rec if rec.capacity else None
+
+
+def all_recorders() -> list[Recorder]:
+    """Every recorder in this process, by rank."""
+    return [_recorders[r] for r in sorted(_recorders)]
+
+
+def configure(*, capacity: int | None = None, lines: bool | None = None) -> None:
+    """Change the defaults of recorders made from now on; ``lines`` also applies to existing ones.
+
+    Args:
+        capacity: ring size of new recorders (``HPCDP_FLIGHT_RECORDER``; 0 = off).
+        lines: record every operation's source line (``HPCDP_TRACE_LINES``).
+    """
+    with _lock:
+        if capacity is not None:
+            if capacity < 0:
+                raise ValueError(f"configure: capacity must be >= 0, got {capacity}")
+            _setting("capacity")
+            _settings["capacity"] = int(capacity)
+        if lines is not None:
+            _setting("lines")
+            _settings["lines"] = bool(lines)
+            for rec in _recorders.values():
+                rec.set_lines(bool(lines))
+
+
+def reset() -> None:
+    """Drop every recorder and re-read the environment (a fresh job in the same process; tests)."""
+    with _lock:
+        _recorders.clear()
+        _settings.clear()
+        world_size_seen[0] = 0

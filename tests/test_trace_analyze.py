@@ -1,0 +1,284 @@
+"""``analyze``: the first divergence across synthetic multi-rank flight records, and hostile input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hpcdp import trace
+from hpcdp.trace import COMPLETED, FAILED, TIMED_OUT
+from hpcdp.trace import _files
+from hpcdp.trace._analyze import analyze, find_divergence, fmt_ranks
+from hpcdp.trace._files import load_flight_records
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.abspath(__file__)
+F32 = np.dtype("float32")
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    trace.reset()
+    trace.configure(lines=True)  # synthetic ranks record every line, as HPCDP_TRACE_LINES=1 does
+    yield
+    trace.reset()
+
+
+class G:
+    """A group as the collective layer passes it (name, global ranks, this rank's group rank)."""
+
+    def __init__(self, name: str, ranks: tuple[int, ...], rank: int) -> None:
+        self.name, self.ranks, self.rank = name, ranks, ranks.index(rank)
+
+
+class Rank:
+    """One synthetic rank: records ops the way the wired collective layer will."""
+
+    def __init__(self, r: int, world: int) -> None:
+        self.r, self.world = r, world
+        self.rec = trace.recorder(r)
+        self.seqs: dict[str, int] = {}
+
+    @trace.hide_frames
+    def op(self, name: str, gname: str = "world", ranks: tuple[int, ...] | None = None,
+           state: str = COMPLETED, shape=(4,), dtype=F32, peer: int = -1, seq: int | None = None) -> None:
+        ranks = ranks or tuple(range(self.world))
+        if seq is None:
+            seq = self.seqs[gname] = self.seqs.get(gname, 0) + 1
+        tok = self.rec.begin(name, G(gname, ranks, self.r), seq, shape, dtype, peer)
+        if state != "started":
+            self.rec.end(tok, state)
+
+
+def _line_of(marker: str) -> int:
+    with open(HERE) as fh:
+        for i, text in enumerate(fh, 1):
+            if marker in text and "_line_of" not in text:
+                return i
+    raise AssertionError(marker)
+
+
+def _dump(tmp_path, drop=()) -> str:
+    """Dump every synthetic rank; ``drop``: ranks whose record then goes missing."""
+    trace.dump("CommTimeoutError: allreduce #3 on group world timed out", directory=tmp_path)
+    for r in drop:
+        os.remove(tmp_path / f"flight-rank{r}.json")
+    return str(tmp_path)
+
+
+def test_rank_calling_another_collective_is_named_with_lines(tmp_path) -> None:
+    ranks = [Rank(r, 4) for r in range(4)]
+    for rk in ranks:
+        rk.op("allreduce")
+        rk.op("allreduce")
+    for rk in ranks:
+        if rk.r == 2:
+            rk.op("barrier", state=TIMED_OUT, shape=None, dtype=None)  # MARK-BARRIER
+        else:
+            rk.op("allreduce", state=TIMED_OUT)  # MARK-ALLREDUCE
+    text = analyze(_dump(tmp_path))
+    assert text.startswith("First divergence: allreduce #3 on group world (shape (4,), float32) was "
+                           "reached by ranks 0, 1, 3 at "), text
+    assert f"{HERE}:{_line_of('MARK-ALLREDUCE')} " in text
+    assert "but not by rank 2: rank 2 called barrier #3 on group world instead" in text
+    assert f"{HERE}:{_line_of('MARK-BARRIER')} " in text
+    assert "timed out" in text and "Records dumped on: CommTimeoutError" in text
+
+
+def test_rank_that_went_to_another_group_is_told_from_the_majority(tmp_path) -> None:
+    """Rank 2 skipped allreduce #3 on world and waits in a side group's barrier instead: the same
+    divergence shows on both groups; it is told as the op that three ranks reached."""
+    ranks = [Rank(r, 4) for r in range(4)]
+    for rk in ranks:
+        rk.op("allreduce")
+        rk.op("allreduce")
+    for rk in ranks:
+        if rk.r == 2:
+            rk.op("barrier", gname="side", state=TIMED_OUT, shape=None, dtype=None)  # MARK-SIDE
+        else:
+            rk.op("allreduce", state=TIMED_OUT)
+    d = find_divergence(load_flight_records(_dump(tmp_path)))
+    assert (d.group, d.seq, d.expected.op, sorted(d.reached), d.not_reached) == ("world", 3, "allreduce",
+                                                                                [0, 1, 3], [2])
+    text = analyze(str(tmp_path))
+    assert "but not by rank 2: rank 2 was in barrier #1 on group side (timed out) at " in text, text
+    assert f":{_line_of('MARK-SIDE')} " in text and "its last operation on group world was #2" in text
+
+
+def test_rank_blocked_in_point_to_point(tmp_path) -> None:
+    ranks = [Rank(r, 3) for r in range(3)]
+    for rk in ranks:
+        rk.op("allreduce")
+    ranks[0].op("allreduce", state="started")
+    ranks[1].op("allreduce", state="started")
+    ranks[2].op("recv", seq=0, peer=0, state="started")  # MARK-RECV
+    text = analyze(_dump(tmp_path))
+    assert "reached by ranks 0, 1" in text and "but not by rank 2: rank 2 was in recv(peer 0) on group world (started)" in text, text
+    assert f":{_line_of('MARK-RECV')} " in text
+
+
+def test_rank_without_a_record_and_one_that_finished(tmp_path) -> None:
+    ranks = [Rank(r, 4) for r in range(4)]
+    for rk in ranks:
+        rk.op("allreduce")
+    for rk in ranks[:2]:
+        rk.op("allreduce", state=TIMED_OUT)
+    ranks[2].op("broadcast", gname="other", ranks=(2,), peer=0)  # finished, then did nothing more
+    text = analyze(_dump(tmp_path, drop=[3]))  # rank 3's record is missing
+    assert "reached by ranks 0, 1" in text and "but not by ranks 2, 3" in text, text
+    assert "rank 2 had finished broadcast #1 on group other" in text
+    assert "rank 3 wrote no flight record" in text
+
+
+def test_all_reached_but_stuck(tmp_path) -> None:
+    ranks = [Rank(r, 2) for r in range(2)]
+    for rk in ranks:
+        rk.op("allreduce")
+        rk.op("all_gather", state=TIMED_OUT)
+    text = analyze(_dump(tmp_path))
+    assert "all_gather #2 on group world" in text and "called it alike" in text, text
+    assert "did not complete on ranks 0, 1" in text
+
+
+def test_argument_mismatch_is_a_divergence(tmp_path) -> None:
+    ranks = [Rank(r, 3) for r in range(3)]
+    for rk in ranks:
+        rk.op("allreduce", shape=(4,) if rk.r != 1 else (5,), state=FAILED)
+    text = analyze(_dump(tmp_path))
+    assert "reached by ranks 0, 2" in text and "rank 1 called allreduce #1 on group world instead (shape (5,)" in text, text
+
+
+def test_no_divergence(tmp_path) -> None:
+    ranks = [Rank(r, 2) for r in range(2)]
+    for rk in ranks:
+        for _ in range(5):
+            rk.op("allreduce")
+    assert analyze(_dump(tmp_path)).startswith("No divergence found in 2 flight records")
+
+
+def test_ring_overflow_compares_only_what_every_rank_kept(tmp_path) -> None:
+    trace.configure(capacity=4)
+    ranks = [Rank(r, 2) for r in range(2)]
+    for _ in range(10):
+        ranks[0].op("allreduce")
+    for _ in range(6):
+        ranks[1].op("allreduce")
+    ranks[1].op("barrier", gname="elsewhere", ranks=(1,), state="started")
+    d = find_divergence(load_flight_records(_dump(tmp_path)))
+    assert (d.kind, d.seq, sorted(d.reached), d.missing) == ("missing", 7, [0], [1]), d
+
+
+def test_fmt_ranks() -> None:
+    assert fmt_ranks([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7, 8"
+    assert fmt_ranks(range(512)) == "0-511"
+
+
+# -- untrusted input ----------------------------------------------------------------------------
+
+def _good(tmp_path) -> None:
+    for r in range(2):
+        Rank(r, 2).op("allreduce")
+    trace.dump("t", directory=tmp_path)
+
+
+def _rewrite(path, fn) -> None:
+    doc = json.loads(path.read_text())
+    fn(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d.update(format="pickle"), "not an hpcdp flight record"),
+    (lambda d: d.update(rank="0"), "rank must be an integer"),
+    (lambda d: d.update(rank=7), "is not below world_size"),
+    (lambda d: d["entries"][0].update(state="exploded"), "state must be one of"),
+    (lambda d: d["entries"][0].update(shape=[1, "x"]), "shape must be an integer"),
+    (lambda d: d["entries"][0].update(start_ns=1.5), "start_ns must be an integer"),
+    (lambda d: d.update(entries={"a": 1}), "entries must be a list"),
+])
+def test_damaged_records_give_clear_errors(tmp_path, damage, message) -> None:
+    _good(tmp_path)
+    _rewrite(tmp_path / "flight-rank1.json", damage)
+    with pytest.raises(ValueError, match=message) as ei:
+        load_flight_records(str(tmp_path))
+    assert "flight-rank1.json" in str(ei.value)
+
+
+def test_not_json_too_big_and_misnamed(tmp_path, monkeypatch) -> None:
+    _good(tmp_path)
+    (tmp_path / "flight-rank1.json").write_bytes(b"\x80\x81garbage")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_flight_records(str(tmp_path))
+    (tmp_path / "flight-rank1.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_flight_records(str(tmp_path))
+    _good(tmp_path)
+    os.replace(tmp_path / "flight-rank1.json", tmp_path / "flight-rank5.json")
+    with pytest.raises(ValueError, match="file name says rank 5 but it holds rank 1"):
+        load_flight_records(str(tmp_path))
+    os.remove(tmp_path / "flight-rank5.json")
+    monkeypatch.setattr(_files, "MAX_BYTES", 100)
+    with pytest.raises(ValueError, match="more than the 100"):
+        load_flight_records(str(tmp_path))
+
+
+def test_symlinks_and_other_files_are_not_followed(tmp_path) -> None:
+    outside = tmp_path / "outside"
+    inside = tmp_path / "dumps"
+    outside.mkdir()
+    inside.mkdir()
+    Rank(0, 2).op("allreduce")
+    trace.dump("t", directory=outside)
+    os.symlink(outside / "flight-rank0.json", inside / "flight-rank0.json")
+    (inside / "notes.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no flight records"):
+        load_flight_records(str(inside))
+
+
+def test_control_characters_from_files_are_escaped(tmp_path) -> None:
+    ranks = [Rank(r, 2) for r in range(2)]
+    ranks[0].op("allreduce", state=TIMED_OUT)
+    trace.dump("t", directory=tmp_path)
+    os.remove(tmp_path / "flight-rank1.json")
+    _rewrite(tmp_path / "flight-rank0.json",
+             lambda d: d["entries"][0].update(op="all\x1b[2Jreduce", line="evil.py:1\x07"))
+    text = analyze(str(tmp_path))
+    assert "\x1b" not in text and "\x07" not in text and "all\\x1b[2Jreduce" in text
+
+
+@pytest.mark.timeout(120)
+def test_cli_analyze(tmp_path) -> None:
+    ranks = [Rank(r, 2) for r in range(2)]
+    for rk in ranks:
+        rk.op("allreduce")
+    ranks[0].op("allreduce", state=TIMED_OUT)
+    ranks[1].op("barrier", state=TIMED_OUT, shape=None, dtype=None)
+    trace.dump("t", directory=tmp_path)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "hpcdp.trace", "analyze", "-v", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert "allreduce #2 on group world" in p.stdout and "rank 1 called barrier #2" in p.stdout
+    assert "rank 0 (" in p.stdout and "rank 1 (" in p.stdout  # -v: one line per rank
+    q = subprocess.run([sys.executable, "-m", "hpcdp.trace", "analyze", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert q.returncode == 1 and "is not a directory" in q.stderr
+
+
+def test_records_of_an_earlier_job_are_set_aside(tmp_path) -> None:
+    ranks = [Rank(r, 4) for r in range(4)]
+    for rk in ranks[:3]:
+        rk.op("allreduce")
+    trace.dump("t", directory=tmp_path)
+
+    def older(d):
+        d["job"], d["dumped_at_ns"] = "slurm-41.0.0", d["dumped_at_ns"] - 10**12
+
+    _rewrite(tmp_path / "flight-rank3.json", older)
+    text = analyze(str(tmp_path))
+    assert "Set aside the records of rank 3: they are from an earlier job." in text, text
+    assert sorted(load_flight_records(str(tmp_path))) == [0, 1, 2]

@@ -1,0 +1,135 @@
+"""Whole jobs on sim, TCP and MPI: rank 2 skips a collective; every rank dumps; ``analyze`` names
+rank 2, the operation and the lines; ``merge`` and ``plot`` read what the job left.
+
+Until the collective layer calls the recorder itself, the job script does what that wiring will
+do (``call`` below: begin, end with the state, dump on CommTimeoutError / PeerFailureError).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+JOB = textwrap.dedent('''
+    import os, sys, time
+    import numpy as np
+    import hpcdp
+    from hpcdp import trace
+    from hpcdp.errors import CommTimeoutError
+
+    SKIP, OTHERS_TIMEOUT, SKIP_TIMEOUT = 2, 4.0, 1.0
+    counters = {}
+
+    @trace.hide_frames
+    def call(g, op, *args, **kw):
+        """What ProcessGroup will do once wired: record, run, end; on an error, trace.on_error."""
+        me = g.ranks[g.rank]  # simulated ranks share this process: count per rank
+        seq = counters[me, g.name] = counters.get((me, g.name), 0) + 1
+        rec = trace.recorder(me)
+        x = args[0] if args else None
+        tok = rec.begin(op, g, seq, getattr(x, "shape", None), getattr(x, "dtype", None), -1)
+        try:
+            out = getattr(g, op)(*args, **kw)
+        except Exception as exc:
+            trace.on_error(rec, tok, exc)  # timed out / failed; dumps on timeout or peer failure
+            raise
+        rec.end(tok)
+        return out
+
+    def body(rank):
+        world = hpcdp.get_default_group()
+        trace.install(rank, world.size)
+        side = world.new_group(list(range(world.size)), name="side")
+        x = np.ones(4)
+        for step in range(3):
+            with trace.span("step", "train", step=step):
+                if rank == SKIP and step == 2:
+                    try:
+                        call(side, "barrier", timeout=SKIP_TIMEOUT)  # LINE-SIDE
+                    except CommTimeoutError:
+                        time.sleep(OTHERS_TIMEOUT + 2)  # the others time out and dump meanwhile
+                    return "skipped"
+                call(world, "allreduce", x, timeout=OTHERS_TIMEOUT)  # LINE-ALLREDUCE
+        return "done"
+
+    if "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:  # hpcdp-run or mpirun
+        hpcdp.init()
+        body(hpcdp.rank())
+    else:
+        hpcdp.spawn(body, 4, backend="sim", timeout=30, join_timeout=60)
+''')
+
+
+def _line(marker: str) -> int:
+    return next(i for i, t in enumerate(JOB.split("\n"), 1) if marker in t)
+
+
+def _env(tmp_path, tracing: bool = True) -> dict[str, str]:
+    env = dict(os.environ, HPCDP_TRACE_DIR=str(tmp_path / "trace"), HPCDP_TRACE="1" if tracing else "0",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    return env
+
+
+LAUNCH = {
+    "sim": lambda script: [sys.executable, script],
+    "tcp": lambda script: [sys.executable, "-m", "hpcdp.run", "-n", "4", script],
+    "mpirun": lambda script: ["mpirun", "-n", "4", "--oversubscribe", sys.executable, "-m", "hpcdp.run", script],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend, tracing", [("sim", True), ("sim", False), ("tcp", True),
+                                              ("mpirun", True)])  # not "mpi": pytest-mpi would skip it
+def test_skipped_collective_is_found(tmp_path, backend: str, tracing: bool) -> None:
+    """With HPCDP_TRACE=1 every line is recorded; without, the lines come from the error path."""
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = _env(tmp_path, tracing)
+    job = subprocess.run(LAUNCH[backend](str(script)), capture_output=True, text=True, timeout=180,
+                         env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    out = job.stdout + job.stderr
+    assert job.returncode != 0, out  # the job failed: ranks 0, 1 and 3 timed out
+    assert "CommTimeoutError" in out, out
+    d = tmp_path / "trace"
+    assert sorted(p for p in os.listdir(d) if p.startswith("flight-")) == \
+        [f"flight-rank{r}.json" for r in range(4)], out
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hpcdp.trace", *args], capture_output=True,
+                              text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+
+    an = cli("analyze", str(d))
+    assert an.returncode == 0, an.stderr
+    text = an.stdout
+    assert "First divergence: allreduce #3 on group world (shape (4,), float64) was reached by ranks 0, 1, 3 at " \
+        f"{script}:{_line('LINE-ALLREDUCE')} (body)" in text, text
+    assert f"but not by rank 2: rank 2 was in barrier #1 on group side (timed out) at {script}:{_line('LINE-SIDE')} (body); " \
+        "its last operation on group world was #2." in text, text
+
+    merged = tmp_path / "merged.json"
+    m = cli("merge", str(d), "-o", str(merged))
+    assert m.returncode == 0, m.stderr
+    doc = json.loads(merged.read_text())
+    assert doc["otherData"]["source"] == ("timelines" if tracing else "flight records")
+    timed = [e for e in doc["traceEvents"] if e["ph"] != "M"]
+    assert {e["pid"] for e in timed} == {0, 1, 2, 3}
+    assert [e["ts"] for e in timed] == sorted(e["ts"] for e in timed)
+    for r in range(4):  # each rank's own events stay in their order: steps 0, 1, ... then the op
+        assert any(e["pid"] == r and e.get("cat") == "collective" for e in timed), r
+        if not tracing:
+            continue
+        steps = [e["args"]["step"] for e in timed if e["pid"] == r and e["name"] == "step"]
+        assert steps == sorted(steps) and steps[:2] == [0, 1], (r, steps)
+    png = tmp_path / "phases.png"
+    pl = cli("plot", str(d), "-o", str(png))
+    assert pl.returncode == 0, pl.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
