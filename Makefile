@@ -1,7 +1,7 @@
 # hpcdp developer Makefile.
 #
 #   make demo     DDP example on 4 MPI ranks
-#   make test     whole test suite: single process, then mpirun -n 2 and -n 4
+#   make test     whole test suite: single process, mpirun -n 2 and -n 4, then jobs/ under Slurm
 #   make help     every target
 #
 # Works as root with no stdin (CI runs `bash .ci/run` on a fresh clone).
@@ -82,7 +82,7 @@ MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
 
-.PHONY: help install sysdeps check test test-fast test-single test-mpi demo demo-collectives \
+.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives \
         bench-deps bench info clean distclean
 
 help:
@@ -91,6 +91,7 @@ help:
 	@echo "  make test              whole suite: pytest, then mpirun -n 2 and -n 4 (--with-mpi)"
 	@echo "  make test-fast         single-process pytest only (sim + TCP backends)"
 	@echo "  make test-mpi          only the MPI runs (-n 2 and -n 4)"
+	@echo "  make test-slurm        every jobs/*.sbatch under a real one-node Slurm (sbatch --wait)"
 	@echo "  make demo-collectives  collectives tour on 4 MPI ranks (examples/01_collectives.py)"
 	@echo "  make install           .venv with MPI-enabled h5py, mpi4py and hpcdp (editable, [dev,examples])"
 	@echo "  make check             verify parallel h5py and that mpirun ranks see one MPI world"
@@ -237,15 +238,25 @@ export SUMMARY_PY
 
 test: install
 	@mkdir -p .pytest-mpi; rm -f .pytest-mpi/*.out; start=$$(date +%s); \
-	echo "== [1/3] pytest (single process: sim + TCP backends, fault tests)"; \
+	echo "== [1/4] pytest (single process: sim + TCP backends, fault tests)"; \
 	rc1=0; $(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
-	echo "== [2/3] mpirun -n 2 pytest --with-mpi -m mpi"; \
+	echo "== [2/4] mpirun -n 2 pytest --with-mpi -m mpi"; \
 	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
-	echo "== [3/3] mpirun -n 4 pytest --with-mpi -m mpi"; \
+	echo "== [3/4] mpirun -n 4 pytest --with-mpi -m mpi"; \
 	rc3=0; PY_COLORS=0 $(MPIRUN) -n 4 $(PY) tests/run_mpi.py $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi4.out || rc3=$$?; \
+	echo "== [4/4] make test-slurm: every jobs/*.sbatch under a real one-node Slurm"; \
+	rc4=0; ci/slurm/test.sh 2>&1 | tee .pytest-mpi/slurm.out || rc4=$$?; \
 	echo "== summary ($$(( $$(date +%s) - start )) s)"; \
-	$(PY) -c "$$SUMMARY_PY" .pytest-mpi/single.out:$$rc1 .pytest-mpi/mpi2.out:$$rc2 .pytest-mpi/mpi4.out:$$rc3; \
-	[ $$rc1 = 0 ] && [ $$rc2 = 0 ] && [ $$rc3 = 0 ]
+	$(PY) -c "$$SUMMARY_PY" .pytest-mpi/single.out:$$rc1 .pytest-mpi/mpi2.out:$$rc2 .pytest-mpi/mpi4.out:$$rc3 \
+	  .pytest-mpi/slurm.out:$$rc4; \
+	[ $$rc1 = 0 ] && [ $$rc2 = 0 ] && [ $$rc3 = 0 ] && [ $$rc4 = 0 ]
+
+# Every jobs/*.sbatch under a real one-node Slurm (ci/slurm/README.md): installs slurm-wlm and
+# munge when missing, starts munged, slurmctld and slurmd as root, submits each job with
+# `sbatch --wait`, checks its exit code and output, and stops the daemons it started.  Where the
+# machine cannot run them (not root, no apt, daemons refused) it says so and fails: never skips.
+test-slurm: install
+	ci/slurm/test.sh
 
 test-fast test-single: install
 	$(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS)

@@ -406,4 +406,4 @@ def test_main_launches_with_the_slurm_layout(monkeypatch) -> None:
     (cmd, nproc, kw), = calls
     assert cmd[-3:] == ["train.py", "--lr", "1"] and nproc == 4
     assert kw == {"nnodes": 2, "node_rank": 1, "master_addr": "cn100", "master_port": 29999,
-                  "grace": run.GRACE}
+                  "grace": run.GRACE, "max_restarts": 0}

@@ -3,6 +3,7 @@
     save("ckpt/step-100", {"model": ddp.state_dict(), "optim": opt.state_dict(), "step": 100})
     state = load("ckpt/step-100", like=current_state)    # any world size; reshards
     latest("ckpt")                                       # newest committed checkpoint or None
+    on_preempt(save_fn)                                  # Slurm --signal=USR1: save, requeue, exit
 """
 from __future__ import annotations
 
@@ -10,5 +11,7 @@ from ._commit import latest, list_checkpoints
 from ._format import Shard
 from ._reader import load
 from ._save import AsyncSave, save
+from .preempt import Preemption, on_preempt, restart_count
 
-__all__ = ["save", "load", "latest", "list_checkpoints", "Shard", "AsyncSave"]
+__all__ = ["save", "load", "latest", "list_checkpoints", "Shard", "AsyncSave",
+           "on_preempt", "Preemption", "restart_count"]
