@@ -1,6 +1,6 @@
-"""A rank's peer listener faces the network like the store: a flood of silent connections is shed
-(bounded threads, rate-limited log), neither a running job nor the rendezvous stops, and an
-authenticated peer that announces an oversized frame is dropped, not trusted."""
+"""A rank's peer listener faces the network like the store: a flood of silent connections costs
+no thread, is closed in bounded time with a rate-limited log, neither a running job nor the
+rendezvous stops, and an authenticated peer that announces an oversized frame is dropped."""
 from __future__ import annotations
 
 import socket
@@ -20,22 +20,25 @@ from hpcdp.backends.tcp import TCPBackend, _World
 from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
 
 SECRET = "listener-test-secret"
-FLOOD = accept.MAX_PENDING_HANDSHAKES + 100
+#: more than one address may hold: the oldest are evicted as the newest come in
+FLOOD = accept.PER_SOURCE + 100
 
 
+@pytest.mark.timeout(120)
 def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
     port = free_port()
-    # long enough that the whole flood arrives while the first MAX_PENDING_HANDSHAKES wait
-    env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "3"}
+    # a long handshake timeout: silent connections must go at the short HELLO deadline
+    env = {"MASTER_PORT": str(port), "HPCDP_SECRET": SECRET, "HPCDP_HANDSHAKE_TIMEOUT": "60"}
     t, out = start_job(checked_allreduce_job, 2, (str(tmp_path), 20_000, 0.002), env)
     socks: list[socket.socket] = []
     try:
         peer_port = published_port(str(tmp_path), 1, t, out)
         socks = [socket.create_connection(("127.0.0.1", peer_port)) for _ in range(FLOOD)]
-        # the connections past the cap are closed at once, the rest at the handshake timeout
-        shed = sum(closed_by_server(s, 0.3) for s in socks[accept.MAX_PENDING_HANDSHAKES:])
-        assert shed >= FLOOD - accept.MAX_PENDING_HANDSHAKES - 2
-        assert all(closed_by_server(s, 5.0) for s in socks[:accept.MAX_PENDING_HANDSHAKES])
+        # past the per-address cap each newcomer evicts the oldest: the first ones go at once
+        evicted = sum(closed_by_server(s, 0.5) for s in socks[:FLOOD - accept.PER_SOURCE])
+        assert evicted >= FLOOD - accept.PER_SOURCE - 2
+        # the rest at the HELLO deadline (2 s), long before the 60 s handshake timeout
+        assert all(closed_by_server(s, 10.0) for s in socks[FLOOD - accept.PER_SOURCE:])
         time.sleep(0.2)  # the job goes on after the flood
     finally:
         for s in socks:
@@ -46,15 +49,16 @@ def test_flood_of_silent_connections_does_not_stop_the_job(tmp_path) -> None:
     assert "err" not in out, out.get("err")
     r0, r1 = out["res"]
     assert r0["bad"] == 0 and r1["bad"] == 0 and r0["n"] > 0 and r1["n"] > 0
-    # no thread per flooding connection: at most the cap on unauthenticated handshakes
-    assert r1["peak"] <= r1["base"] + accept.MAX_PENDING_HANDSHAKES + 2, r1
+    # no thread per flooding connection (FLOOD of them): one thread serves every handshake
+    assert r1["peak"] <= r1["base"] + 4, r1
     dropped = [m for m in r1["log"] if "dropped connection" in m]
     assert 1 <= len(dropped) <= 3, r1["log"]  # rate-limited: FLOOD rejections, a few lines
 
 
+@pytest.mark.timeout(120)
 def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
     """Rank 1's listener is saturated by silent connections the moment it publishes its address:
-    rank 0's first connection is shed, it retries, and the mesh still forms."""
+    rank 0's connection evicts the oldest of them and the mesh forms."""
     monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "3")
     monkeypatch.delenv("HPCDP_BIND_ADDR", raising=False)
     port = free_port()
@@ -62,23 +66,14 @@ def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
     real_set = StoreClient.set
 
     def set_after_flood(self: StoreClient, key: str, value: bytes) -> None:
-        if key == "addr/1":
+        if key.endswith("addr/1"):
             host, p = value.decode().rsplit(":", 1)
             flood.extend(socket.create_connection((host, int(p))) for _ in range(FLOOD))
-            for s in flood[accept.MAX_PENDING_HANDSHAKES:]:
-                closed_by_server(s, 2.0)  # the gate is full now
+            for s in flood[:FLOOD - accept.PER_SOURCE]:
+                closed_by_server(s, 2.0)  # the per-address cap is reached now
         real_set(self, key, value)
 
-    attempts: list[int] = []
-    real_handshake = wire.client_handshake
-
-    def counting_handshake(sock, secret, role, my_id, target, timeout):
-        if role == wire.ROLE_PEER:
-            attempts.append(target)
-        return real_handshake(sock, secret, role, my_id, target, timeout)
-
     monkeypatch.setattr(StoreClient, "set", set_after_flood)
-    monkeypatch.setattr(wire, "client_handshake", counting_handshake)
     worlds: dict = {}
 
     def start(rank: int) -> None:
@@ -88,7 +83,6 @@ def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
             worlds[rank] = exc
 
     threads = [threading.Thread(target=start, args=(r,), daemon=True) for r in (0, 1)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
@@ -96,9 +90,7 @@ def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
     try:
         assert not any(t.is_alive() for t in threads), "rendezvous hung"
         assert all(isinstance(w, _World) for w in worlds.values()), worlds
-        assert time.monotonic() - t0 < 30
-        assert attempts.count(1) >= 2, attempts  # shed once at least, then admitted
-        assert any("unauthenticated connections at once" in m for m in log), log
+        assert any("unauthenticated connections from this address" in m for m in log), log
         b0 = TCPBackend(worlds[0], (0, 1), 0)
         b1 = TCPBackend(worlds[1], (0, 1), 0)
         got = np.zeros(4)

@@ -12,6 +12,7 @@ import secrets
 import socket
 import struct
 
+import numpy as np
 import pytest
 
 import hpcdp
@@ -23,8 +24,10 @@ SECRET = secrets.token_hex(32)
 
 
 def _hello(target: int, nonce: bytes | None = None) -> bytes:
-    return struct.pack("<4sBBHii32s", b"HPCD", 1, wire.ROLE_STORE if target < 0 else wire.ROLE_PEER,
-                       0, 5, target, nonce or secrets.token_bytes(32))
+    # version, role, init generation 0 (the job's first init), claimed rank 5, target
+    return struct.pack("<4sBBHii32s", b"HPCD", wire.VERSION,
+                       wire.ROLE_STORE if target < 0 else wire.ROLE_PEER, 0, 5, target,
+                       nonce or secrets.token_bytes(32))
 
 
 def attack_random(port: int, target: int) -> socket.socket:
@@ -108,3 +111,57 @@ def test_init_without_secret_is_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(hpcdp.BackendUnavailableError, match="HPCDP_SECRET"):
         hpcdp.init(backend="tcp")
+
+
+@pytest.mark.parametrize("raw", [
+    "a" * 64, "ab" * 32, "abcdefgh" * 8, "password", "Secret-1",
+    secrets.token_hex(8), "my-super-secret-123", "0123456789abcdef" * 2,
+])
+def test_weak_secrets_are_refused(raw: str) -> None:
+    assert wire.check_secret(raw) is not None
+
+
+@pytest.mark.parametrize("raw", [
+    secrets.token_hex(16), secrets.token_hex(32), secrets.token_urlsafe(24),
+    "correct horse battery staple of the cluster",  # a long passphrase
+])
+def test_strong_secrets_are_accepted(raw: str) -> None:
+    assert wire.check_secret(raw) is None, raw
+
+
+def _tcp_env(monkeypatch, secret: str, bind: str | None) -> None:
+    monkeypatch.setenv("HPCDP_SECRET", secret)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    if bind is None:
+        monkeypatch.delenv("HPCDP_BIND_ADDR", raising=False)
+    else:
+        monkeypatch.setenv("HPCDP_BIND_ADDR", bind)
+
+
+def test_weak_secret_is_refused_when_the_job_listens_on_the_network(monkeypatch) -> None:
+    """Ranks listening beyond loopback (here: all interfaces) need a strong secret."""
+    _tcp_env(monkeypatch, "weak-secret", "0.0.0.0")
+    with pytest.raises(hpcdp.BackendUnavailableError, match="too weak.*listens on the network"):
+        hpcdp.init(backend="tcp")
+    assert not hpcdp.is_initialized()
+
+
+def test_any_secret_is_accepted_on_loopback(monkeypatch) -> None:
+    _tcp_env(monkeypatch, "weak-secret", None)
+    hpcdp.init(backend="tcp", timeout=10)
+    try:
+        assert float(hpcdp.allreduce(np.ones(1))[0]) == 1.0
+    finally:
+        hpcdp.finalize()
+
+
+def test_launcher_refuses_a_weak_secret_for_a_multi_node_job(monkeypatch) -> None:
+    """Checked by the launcher too: a restart's derived secret would look strong."""
+    from hpcdp import run
+
+    monkeypatch.setenv("HPCDP_SECRET", "weak-secret")
+    with pytest.raises(SystemExit, match="too weak for a multi-node job"):
+        run.launch(["true"], 1, nnodes=2, node_rank=0, master_addr="10.255.255.1")

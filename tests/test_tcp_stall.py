@@ -29,8 +29,8 @@ def _stop_half_way() -> None:
     def half_then_stop(peer, hdr, view) -> None:
         if view.nbytes != MID:
             return whole(peer, hdr, view)
-        kind, channel, tag = hdr
-        peer.sock.sendall(wire.pack_header(kind, 0, channel, tag, view.nbytes))
+        kind, channel, tag, sig = hdr
+        peer.sock.sendall(wire.pack_header(kind, 0, channel, tag, view.nbytes, sig))
         peer.sock.sendall(view[:MID // 2])
         os.kill(os.getpid(), signal.SIGSTOP)
         peer.sock.sendall(view[MID // 2:])

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from hpcdp.backends import _tcp_accept as accept
 from hpcdp.backends import _tcp_store as store
 from hpcdp.backends import _tcp_wire as wire
 from hpcdp.backends._tcp_store import StoreClient, StoreServer
@@ -115,22 +116,46 @@ def test_store_that_dies_mid_request_is_a_peer_failure(server) -> None:
         c.close()
 
 
-def test_excess_unauthenticated_connections_are_shed(server, monkeypatch) -> None:
-    """At most MAX_PENDING_HANDSHAKES silent connections are held; real clients get in later."""
-    monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "1")
-    n = store.MAX_PENDING_HANDSHAKES + 20
+def test_silent_connections_cannot_keep_a_client_out(server, monkeypatch) -> None:
+    """Past the per-address cap each newcomer evicts the oldest silent connection, so a real
+    client gets in while silent ones fill every slot (long before any of them times out)."""
+    monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "60")
+    monkeypatch.setattr(wire, "HELLO_TIMEOUT", 60.0)  # nothing leaves by its deadline here
+    n = accept.PER_SOURCE + 20
     socks = [socket.create_connection(server.address) for _ in range(n)]
     try:
-        closed = sum(closed_by_server(s, 0.3 if i >= store.MAX_PENDING_HANDSHAKES else 0.01)
-                     for i, s in enumerate(socks))
-        assert closed >= 20 - 2  # the excess, give or take a connection finishing early
-        c = _client(server, timeout=20.0)  # retries until the silent ones time out
+        evicted = sum(closed_by_server(s, 0.5) for s in socks[:20])
+        assert evicted >= 20 - 2  # the oldest, give or take one the loop has not reached yet
+        assert not any(closed_by_server(s, 0.01) for s in socks[-5:])  # the newest are held
+        c = _client(server, timeout=10.0)
         c.set("a", b"1")
         assert c.get("a", 1.0) == b"1"
         c.close()
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_slow_hello_is_dropped_at_its_deadline(server, monkeypatch) -> None:
+    """A client sending its HELLO a byte at a time is cut off at the HELLO deadline, even with a
+    long handshake timeout; a real client's HELLO arrives at once."""
+    monkeypatch.setenv("HPCDP_HANDSHAKE_TIMEOUT", "60")
+    monkeypatch.setattr(wire, "HELLO_TIMEOUT", 0.5)
+    s = socket.create_connection(server.address)
+    try:
+        dropped = False
+        for _ in range(40):  # 1 byte per 0.1 s: the HELLO (48 bytes) would take 4.8 s
+            try:
+                s.sendall(b"H")
+            except OSError:
+                dropped = True
+                break
+            if closed_by_server(s, 0.1):
+                dropped = True
+                break
+        assert dropped
+    finally:
+        s.close()
 
 
 def test_rejections_are_rate_limited(server, log) -> None:

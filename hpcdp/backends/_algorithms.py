@@ -1,7 +1,7 @@
 """Ring and tree collectives written once over a tiny point-to-point interface.
 
 A backend that can move bytes between ranks (TCP, or the simulated backend with
-``HPCDP_SIM_ALGORITHMS=p2p``) gets every collective from here. The interface is duck-typed::
+``HPCDP_SIM_ALGORITHMS=p2p``, see ``sim._P2P``) gets every collective from here. The interface is duck-typed::
 
     comm.rank, comm.size
     comm.isend(buf, dst, tag) -> request      # buf: contiguous 1-D array, unmodified until waited
@@ -10,6 +10,9 @@ A backend that can move bytes between ranks (TCP, or the simulated backend with
 
 Every algorithm is a plain function that blocks in ``comm.wait``; ``Runner`` runs them in a
 worker thread per group, in submission order, so the backend methods return a ``Request`` at once.
+Around each it calls ``comm.begin(seq, call)`` and ``comm.end(ok)``: ``seq`` numbers the group's
+collectives (1, 2, ...) and ``call`` is ``(name, dtype, count, op, root)``, what a transport
+needs to tell mismatched calls apart (the TCP backend puts both in every frame header).
 Reductions use numpy ufuncs with ``out=`` into preallocated buffers; float16 is reduced in float32
 and rounded once, as the simulated and MPI backends do.
 """
@@ -21,13 +24,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import HpcdpError, PeerFailureError
+from ..errors import HpcdpError
 from ..ops import ReduceOp
 from .base import Request
 
 __all__ = [
     "allreduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
-    "all_to_all", "barrier", "Runner", "FutureRequest", "P2PCollectives", "BackendP2P",
+    "all_to_all", "barrier", "Runner", "FutureRequest", "P2PCollectives",
     "SMALL_BYTES", "PIECE_BYTES",
 ]
 
@@ -355,18 +358,22 @@ class Runner:
     def __init__(self, comm: Any, name: str) -> None:
         self.comm = comm
         self.name = name
-        self._q: collections.deque[tuple[Callable[[], None], FutureRequest]] = collections.deque()
+        self._q: collections.deque[tuple[Callable[[], None], FutureRequest, int, tuple]] = (
+            collections.deque())
+        self._seq = 0
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
         self.current: FutureRequest | None = None
 
-    def submit(self, what: str, fn: Callable[[], None]) -> FutureRequest:
+    def submit(self, what: str, fn: Callable[[], None], call: tuple = ()) -> FutureRequest:
+        """Queue ``fn``; ``call`` describes it for ``comm.begin`` (see the module docstring)."""
         req = FutureRequest(self, what)
         with self._cv:
             if self._stopped:
                 raise HpcdpError(f"{what}: the backend has been shut down")
-            self._q.append((fn, req))
+            self._seq += 1  # under the lock: sequence numbers follow the queue order
+            self._q.append((fn, req, self._seq, call or (what, None, 0, None, 0)))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"hpcdp-{self.name}",
                                                 daemon=True)
@@ -382,13 +389,20 @@ class Runner:
                         if not self._q:
                             self._thread = None
                             return
-                fn, req = self._q.popleft()
+                fn, req, seq, call = self._q.popleft()
                 self.current = req
             err: BaseException | None = None
+            comm, running = self.comm, False
             try:
+                comm.begin(seq, call)
+                running = True
                 fn()
+                running = False
+                comm.end(True)  # may find the call mismatched after all (messages left over)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 err = exc
+                if running:
+                    comm.end(False)
             self.current = None
             req._set(err)
 
@@ -412,85 +426,39 @@ class P2PCollectives:
     _p2p: Any
     _runner: Runner
 
-    def _go(self, what: str, fn: Callable[..., None], *args: Any) -> Request:
+    def _go(self, name: str, fn: Callable[..., None], like: Any, op: Any, root: int,
+            *args: Any) -> Request:
+        """Queue ``fn(comm, *args)``; ``like`` (the buffer every rank holds alike: the send
+        buffer, or the receive buffer of scatter), ``op`` and ``root`` describe the call."""
         c = self._p2p
-        c.check_usable(what)
-        return self._runner.submit(what, lambda: fn(c, *args))
+        c.check_usable(name)
+        call = (name, like.dtype, like.size, op, root) if like is not None else (name, None, 0,
+                                                                                 None, 0)
+        return self._runner.submit(name, lambda: fn(c, *args), call)
 
     def allreduce(self, sendbuf, recvbuf, op):
-        return self._go("allreduce", allreduce, sendbuf, recvbuf, op)
+        return self._go("allreduce", allreduce, sendbuf, op, 0, sendbuf, recvbuf, op)
 
     def broadcast(self, buf, root):
-        return self._go("broadcast", broadcast, buf, root)
+        return self._go("broadcast", broadcast, buf, None, root, buf, root)
 
     def reduce(self, sendbuf, recvbuf, op, root):
-        return self._go("reduce", reduce, sendbuf, recvbuf, op, root)
+        return self._go("reduce", reduce, sendbuf, op, root, sendbuf, recvbuf, op, root)
 
     def all_gather(self, sendbuf, recvbuf):
-        return self._go("all_gather", all_gather, sendbuf, recvbuf)
+        return self._go("all_gather", all_gather, sendbuf, None, 0, sendbuf, recvbuf)
 
     def gather(self, sendbuf, recvbuf, root):
-        return self._go("gather", gather, sendbuf, recvbuf, root)
+        return self._go("gather", gather, sendbuf, None, root, sendbuf, recvbuf, root)
 
     def scatter(self, sendbuf, recvbuf, root):
-        return self._go("scatter", scatter, sendbuf, recvbuf, root)
+        return self._go("scatter", scatter, recvbuf, None, root, sendbuf, recvbuf, root)
 
     def reduce_scatter(self, sendbuf, recvbuf, op):
-        return self._go("reduce_scatter", reduce_scatter, sendbuf, recvbuf, op)
+        return self._go("reduce_scatter", reduce_scatter, sendbuf, op, 0, sendbuf, recvbuf, op)
 
     def all_to_all(self, sendbuf, recvbuf):
-        return self._go("all_to_all", all_to_all, sendbuf, recvbuf)
+        return self._go("all_to_all", all_to_all, sendbuf, None, 0, sendbuf, recvbuf)
 
     def barrier(self):
-        return self._go("barrier", barrier)
-
-
-class BackendP2P:
-    """The p2p interface over any backend's own ``send``/``recv`` (tags above the user range).
-
-    Used by the simulated backend's opt-in (``HPCDP_SIM_ALGORITHMS=p2p``) to test the algorithms.
-    """
-
-    TAG_BASE = 1 << 40
-
-    def __init__(self, backend: Any) -> None:
-        self.be = backend
-        self.rank, self.size = backend.rank, backend.size
-        self._aborted: str | None = None
-        self._waiting: list[Any] = []
-
-    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
-        return self.be.send(np.ascontiguousarray(buf).reshape(-1), dst, self.TAG_BASE + tag)
-
-    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
-        return self.be.recv(buf.reshape(-1) if buf.ndim != 1 else buf, src, self.TAG_BASE + tag)
-
-    def wait(self, reqs: Sequence[Any]) -> None:
-        for rq in reqs:
-            self._waiting = [rq]
-            while not rq.wait(0.2):
-                if self._aborted:
-                    raise PeerFailureError(f"rank {self.be.ranks[self.rank]}: {self._aborted}",
-                                           peers=[self.be.ranks[self.rank]])
-            self._waiting = []
-
-    def check_usable(self, what: str) -> None:
-        if self._aborted:
-            raise PeerFailureError(f"{what} on rank {self.be.ranks[self.rank]}: {self._aborted}")
-
-    def pending(self) -> str:
-        return "; ".join(r.pending() for r in self._waiting) or "between messages"
-
-    def abort(self, why: str) -> None:
-        self._aborted = why
-
-
-def attach(backend: Any, comm: Any) -> None:
-    """Route ``backend``'s collectives through this module (instance attributes win over methods)."""
-    runner = Runner(comm, f"{backend.name}-rank{backend.ranks[backend.rank]}")
-    shim = P2PCollectives()
-    shim._p2p, shim._runner = comm, runner
-    for name in ("allreduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-                 "reduce_scatter", "all_to_all", "barrier"):
-        setattr(backend, name, getattr(shim, name))
-    backend._p2p_runner = runner
+        return self._go("barrier", barrier, None, None, 0)

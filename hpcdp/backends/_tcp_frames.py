@@ -7,7 +7,9 @@ own that the unexpected-message queue keeps. Its state lives on the ``_Peer`` (`
 message, ``fill``: the frame's payload in progress, the read-ahead stage), updated after every
 read, so whichever thread holds the peer's read lock can stop at any byte (a deadline, an
 exception) and any thread can resume: a peer that stalls mid-message never holds a waiter past
-its deadline, and Ctrl-C in a receive loses no byte of the stream.
+its deadline, and Ctrl-C in a receive loses no byte of the stream. Collective frames carry
+their call's signature, which is compared with the receive's (``_tcp_coll``) before a byte of
+the payload lands in the receive's buffer.
 """
 from __future__ import annotations
 
@@ -16,14 +18,18 @@ import socket
 import time
 from typing import Any, Callable
 
-from ..errors import PeerFailureError
+from ..errors import CollectiveMismatchError, PeerFailureError, ProtocolError
 from . import _tcp_wire as wire
 from ._tcp_peer import _STAGE, _Peer, _Req, _text
 
-__all__ = ["P2P", "COLL", "BYE", "ABORT", "MORE", "RECV_TICK", "FrameReader"]
+__all__ = ["P2P", "COLL", "BYE", "ABORT", "PROBE", "MISMATCH", "MORE", "RECV_TICK", "FrameReader"]
 
-P2P, COLL, BYE, ABORT = 1, 2, 3, 4
-KINDS = frozenset({P2P, COLL, BYE, ABORT})
+#: PROBE: "I have waited on you in this collective" (header only); MISMATCH: a description of
+#: the mismatched collectives that failed a group (``_tcp_coll``)
+P2P, COLL, BYE, ABORT, PROBE, MISMATCH = 1, 2, 3, 4, 5, 6
+KINDS = frozenset({P2P, COLL, BYE, ABORT, PROBE, MISMATCH})
+#: longest MISMATCH description accepted
+NOTE_CAP = 4096
 #: header flag: more frames of the same message follow
 MORE = 1
 #: SO_RCVTIMEO of peer sockets: a direct reader blocks in recv() itself (no poll() per message)
@@ -31,6 +37,7 @@ MORE = 1
 RECV_TICK = 0.1
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _HDR = wire.HEADER.size
+_unpack = wire.unpack_frame_from
 _monotonic = time.monotonic
 
 
@@ -38,15 +45,21 @@ class FrameReader:
     """The receiving half of ``Transport``: parse, match and deliver frames.
 
     Needs from the transport: ``cap`` (largest frame), ``lock`` guarding ``posted`` and
-    ``unexpected`` (per (source, kind, channel, tag) queues), and ``abort_channel``.
+    ``unexpected`` (per (source, kind, channel, tag) queues of (payload, signature)),
+    ``abort_channel`` and the signature checks of ``_tcp_coll.CollChecks``.
     Every method here runs with ``peer.rlock`` held.
     """
 
     cap: int
     lock: Any
     posted: dict[tuple, collections.deque[_Req]]
-    unexpected: dict[tuple, collections.deque[bytes]]
-    abort_channel: Callable[[int, int, str, tuple[int, ...], bool], None]
+    unexpected: dict[tuple, collections.deque[tuple[Any, tuple]]]
+    mismatched: dict[int, str]
+    abort_channel: Callable[..., None]
+    check_arrival: Callable[[int, int, tuple], None]
+    sig_differs: Callable[[int, int, tuple, tuple], CollectiveMismatchError]
+    on_probe: Callable[[int, int, tuple], None]
+    on_mismatch_note: Callable[[int, int, bytes], None]
 
     def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
@@ -80,23 +93,38 @@ class FrameReader:
                     raise ConnectionError("connection closed by peer")
                 end += k
                 peer.send = end
-        kind, flags, channel, tag, n = wire.unpack_header_from(peer.stage, pos, KINDS, self.cap)
+        kind, flags, sig, channel, tag, n = _unpack(peer.stage, pos, KINDS, self.cap)
         pos += _HDR
-        if kind == BYE:
-            peer.spos = pos
-            peer.why, peer.crashed = "has shut down (finalize)", False
-            return True
-        if kind == ABORT:
-            peer.spos = pos
-            self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
-                               "group after a timeout", (), notify=False)
-            return True
+        if kind > COLL:
+            if n and kind != MISMATCH:
+                raise ProtocolError(f"control frame of kind {kind} with a {n}-byte payload")
+            if kind == BYE:
+                peer.spos = pos
+                peer.why, peer.crashed = "has shut down (finalize)", False
+                return True
+            if kind == ABORT:
+                peer.spos = pos
+                self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
+                                   "group after a timeout", (), notify=False)
+                return True
+            if kind == PROBE:
+                peer.spos = pos
+                self.on_probe(src, channel, sig)
+                return True
+            if n > NOTE_CAP or flags:  # MISMATCH: one short frame, read like a message
+                raise ProtocolError(f"mismatch note of {n} bytes (cap {NOTE_CAP}, one frame)")
         cur = peer.cur
         if cur is None:
             key = (src, kind, channel, tag)
             with self.lock:
                 req = self._take_posted(key)
-            cur = peer.cur = [key, req, 0, []]
+            if kind == COLL:
+                if req is None:
+                    self.check_arrival(src, channel, sig)
+                elif req.sig != sig:  # another call's message: never into this buffer
+                    req.finish(self.sig_differs(src, channel, req.sig, sig))
+                    req = None
+            cur = peer.cur = [key, req, 0, [], sig]
         elif cur[1] is not None and cur[1].abandoned:
             self._redirect(peer)
         req, off, chunks = cur[1], cur[2], cur[3]
@@ -170,7 +198,7 @@ class FrameReader:
                 self._redirect(peer)
         n = peer.fill[2]
         peer.fill = None
-        key, req, off, chunks = cur
+        key, req, off, chunks, _sig = cur
         cur[2] = off + n
         if flags & MORE:
             return
@@ -178,7 +206,7 @@ class FrameReader:
         if req is not None:
             self._finish_recv(req, off + n, chunks)
             return
-        self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4])
 
     def _take_posted(self, key: tuple) -> _Req | None:
         """The oldest receive posted for ``key``, unposted; the caller holds ``self.lock``."""
@@ -190,27 +218,49 @@ class FrameReader:
             del self.posted[key]
         return req
 
-    def _arrived(self, key: tuple, data: bytes | bytearray) -> None:
+    def _arrived(self, key: tuple, data: bytes | bytearray, sig: tuple = wire.NOSIG) -> None:
         """A whole message: into the oldest receive posted for it, else the unexpected queue."""
+        kind = key[1]
+        if kind != P2P:
+            if kind == MISMATCH:
+                self.on_mismatch_note(key[0], key[2], bytes(data))
+                return
+            if key[2] in self.mismatched:
+                return  # a failed group's message: nobody will receive it
         with self.lock:
             req = self._take_posted(key)
             if req is None:
-                self.unexpected.setdefault(key, collections.deque()).append(data)
+                self.unexpected.setdefault(key, collections.deque()).append((data, sig))
             else:
                 req.claimed = True  # too late to give it up (see Transport._unpost)
         if req is not None:
-            self._deliver(req, data)
+            self._deliver(req, data, sig)
 
     def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
         if got != req.nbytes or chunks:
-            req.finish(ValueError(f"{_text(req.desc)}: message has {got} bytes, buffer has {req.nbytes}"))
+            req.finish(_size_error(req, got))
         else:
             req.finish()
 
-    def _deliver(self, req: _Req, data: bytes) -> None:
-        if len(data) != req.nbytes:
-            req.finish(ValueError(f"{_text(req.desc)}: message has {len(data)} bytes, buffer has "
-                                  f"{req.nbytes}"))
-            return
-        req.view[:] = data
-        req.finish()
+    def _deliver(self, req: _Req, data: bytes, sig: tuple) -> None:
+        """A queued or loopback message into ``req``, if it belongs to the same call."""
+        if req.sig != sig and req.key[1] == COLL:
+            src, _kind, channel, _tag = req.key
+            req.finish(self.sig_differs(src, channel, req.sig, sig))
+        elif len(data) != req.nbytes:
+            req.finish(_size_error(req, len(data)))
+        else:
+            req.view[:] = data
+            req.finish()
+
+
+def _size_error(req: _Req, got: int) -> Exception:
+    """A message of another size than the receive buffer: the user's p2p mistake, or (should
+    the signatures agree, which they do for equal counts) a collective the ranks disagree on."""
+    src, kind, _channel, tag = req.key
+    if kind == COLL:
+        return CollectiveMismatchError(
+            f"a collective message from rank {src} has {got} bytes where this rank expects "
+            f"{req.nbytes}: the ranks called the collective with different sizes")
+    return ValueError(f"recv from rank {src} with tag {tag}: the message has {got} bytes, the "
+                      f"receive buffer {req.nbytes} (sizes must match exactly)")

@@ -13,6 +13,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ._tcp_wire import NOSIG
 from .base import Request
 
 if TYPE_CHECKING:
@@ -25,10 +26,11 @@ _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
 class _Req(Request):
     """A send or receive; completion is a released lock, so waiters sleep instead of polling."""
 
-    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "reader", "owner",
-                 "abandoned", "claimed")
+    __slots__ = ("_lock", "done", "error", "view", "nbytes", "desc", "key", "sig", "reader",
+                 "owner", "abandoned", "claimed")
 
-    def __init__(self, view: memoryview | None, desc: str, key: Any = None) -> None:
+    def __init__(self, view: memoryview | None, desc: str, key: Any = None,
+                 sig: tuple = NOSIG) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self.done = False
@@ -37,6 +39,8 @@ class _Req(Request):
         self.nbytes = 0 if view is None else view.nbytes
         self.desc = desc
         self.key = key
+        #: the collective call a receive belongs to (``_tcp_coll``); NOSIG outside collectives
+        self.sig = sig
         #: (transport, peer) when the waiting thread may read the peer's socket itself
         self.reader: tuple[Transport, _Peer] | None = None
         #: the transport a posted receive waits in (None for sends)
@@ -127,7 +131,7 @@ class _Peer:
         self.stage = bytearray(_STAGE)
         self.sview = memoryview(self.stage)
         self.spos = self.send = 0
-        self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks]
+        self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks, sig]
         #: frame payload in progress: [destination view, bytes in, frame bytes, frame flags]
         self.fill: list[Any] | None = None
         self.stopped = False  # the stream ended (EOF, error or malformed frame): nothing more to read

@@ -5,9 +5,10 @@ Every connection authenticates first (``_tcp_wire``); requests are small frames 
 Values are bytes; nothing is unpickled.
 
 The store must survive whatever reaches its port before the job starts; ``_tcp_accept`` (shared
-with the rank-to-rank listener) caps unauthenticated connections at ``MAX_PENDING_HANDSHAKES``,
-rides out ``EMFILE`` and rate-limits the rejection log, and clients retry while it sheds a
-flood. Clients put a deadline on every request, so a store whose node vanished (no RST) is an
+with the rank-to-rank listener) runs every unauthenticated handshake on one thread with short
+deadlines and per-address caps that always leave a new connection a slot, rides out ``EMFILE``
+and rate-limits the rejection log, and clients retry while it sheds a flood. Keys are prefixed
+with the init generation by ``tcp._World``, and the handshake checks it. Clients put a deadline on every request, so a store whose node vanished (no RST) is an
 error, not a hang.
 """
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _wait_seconds(timeout: float) -> float:
 class StoreServer:
     """Serves authenticated clients, one thread per connection (``_tcp_accept.AuthListener``)."""
 
-    def __init__(self, host: str, port: int, secret: bytes) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, *, generation: int = 0) -> None:
         self.data: dict[bytes, bytes] = {}
         self.cv = threading.Condition()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -54,7 +55,7 @@ class StoreServer:
         self._closed = False
         self._listener = AuthListener(self.sock, secret, wire.ROLE_STORE, wire.STORE_ID,
                                       f"store {self.address[0]}:{self.address[1]}", self._serve,
-                                      served="request")
+                                      served="request", generation=generation)
         self._conns = self._listener.conns
 
     def _serve(self, conn: socket.socket, _addr: object, _claimed: int) -> None:
@@ -106,11 +107,12 @@ class StoreClient:
     store that vanished without a reset raises ``CommTimeoutError`` instead of hanging.
     """
 
-    def __init__(self, host: str, port: int, secret: bytes, rank: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, secret: bytes, rank: int, timeout: float, *,
+                 generation: int = 0) -> None:
         self.sock = connect(host, port, secret, wire.ROLE_STORE, rank, wire.STORE_ID,
                             time.monotonic() + timeout,
                             f"tcp rendezvous (rank {rank}): no store at {host}:{port} after "
-                            f"{timeout:g} s")
+                            f"{timeout:g} s", generation=generation)
         self.host, self.port = host, port
         self.rank = rank
         self.margin = min(max(timeout, 1.0), 30.0) if timeout == timeout else 30.0

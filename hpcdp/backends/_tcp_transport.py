@@ -9,8 +9,10 @@ two ranks sending large messages to each other never block. The background threa
 while a waiter reads directly (and for a short linger after, so a ping-pong does not wake it on
 every message). Small sends go out inline on the calling thread (latency); large ones through a
 per-peer sender thread, so ``isend`` returns at once and the caller can reduce while the bytes move.
+No frame is larger than the cap (``HPCDP_MAX_FRAME``), whatever the message size.
 Matching is per (source, kind, channel, tag), in order, so messages never overtake. The frame
-parser itself (resumable at any byte) is ``_tcp_frames.FrameReader``.
+parser itself (resumable at any byte) is ``_tcp_frames.FrameReader``; the collective signature
+checks are ``_tcp_coll.CollChecks``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from ..errors import PeerFailureError, ProtocolError
 from . import _tcp_wire as wire
+from ._tcp_coll import CollChecks
 from ._tcp_frames import ABORT, BYE, COLL, MORE, P2P, RECV_TICK, FrameReader
 from ._tcp_peer import _Peer, _Req, _Sent, _text
 from .base import Request
@@ -39,26 +42,30 @@ LINGER = 0.002
 _EMPTY = memoryview(bytearray(0))
 _pack = wire.HEADER.pack
 _monotonic = time.monotonic
+_NOSIG = wire.NOSIG
 
 
 def _as_bytes(buf: np.ndarray) -> memoryview:
     return memoryview(buf).cast("B") if buf.nbytes else memoryview(bytearray(0))
 
 
-class Transport(FrameReader):
+class Transport(FrameReader, CollChecks):
     """This process's half of the full mesh; shared by every group (channel) of the job."""
 
     def __init__(self, rank: int, size: int, cap: int) -> None:
         self.rank, self.size, self.cap = rank, size, cap
+        #: largest message sent as one frame on the caller's thread
+        self.inline = min(INLINE_BYTES, cap)
         self.peers: dict[int, _Peer] = {}
         self.lock = threading.Lock()
         self.posted: dict[tuple, collections.deque[_Req]] = {}
-        self.unexpected: dict[tuple, collections.deque[bytes]] = {}
+        self.unexpected: dict[tuple, collections.deque[tuple[Any, tuple]]] = {}
         self.dead: dict[int, str] = {}
         #: dead without saying goodbye: fails every collective of a group that contains them
         self.crashed: set[int] = set()
         self.aborted: dict[tuple[int, int], str] = {}  # (kind, channel) -> why
         self.closing = False
+        self._init_checks()
 
     # -- setup ------------------------------------------------------------------------------
     def add_peer(self, rank: int, sock: socket.socket) -> None:
@@ -99,13 +106,14 @@ class Transport(FrameReader):
                 rq.finish(err)
 
     def abort_channel(self, kind: int, channel: int, why: str, members: tuple[int, ...],
-                      notify: bool) -> None:
-        """Fail pending receives of one group's collectives (after a timeout, or a peer's)."""
+                      notify: bool, error: type[Exception] = PeerFailureError) -> None:
+        """Fail pending receives of one group's collectives (after a timeout, or a peer's, or
+        a mismatch: then ``error`` is ``CollectiveMismatchError``)."""
         with self.lock:
             self.aborted.setdefault((kind, channel), why)
             failed = [k for k in self.posted if k[1] == kind and k[2] == channel]
             qs = [self.posted.pop(k) for k in failed]
-        err = PeerFailureError(why)
+        err = error(why)
         for q in qs:
             for rq in q:
                 rq.finish(err)
@@ -227,16 +235,16 @@ class Transport(FrameReader):
             peer.rlock.release()
 
     def irecv(self, buf: np.ndarray, src: int, kind: int, channel: int, tag: int,
-              desc: Any) -> _Req:
+              desc: Any, sig: tuple = _NOSIG) -> _Req:
         key = (src, kind, channel, tag)
-        req = _Req(memoryview(buf).cast("B") if buf.nbytes else _EMPTY, desc, key)
+        req = _Req(memoryview(buf).cast("B") if buf.nbytes else _EMPTY, desc, key, sig)
         req.owner = self
         with self.lock:
             data = None
             if self.unexpected:
                 box = self.unexpected.get(key)
                 if box:
-                    data = box.popleft()
+                    data, msig = box.popleft()
                     if not box:
                         del self.unexpected[key]
             if data is None:
@@ -256,7 +264,7 @@ class Transport(FrameReader):
                             self._kick(peer)
                     return req
         if data is not None:
-            self._deliver(req, data)
+            self._deliver(req, data, msig)
         else:
             req.finish(PeerFailureError(f"{_text(desc)}: {why}",
                                         peers=[src] if src in self.dead else []))
@@ -305,9 +313,9 @@ class Transport(FrameReader):
 
     # -- sending ----------------------------------------------------------------------------
     def isend(self, buf: np.ndarray, dst: int, kind: int, channel: int, tag: int,
-              desc: Any) -> Request:
+              desc: Any, sig: tuple = _NOSIG) -> Request:
         n = buf.nbytes
-        if n <= INLINE_BYTES:
+        if n <= self.inline:
             # fast path: a small frame goes out on this thread, header and payload in one write
             peer = self.peers.get(dst)
             if peer is not None and dst not in self.dead:
@@ -315,7 +323,7 @@ class Transport(FrameReader):
                     inline = not peer.sendq and peer.send_lock.acquire(False)
                 if inline:
                     try:
-                        peer.sock.sendall(_pack(kind, 0, 0, channel, tag, n) + memoryview(buf))
+                        peer.sock.sendall(_pack(kind, 0, *sig, channel, tag, n) + memoryview(buf))
                     except OSError as exc:
                         peer.send_lock.release()
                         self.mark_dead(dst, f"connection lost while sending ({exc})")
@@ -328,24 +336,26 @@ class Transport(FrameReader):
         view = _as_bytes(buf)
         req = _Req(view, desc)
         if dst == self.rank:  # loopback: match locally, copying (the sender may reuse buf)
-            self._arrived((dst, kind, channel, tag), bytes(view))
+            self._arrived((dst, kind, channel, tag), bytes(view), sig)
             req.finish()
             return req
         if dst in self.dead:
             req.finish(PeerFailureError(f"{_text(desc)}: rank {dst} {self.dead[dst]}", peers=[dst]))
             return req
-        self._send_frame(dst, kind, channel, tag, view, req)
+        self._send_frame(dst, kind, channel, tag, view, req, sig=sig)
         return req
 
     def _send_frame(self, dst: int, kind: int, channel: int, tag: int, view: memoryview,
-                    req: _Req) -> None:
+                    req: _Req, *, sig: tuple = _NOSIG, queue_only: bool = False) -> None:
+        """Send one message; ``queue_only`` (reader threads) never writes on this thread, so a
+        reader cannot block on a full socket while its peer blocks the same way."""
         peer = self.peers[dst]
-        hdr = (kind, channel, tag)
+        hdr = (kind, channel, tag, sig)
         inline = False
         with peer.qcv:
             # user p2p sends go out on the caller's thread (no handoff); large collective pieces
             # go through the sender thread so the algorithm can reduce while they move
-            small = view.nbytes <= INLINE_BYTES or kind == P2P
+            small = (view.nbytes <= INLINE_BYTES or kind == P2P) and not queue_only
             if small and not peer.sendq and peer.send_lock.acquire(False):
                 inline = True
             else:
@@ -368,16 +378,16 @@ class Transport(FrameReader):
             req.finish()
 
     def _write(self, peer: _Peer, hdr: tuple, view: memoryview) -> None:
-        kind, channel, tag = hdr
+        kind, channel, tag, sig = hdr
         n = view.nbytes
         sock = peer.sock
-        if n <= INLINE_BYTES:
-            sock.sendall(wire.pack_header(kind, 0, channel, tag, n) + view.tobytes())
+        if n <= self.inline:
+            sock.sendall(_pack(kind, 0, *sig, channel, tag, n) + view.tobytes())
             return
         step = self.cap
         for a in range(0, n, step):
             b = min(n, a + step)
-            sock.sendall(wire.pack_header(kind, MORE if b < n else 0, channel, tag, b - a))
+            sock.sendall(_pack(kind, MORE if b < n else 0, *sig, channel, tag, b - a))
             sock.sendall(view[a:b])
 
     def _send_loop(self, peer: _Peer) -> None:

@@ -208,6 +208,15 @@ class _Done(Request):
         return True
 
 
+def _sig(name: str, **call: Any) -> tuple[Any, ...]:
+    """A call as the rendezvous compares it: name and arguments (dtype as numpy spells it)."""
+    return (name, *((k, str(v) if k == "dtype" else v) for k, v in call.items()))
+
+
+def _fmt(sig: tuple[Any, ...]) -> str:
+    return f"{sig[0]}({', '.join(f'{k}={v}' for k, v in sig[1:])})"
+
+
 def _reduce_all(op: ReduceOp, bufs: Sequence[np.ndarray]) -> np.ndarray:
     """Reduce rank buffers in rank order into a fresh array of the input dtype."""
     ufunc = op.ufunc
@@ -235,9 +244,7 @@ class SimBackend(Backend):
         self._calls = itertools.count()
         if os.environ.get("HPCDP_SIM_ALGORITHMS") == "p2p":
             # opt-in: run the shared ring/tree algorithms over send/recv, to test them here
-            from . import _algorithms
-
-            _algorithms.attach(self, _algorithms.BackendP2P(self))
+            _attach_algorithms(self)
 
     # -- the rendezvous every collective goes through --------------------------------------
     def _collective(
@@ -247,8 +254,9 @@ class SimBackend(Backend):
         extract: Callable[[Any], None],
         sig: tuple[Any, ...] = (),
     ) -> Request:
-        """Deposit ``contrib``; the last rank to arrive checks that every rank's ``sig`` (op,
-        root, shape, dtype) agrees, as the real transports need, then combines once."""
+        """Deposit ``contrib``; the last rank to arrive checks that every rank's ``sig`` (from
+        ``_sig``: name, op, root, count, dtype) agrees, as the real transports need, then
+        combines once."""
         key = next(self._calls)
         comm = self.comm
         with comm.world.cond:
@@ -267,9 +275,10 @@ class SimBackend(Backend):
         if last:
             try:
                 if any(g != slot.sigs[0] for g in slot.sigs):
-                    calls = "; ".join(f"rank {self.ranks[i]}: {g}" for i, g in enumerate(slot.sigs))
+                    calls = "; ".join(f"rank {self.ranks[i]} called {_fmt(g)}"
+                                      for i, g in enumerate(slot.sigs))
                     raise CollectiveMismatchError(
-                        f"ranks made different calls to collective {key} of this group: {calls}")
+                        f"ranks called different collectives on this group (#{key + 1}): {calls}")
                 result = combine([c[0] for c in slot.contribs])
             except BaseException as exc:  # every rank sees the same failure
                 result = exc
@@ -285,7 +294,7 @@ class SimBackend(Backend):
             np.copyto(recvbuf, res)
 
         return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
-                                ("allreduce", op.value, sendbuf.shape, sendbuf.dtype.str))
+                                _sig("allreduce", op=op.value, shape=sendbuf.shape, dtype=sendbuf.dtype))
 
     def broadcast(self, buf, root):
         me = self.rank
@@ -297,7 +306,8 @@ class SimBackend(Backend):
             if me != root:
                 np.copyto(buf, res)
 
-        return self._collective(buf, combine, extract, ("broadcast", root, buf.shape, buf.dtype.str))
+        return self._collective(buf, combine, extract, _sig("broadcast", root=root, shape=buf.shape,
+                                                                 dtype=buf.dtype))
 
     def reduce(self, sendbuf, recvbuf, op, root):
         me = self.rank
@@ -307,11 +317,12 @@ class SimBackend(Backend):
                 np.copyto(recvbuf, res)
 
         return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
-                                ("reduce", op.value, root, sendbuf.shape, sendbuf.dtype.str))
+                                _sig("reduce", op=op.value, root=root, shape=sendbuf.shape,
+                                     dtype=sendbuf.dtype))
 
     def all_gather(self, sendbuf, recvbuf):
         return self._collective(sendbuf, np.stack, lambda res: np.copyto(recvbuf, res),
-                                ("all_gather", sendbuf.shape, sendbuf.dtype.str))
+                                _sig("all_gather", shape=sendbuf.shape, dtype=sendbuf.dtype))
 
     def gather(self, sendbuf, recvbuf, root):
         me = self.rank
@@ -321,7 +332,7 @@ class SimBackend(Backend):
                 np.copyto(recvbuf, res)
 
         return self._collective(sendbuf, np.stack, extract,
-                                ("gather", root, sendbuf.shape, sendbuf.dtype.str))
+                                _sig("gather", root=root, shape=sendbuf.shape, dtype=sendbuf.dtype))
 
     def scatter(self, sendbuf, recvbuf, root):
         me, n = self.rank, self.size
@@ -333,7 +344,7 @@ class SimBackend(Backend):
             np.copyto(recvbuf, res[me])
 
         return self._collective(sendbuf, combine, extract,
-                                ("scatter", root, recvbuf.shape, recvbuf.dtype.str))
+                                _sig("scatter", root=root, shape=recvbuf.shape, dtype=recvbuf.dtype))
 
     def reduce_scatter(self, sendbuf, recvbuf, op):
         me = self.rank
@@ -342,7 +353,8 @@ class SimBackend(Backend):
             np.copyto(recvbuf, res.reshape(self.size, *recvbuf.shape)[me])
 
         return self._collective(sendbuf, lambda bufs: _reduce_all(op, bufs), extract,
-                                ("reduce_scatter", op.value, sendbuf.shape, sendbuf.dtype.str))
+                                _sig("reduce_scatter", op=op.value, shape=sendbuf.shape,
+                                     dtype=sendbuf.dtype))
 
     def all_to_all(self, sendbuf, recvbuf):
         me, n = self.rank, self.size
@@ -354,10 +366,10 @@ class SimBackend(Backend):
             np.copyto(recvbuf.reshape(n, -1), res[:, me])
 
         return self._collective(sendbuf, combine, extract,
-                                ("all_to_all", sendbuf.shape, sendbuf.dtype.str))
+                                _sig("all_to_all", shape=sendbuf.shape, dtype=sendbuf.dtype))
 
     def barrier(self):
-        return self._collective(None, lambda bufs: None, lambda res: None, ("barrier",))
+        return self._collective(None, lambda bufs: None, lambda res: None, _sig("barrier"))
 
     # -- point to point: eager and buffered, like MPI's small-message protocol ---------------
     def send(self, buf, dst, tag):
@@ -378,12 +390,69 @@ class SimBackend(Backend):
             return _Comm(self.comm.world, members)
 
         box: list[_Comm] = []
-        req = self._collective(None, combine, box.append, ("new_group", tuple(ranks)))
+        req = self._collective(None, combine, box.append, _sig("new_group", ranks=tuple(ranks)))
         if not req.wait(None):  # pragma: no cover - wait(None) never times out
             raise RuntimeError("unreachable")
         if self.rank not in ranks:
             return None
         return SimBackend(box[0], list(ranks).index(self.rank))
+
+
+class _P2P:
+    """The ``_algorithms`` p2p interface over a backend's own ``send``/``recv`` (tags above the
+    user range): the opt-in (``HPCDP_SIM_ALGORITHMS=p2p``) that tests the algorithms here."""
+
+    TAG_BASE = 1 << 40
+
+    def __init__(self, backend: Any) -> None:
+        self.be = backend
+        self.rank, self.size = backend.rank, backend.size
+        self._aborted: str | None = None
+        self._waiting: list[Any] = []
+
+    def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
+        return self.be.send(np.ascontiguousarray(buf).reshape(-1), dst, self.TAG_BASE + tag)
+
+    def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
+        return self.be.recv(buf.reshape(-1) if buf.ndim != 1 else buf, src, self.TAG_BASE + tag)
+
+    def wait(self, reqs: Sequence[Any]) -> None:
+        for rq in reqs:
+            self._waiting = [rq]
+            while not rq.wait(0.2):
+                if self._aborted:
+                    raise PeerFailureError(f"rank {self.be.ranks[self.rank]}: {self._aborted}",
+                                           peers=[self.be.ranks[self.rank]])
+            self._waiting = []
+
+    def check_usable(self, what: str) -> None:
+        if self._aborted:
+            raise PeerFailureError(f"{what} on rank {self.be.ranks[self.rank]}: {self._aborted}")
+
+    def begin(self, seq: int, call: tuple) -> None:
+        """Calls are not compared on this test path (the default rendezvous compares them)."""
+
+    def end(self, ok: bool) -> None:
+        pass
+
+    def pending(self) -> str:
+        return "; ".join(r.pending() for r in self._waiting) or "between messages"
+
+    def abort(self, why: str) -> None:
+        self._aborted = why
+
+
+def _attach_algorithms(backend: SimBackend) -> None:
+    """Route ``backend``'s collectives through ``_algorithms`` (instance attributes win)."""
+    from . import _algorithms
+
+    runner = _algorithms.Runner(_P2P(backend), f"sim-rank{backend.ranks[backend.rank]}")
+    shim = _algorithms.P2PCollectives()
+    shim._p2p, shim._runner = runner.comm, runner
+    for name in ("allreduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+                 "reduce_scatter", "all_to_all", "barrier"):
+        setattr(backend, name, getattr(shim, name))
+    backend._p2p_runner = runner
 
 
 def _sim_factory(*, world: SimWorld | None = None, rank: int = 0,

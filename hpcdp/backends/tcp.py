@@ -3,17 +3,23 @@
 Startup (``create_world``), in order, on every rank:
 
 1. read ``RANK``, ``WORLD_SIZE``, ``HPCDP_MASTER_ADDR``/``MASTER_ADDR``, ``..._PORT`` and
-   ``HPCDP_SECRET`` (required); rank 0 starts the store on the master address;
+   ``HPCDP_SECRET`` (required; strong when the job listens beyond loopback); rank 0 starts the
+   store on the master address. Each ``init`` of the process is a new generation, in the store
+   keys and in every handshake, so init -> finalize -> init never reaches the previous store;
 2. listen on loopback (local jobs) or on the interface that routes to the master, publish
    ``host:port`` in the store;
 3. connect to every higher rank and accept every lower one, each connection authenticated;
    the listener sheds floods like the store (``_tcp_accept``) and connects are retried;
-4. publish ``ready/<rank>`` and wait for every rank's, so no rank starts before the mesh exists.
+4. publish ``ready/<rank>`` and wait for every rank's, so no rank starts before the mesh exists
+   (store keys are prefixed with the generation).
 
 Collectives run ``_algorithms`` on a per-group worker thread; ``send``/``recv`` post directly.
+Every collective frame carries its call's signature, so ranks that call different collectives
+raise ``CollectiveMismatchError`` instead of mixing data (``_tcp_coll``).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -23,8 +29,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, CommTimeoutError, PeerFailureError
+from ..errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
+                      PeerFailureError)
 from . import _algorithms as algo
+from . import _tcp_coll as coll
 from . import _tcp_wire as wire
 from ._tcp_accept import AuthListener, connect
 from ._tcp_store import StoreClient, StoreServer
@@ -34,6 +42,8 @@ from .base import Backend, Request
 __all__ = ["TCPBackend", "create_world", "spawn_processes", "bind_address"]
 
 DEFAULT_PORT = 29500
+#: one per ``create_world`` in this process; every rank of a job inits the same number of times
+_GENERATIONS = itertools.count()
 
 
 def _env(*names: str, default: str | None = None) -> str | None:
@@ -44,11 +54,7 @@ def _env(*names: str, default: str | None = None) -> str | None:
     return default
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return socket.gethostbyname(host).startswith("127.")
-    except OSError:
-        return False
+_is_loopback = wire.is_loopback
 
 
 def bind_address(master: str) -> str:
@@ -64,38 +70,60 @@ def bind_address(master: str) -> str:
 
 
 class _GroupP2P:
-    """The ``_algorithms`` p2p interface for one group: group ranks, its collective channel."""
+    """The ``_algorithms`` p2p interface for one group: group ranks, its collective channel,
+    and the signature of the collective running (``begin``/``end``) stamped on every frame."""
 
     def __init__(self, be: "TCPBackend") -> None:
         self.be = be
         self.t = be.transport
         self.rank, self.size = be.rank, be.size
         self.ranks = be.ranks
+        self.channel = be.channel
+        self.state = self.t.open_channel(be.channel, be.ranks)
+        self.sig = wire.NOSIG
         self._waiting: Any = None
+
+    def begin(self, seq: int, call: tuple) -> None:
+        self.sig = sig = coll.make_sig(*call, seq)
+        self.t.coll_begin(self.state, sig)
+
+    def end(self, ok: bool) -> None:
+        self.t.coll_end(self.state, self.channel, ok)
 
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
         g = self.ranks[dst]
-        return self.t.isend(buf, g, COLL, self.be.channel, tag,
-                            f"collective send to rank {g} on group {self.be.channel}")
+        return self.t.isend(buf, g, COLL, self.channel, tag,
+                            ("collective send to rank %d on group %d", g, self.channel), self.sig)
 
     def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
         g = self.ranks[src]
-        return self.t.irecv(buf, g, COLL, self.be.channel, tag,
-                            f"no collective message from rank {g} (tag {tag}) on group "
-                            f"{self.be.channel}")
+        return self.t.irecv(buf, g, COLL, self.channel, tag,
+                            ("no collective message from rank %d (tag %d) on group %d", g, tag,
+                             self.channel), self.sig)
 
     def wait(self, reqs: Sequence[Any]) -> None:
         for rq in reqs:
             self._waiting = rq
             try:
                 # a peer that dies anywhere in the group fails the collective within the tick
-                while not rq.wait(0.2):
-                    self.check_usable("collective")
+                if not rq.wait(0.2):
+                    self._wait_long(rq)
             except PeerFailureError:
                 time.sleep(0.05)  # name the crashed rank, not a peer that gave up because of it
                 self.check_usable("collective")
                 raise
         self._waiting = None
+
+    def _wait_long(self, rq: Any) -> None:
+        """A receive that takes a while: after ``PROBE_AFTER`` s, ask its sender (now and then)
+        whether it runs the same call, so mismatched roots fail instead of timing out."""
+        src = rq.key[0] if getattr(rq, "key", None) else None
+        probe_at = time.monotonic() + coll.PROBE_AFTER - 0.2
+        while not rq.wait(0.2):
+            self.check_usable("collective")
+            if src is not None and time.monotonic() >= probe_at:
+                self.t.send_probe(src, self.channel, self.sig)
+                probe_at = time.monotonic() + coll.PROBE_EVERY
 
     def check_usable(self, what: str) -> None:
         t = self.t
@@ -103,6 +131,10 @@ class _GroupP2P:
         if dead:
             raise PeerFailureError(f"{what} on rank {t.rank}: rank {dead[0]} {t.dead[dead[0]]}",
                                    peers=dead)
+        if t.mismatched:
+            text = t.mismatched.get(self.channel)
+            if text:
+                raise CollectiveMismatchError(f"{what} on rank {t.rank}: {text}")
         why = t.aborted.get((COLL, self.be.channel))
         if why:
             raise PeerFailureError(f"{what} on rank {t.rank}: {why}")
@@ -163,9 +195,10 @@ class _World:
     """Process-wide state: the store (rank 0), the listener and the transport."""
 
     def __init__(self, rank: int, size: int, master: str, port: int, secret: bytes,
-                 timeout: float) -> None:
+                 timeout: float, generation: int = 0) -> None:
         self.rank, self.size = rank, size
         self.secret = secret
+        self.generation = gen = generation
         self.server: StoreServer | None = None
         self.transport = Transport(rank, size, wire.max_frame())
         self._closed = False
@@ -174,25 +207,25 @@ class _World:
         host = bind_address(master)
         if rank == 0:
             store_host = host if not _is_loopback(master) else "127.0.0.1"
-            self.server = StoreServer(store_host, port, secret)
+            self.server = StoreServer(store_host, port, secret, generation=gen)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind((host, 0))
         self.listener.listen(max(128, size))
         # the same gate as the store: capped unauthenticated handshakes, rate-limited log
         self._acceptor = AuthListener(self.listener, secret, wire.ROLE_PEER, rank,
                                       f"rank {rank} peer listener", self._admit,
-                                      served="admission")
-        self.store = StoreClient(master, port, secret, rank, timeout)
+                                      served="admission", generation=gen)
+        self.store = StoreClient(master, port, secret, rank, timeout, generation=gen)
         lhost, lport = self.listener.getsockname()
-        self.store.set(f"addr/{rank}", f"{lhost}:{lport}".encode())
+        self.store.set(f"{gen}/addr/{rank}", f"{lhost}:{lport}".encode())
         deadline = time.monotonic() + timeout
         for peer in range(rank + 1, size):
-            addr = self.store.get(f"addr/{peer}", max(0.0, deadline - time.monotonic()))
+            addr = self.store.get(f"{gen}/addr/{peer}", max(0.0, deadline - time.monotonic()))
             h, p = addr.decode().rsplit(":", 1)
             # retried: the peer's listener may be shedding a flood of unauthenticated connections
             sock = connect(h, int(p), secret, wire.ROLE_PEER, rank, peer, deadline,
                            f"tcp rendezvous (rank {rank}): cannot reach rank {peer} at {h}:{p} "
-                           f"within {timeout:g} s")
+                           f"within {timeout:g} s", generation=gen)
             self.transport.add_peer(peer, sock)
         with self._cv:
             while self._expected:
@@ -202,9 +235,9 @@ class _World:
                         f"tcp rendezvous (rank {rank}): ranks {sorted(self._expected)} did not "
                         f"connect within {timeout:g} s")
                 self._cv.wait(left)
-        self.store.set(f"ready/{rank}", b"1")
+        self.store.set(f"{gen}/ready/{rank}", b"1")
         for r in range(size):
-            self.store.get(f"ready/{r}", max(0.0, deadline - time.monotonic()))
+            self.store.get(f"{gen}/ready/{r}", max(0.0, deadline - time.monotonic()))
 
     def _admit(self, conn: socket.socket, _addr: object, claimed: int) -> None:
         """An authenticated peer joins the mesh, once, if it is a lower rank (they connect up)."""
@@ -230,7 +263,6 @@ class _World:
 def create_world(*, timeout: float | None = None, connect_timeout: float | None = None,
                  **_: Any) -> TCPBackend:
     """The world backend of this process, from the torchrun-style environment."""
-    secret = wire.get_secret()
     master = _env("HPCDP_MASTER_ADDR", "MASTER_ADDR")
     rank_s, size_s = _env("RANK", "HPCDP_RANK"), _env("WORLD_SIZE", "HPCDP_WORLD_SIZE")
     if not master or rank_s is None or size_s is None:
@@ -241,8 +273,13 @@ def create_world(*, timeout: float | None = None, connect_timeout: float | None 
     rank, size = int(rank_s), int(size_s)
     if not 0 <= rank < size:
         raise BackendUnavailableError(f"tcp backend: RANK={rank} is outside WORLD_SIZE={size}")
+    # a secret that guards ports beyond this host must be hard to guess (loopback jobs: any)
+    network = not (_is_loopback(master) and bind_address(master).startswith("127."))
+    secret = wire.get_secret(network=network)
+    wire.max_frame()  # bad HPCDP_MAX_FRAME or HPCDP_HANDSHAKE_TIMEOUT: an error before
+    wire.handshake_timeout()  # anything listens
     ct = connect_timeout or float(os.environ.get("HPCDP_CONNECT_TIMEOUT", "60"))
-    world = _World(rank, size, master, port, secret, ct)
+    world = _World(rank, size, master, port, secret, ct, generation=next(_GENERATIONS))
     return TCPBackend(world, tuple(range(size)), 0)
 
 
