@@ -82,7 +82,7 @@ MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
 
-.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives \
+.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives demo-pipeline \
         bench-deps bench info clean distclean
 
 help:
@@ -93,6 +93,7 @@ help:
 	@echo "  make test-mpi          only the MPI runs (-n 2 and -n 4)"
 	@echo "  make test-slurm        every jobs/*.sbatch under a real one-node Slurm (sbatch --wait)"
 	@echo "  make demo-collectives  collectives tour on 4 MPI ranks (examples/01_collectives.py)"
+	@echo "  make demo-pipeline     GPT in 4 pipeline stages on 4 MPI ranks (examples/04_pipeline_gpt.py)"
 	@echo "  make install           .venv with MPI-enabled h5py, mpi4py and hpcdp (editable, [dev,examples])"
 	@echo "  make check             verify parallel h5py and that mpirun ranks see one MPI world"
 	@echo "  make bench-deps        install torch $(TORCH_VERSION) (CPU) for baseline benchmarks"
@@ -273,6 +274,10 @@ demo: install
 
 demo-collectives: install
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/01_collectives.py
+
+# A char-level GPT split into 4 pipeline stages (1F1B), checked against the unpipelined model.
+demo-pipeline: install
+	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/04_pipeline_gpt.py --check
 
 info: install
 	$(PY) -m hpcdp info

@@ -36,6 +36,9 @@ _LAZY = {
     "checkpoint": ("hpcdp.checkpoint", None),
     "progress": ("hpcdp.progress", "progress"),
     "get_logger": ("hpcdp.progress", "get_logger"),
+    "pipeline": ("hpcdp.pipeline", None),
+    "trace": ("hpcdp.trace", None),
+    "report_stragglers": ("hpcdp.trace", "report_stragglers"),
 }
 
 
@@ -60,4 +63,5 @@ __all__ = [
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",
+    "pipeline", "trace", "report_stragglers",
 ]

@@ -1,0 +1,309 @@
+"""The point-to-point traffic of one ``Pipeline``: tags, the first step's shape exchange, waits that
+notice a failed peer, and the end-of-step handshake that carries the loss or the failure.
+
+Every ``Pipeline`` talks on a communicator of its own (``new_group`` at construction), so its
+tags cannot match anyone else's messages, nor those of an earlier pipeline that failed mid-step.
+
+Tags: 0 is the control channel; ``1 + 2 s + d`` carries the shape of stage ``s``'s output (d=0) the
+first time it is sent; data tags follow, one per (direction, producing stage, microbatch), so every
+transfer of a step is unambiguous and receives can be posted in any order.
+
+Control messages, exactly one from every rank to every other rank per step (so after a step that
+went well the receives posted for them at its start have all completed): DONE (with the loss, from the last stage's rank),
+FAILED (this rank raised: its stage, action, microbatch and message) or ABORTED (this rank stopped
+because a peer failed; it forwards the root cause). Every wait polls them, so a failure anywhere
+makes every rank raise within one compute action instead of blocking in a receive.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._arrays import SUPPORTED_DTYPES
+from ..errors import CommTimeoutError, HpcdpError, PeerFailureError
+from ._actions import Action
+
+__all__ = ["Channel", "ControlMessage", "PeerAborted", "DONE", "FAILED", "ABORTED"]
+
+DONE, FAILED, ABORTED = 0, 1, 2
+CTRL_TAG = 0
+_CTRL = struct.Struct("<iiiid24sH")       # kind, stage, mb, rank, loss, action, message length
+CTRL_BYTES = 512
+_MSG_MAX = CTRL_BYTES - _CTRL.size
+_META_LEN = 12                           # [ndim, dtype index, shape (up to 10 axes)]
+_DTYPES = tuple(d.name for d in SUPPORTED_DTYPES)
+#: longest a wait blocks on its transfer before it looks at the control messages again
+_SLICE = 0.01
+#: pause between tests where there is nothing to block on
+_NAP = 1e-4
+
+
+@dataclass(frozen=True)
+class ControlMessage:
+    kind: int
+    stage: int
+    mb: int
+    rank: int
+    loss: float
+    action: str
+    message: str
+
+    def encode(self) -> np.ndarray:
+        msg = self.message.encode("utf-8", "replace")[:_MSG_MAX]
+        head = _CTRL.pack(self.kind, self.stage, self.mb, self.rank, self.loss,
+                          self.action.encode("utf-8", "replace")[:24], len(msg))
+        buf = np.zeros(CTRL_BYTES, np.uint8)
+        buf[: len(head) + len(msg)] = np.frombuffer(head + msg, np.uint8)
+        return buf
+
+    @classmethod
+    def decode(cls, buf: np.ndarray, src: int) -> ControlMessage:
+        """Read a peer's control message; anything malformed becomes a FAILED naming the sender."""
+        raw = buf.tobytes()
+        try:
+            kind, stage, mb, rank, loss, action, n = _CTRL.unpack_from(raw)
+            if kind not in (DONE, FAILED, ABORTED) or n > _MSG_MAX:
+                raise ValueError("bad control header")
+            text = raw[_CTRL.size: _CTRL.size + n].decode("utf-8", "replace")
+            return cls(kind, stage, mb, rank, loss, action.rstrip(b"\0").decode("utf-8", "replace"), text)
+        except (struct.error, ValueError):
+            return cls(FAILED, -1, -1, src, float("nan"), "?", "malformed pipeline control message")
+
+    def describe(self) -> str:
+        """``"stage 2 (rank 2) failed in action 2F3 (forward of microbatch 3): ValueError: boom"``."""
+        where = f"stage {self.stage} (rank {self.rank})" if self.stage >= 0 else f"rank {self.rank}"
+        try:
+            a = Action.parse(self.action)
+            what = f"action {a} ({a.op.description} of microbatch {a.mb})"
+        except ValueError:
+            what = self.action
+        return f"{where} failed in {what}: {self.message}"
+
+
+class PeerAborted(HpcdpError):
+    """Raised inside a step when a peer's control message says the step failed."""
+
+    def __init__(self, root: ControlMessage, via: int) -> None:
+        super().__init__(root.describe())
+        self.root = root
+        self.via = via
+
+
+def encode_meta(x: Any) -> np.ndarray:
+    if x.ndim > _META_LEN - 2:
+        raise ValueError(f"pipeline: activations with {x.ndim} axes (at most {_META_LEN - 2})")
+    meta = np.zeros(_META_LEN, np.int64)
+    meta[0] = x.ndim
+    meta[1] = _DTYPES.index(np.dtype(x.dtype).name)
+    meta[2: 2 + x.ndim] = x.shape
+    return meta
+
+
+def decode_meta(meta: np.ndarray, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype from a peer's meta message, checked before anything is allocated."""
+    ndim, code = int(meta[0]), int(meta[1])
+    if not 0 <= ndim <= _META_LEN - 2 or not 0 <= code < len(_DTYPES):
+        raise HpcdpError(f"{where}: malformed shape message (ndim {ndim}, dtype code {code})")
+    shape = tuple(int(d) for d in meta[2: 2 + ndim])
+    if any(d < 0 or d > 2**40 for d in shape):
+        raise HpcdpError(f"{where}: malformed shape message {shape}")
+    return shape, np.dtype(_DTYPES[code])
+
+
+class Channel:
+    """Tags, waits and control messages of one pipeline on its own group ``comm``."""
+
+    def __init__(self, comm: Any, n_stages: int, microbatches: int, timeout: float) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.size = comm.size
+        self.n_stages = n_stages
+        self.m = microbatches
+        self.timeout = float(timeout)
+        self._data_base = 1 + 2 * n_stages
+        top = self._data_base + 2 * n_stages * microbatches - 1
+        max_tag = int(getattr(comm, "_max_tag", 32767))
+        if top > max_tag:
+            raise ValueError(f"Pipeline: {n_stages} stages x {microbatches} microbatches need tags up "
+                             f"to {top}, but this transport allows {max_tag}; use fewer microbatches")
+        self._ctrl: dict[int, tuple[Any, np.ndarray]] = {}
+        self._got: dict[int, ControlMessage] = {}
+        self.sends: list[tuple[Any, Any]] = []       # (work, buffer kept alive until it completes)
+        self.ctrl_sends: list[tuple[Any, Any]] = []
+        self.told = False   # whether this step's control message went out
+
+    def _where(self) -> str:
+        return f"pipeline on group {self.comm.name} (rank {self.rank} of {self.size})"
+
+    # -- tags -----------------------------------------------------------------------------------
+    def data_tag(self, grad: bool, producer: int, mb: int) -> int:
+        return self._data_base + 2 * (mb * self.n_stages + producer) + int(grad)
+
+    def meta_tag(self, producer: int) -> int:
+        return 1 + 2 * producer
+
+    # -- control ----------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._got = {}
+        self._ctrl = {}
+        self.told = False
+        for peer in range(self.size):
+            if peer != self.rank:
+                buf = np.zeros(CTRL_BYTES, np.uint8)
+                self._ctrl[peer] = (self.comm.irecv(buf, peer, CTRL_TAG), buf)
+
+    def poll_control(self) -> None:
+        """Collect arrived control messages; raise ``PeerAborted`` if one reports a failure."""
+        for peer, (work, buf) in list(self._ctrl.items()):
+            try:
+                done = work.is_completed()
+                if done:
+                    work.wait(0)
+            except HpcdpError as exc:  # the peer died without a word
+                del self._ctrl[peer]
+                msg = ControlMessage(FAILED, -1, -1, peer, float("nan"), "?",
+                                     f"{type(exc).__name__}: {exc}")
+                self._got[peer] = msg
+                raise PeerAborted(msg, peer) from exc
+            if done:
+                del self._ctrl[peer]
+                msg = ControlMessage.decode(buf, peer)
+                self._got[peer] = msg
+                if msg.kind != DONE:
+                    raise PeerAborted(msg, peer)
+
+    def tell_all(self, msg: ControlMessage) -> None:
+        """Send ``msg`` to every other rank (small: never blocks for long)."""
+        buf = msg.encode()
+        self.told = True
+        for peer in range(self.size):
+            if peer != self.rank:
+                self.ctrl_sends.append((self.comm.isend(buf, peer, CTRL_TAG), buf))
+
+    def finish(self, loss: float) -> float:
+        """End a step that went well here: DONE to every peer, wait for theirs; return the loss
+        the last stage's rank sent (or ``loss`` if that is this rank)."""
+        self.tell_all(ControlMessage(DONE, -1, -1, self.rank, loss, "", ""))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self.poll_control()
+            self.progress_sends()
+            if not self._ctrl:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                late = sorted(self._ctrl)
+                raise CommTimeoutError(f"{self._where()}: the end-of-step handshake did not complete "
+                                       f"within {self.timeout:g} s: no word from rank(s) {late}")
+            self._block(next(iter(self._ctrl.values()))[0], min(_SLICE, deadline - now))
+        self.wait_sends()
+        losses = [m.loss for m in self._got.values() if not np.isnan(m.loss)]
+        return losses[0] if losses and np.isnan(loss) else loss
+
+    def drain(self) -> None:
+        """After a failure: let this step's control messages go out (bounded by the timeout),
+        give up the rest. Peers' control messages are not waited for: every other rank learns
+        of the failure from this rank's message, and this pipeline is closed for good."""
+        deadline = time.monotonic() + self.timeout
+        for work, _ in self.ctrl_sends:
+            try:
+                work.wait(max(0.0, deadline - time.monotonic()))
+            except HpcdpError:
+                pass
+        self.abandon([w for w, _ in self._ctrl.values()] + [w for w, _ in self.sends])
+        self._ctrl = {}
+        self.ctrl_sends = []
+        self.sends = []
+
+    # -- transfers and waits --------------------------------------------------------------------
+    def isend(self, x: Any, dst: int, tag: int) -> None:
+        self.sends.append((self.comm.isend(x, dst, tag), x))
+
+    def progress_sends(self) -> None:
+        if self.sends:
+            self.sends = [(w, b) for w, b in self.sends if not w.is_completed()]
+        if self.ctrl_sends:
+            self.ctrl_sends = [(w, b) for w, b in self.ctrl_sends if not w.is_completed()]
+
+    def wait(self, work: Any, what: str) -> Any:
+        """``work.wait()``, but a failed peer raises ``PeerAborted`` and the group timeout a
+        ``CommTimeoutError`` naming ``what`` and this rank.
+
+        It blocks on the transfer itself (the transport wakes it as soon as the data is in), in
+        slices of at most ``_SLICE`` seconds, and looks at the control messages between slices.
+        """
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while not work.is_completed():
+            self.poll_control()
+            self.progress_sends()
+            now = time.monotonic()
+            if now >= deadline:
+                raise CommTimeoutError(f"{self._where()}: {what} did not complete within "
+                                       f"{self.timeout:g} s")
+            self._block(work, min(_SLICE, deadline - now))
+        try:
+            return work.wait(0)
+        except HpcdpError:
+            self._explain()
+            raise
+
+    def _explain(self) -> None:
+        """A transfer failed (its peer died or left): if that peer said why before it went, raise
+        ``PeerAborted`` with its own account rather than the transport's."""
+        deadline = time.monotonic() + min(1.0, self.timeout)
+        while self._ctrl and time.monotonic() < deadline:
+            self.poll_control()
+            time.sleep(_NAP)
+
+    @staticmethod
+    def _block(work: Any, seconds: float) -> None:
+        """Wait up to ``seconds`` for ``work`` without giving it up on timeout (unlike
+        ``Work.wait``, which abandons what did not complete)."""
+        req = getattr(work, "_req", None)
+        if req is None:
+            time.sleep(min(seconds, 1e-4))
+            return
+        try:
+            req.wait(seconds)
+        except HpcdpError:
+            pass   # the next is_completed() reports it through the Work
+
+    def wait_sends(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while self.sends or self.ctrl_sends:
+            self.progress_sends()
+            if self.sends or self.ctrl_sends:
+                self.poll_control()
+                self._pause(deadline, f"sending {len(self.sends) + len(self.ctrl_sends)} message(s)")
+
+    def _pause(self, deadline: float, what: str) -> None:
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(f"{self._where()}: {what} did not complete within "
+                                   f"{self.timeout:g} s")
+        time.sleep(_NAP)
+
+    def abandon(self, works: list[Any]) -> None:
+        """Let go of transfers of a failed step: polled once, then dropped, never waited for.
+
+        Not cancelled either: the transport keeps their buffers until they complete or the
+        process exits (a late message then lands in live memory), and the pipeline that posted
+        them is closed for good, so nothing can confuse a late message with a new one. (Open MPI
+        4.1 crashes when a receive is cancelled twice, as a timeout and the exit handler would.)
+        """
+        for w in works:
+            try:
+                w.is_completed()
+            except HpcdpError:
+                pass
+
+
+def peer_failure(where: str, exc: PeerAborted, ranks: tuple[int, ...]) -> PeerFailureError:
+    """The error a rank raises when another stage failed."""
+    root = exc.root
+    glob = ranks[root.rank] if 0 <= root.rank < len(ranks) else root.rank
+    return PeerFailureError(f"{where}: {root.describe()}", peers=[glob])

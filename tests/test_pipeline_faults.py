@@ -1,0 +1,114 @@
+"""Pipeline failures: a stage that raises makes every rank raise, naming the stage, the action and
+the microbatch, and nobody stays blocked; a mismatched microbatch shape raises before compute.
+Every test has a hard wall-clock cap (pytest-timeout, and the spawn join timeout)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conftest import run_mpi, run_ranks
+from pipeline_bodies import (
+    body_failure_cases, body_mismatch_cases, body_shape_mismatch, body_stage_failure, body_stage_hang,
+)
+
+# (schedule, phase, microbatch, the action the failing stage names)
+CASES = [("1f1b", "forward", 3, "F3"), ("1f1b", "backward", 1, "B1"),
+         ("zero_bubble", "backward", 2, "I2"), ("gpipe", "forward", 0, "F0")]
+
+
+def _check_failure(results: list[dict[str, Any]], phase: str, mb: int, code: str) -> None:
+    size = len(results)
+    bad_stage = 2 if size >= 3 else size - 1
+    op = {"F": "forward", "B": "backward", "I": "input gradient"}[code[0]]
+    expected = f"stage {bad_stage} (rank {bad_stage}) failed in action {bad_stage}{code} ({op} of microbatch {mb})"
+    for res in results:
+        r = res["rank"]
+        assert res["error"] is not None, f"rank {r} did not raise"
+        kind, msg, peers = res["error"]
+        if res["boom_here"]:
+            assert (kind, msg) == ("ValueError", f"boom in {phase}"), res
+        else:
+            assert kind == "PeerFailureError", res
+            assert expected in msg and f"boom in {phase}" in msg, msg
+            assert f"rank {r} of {size}" in msg, msg
+            assert peers == (bad_stage,), peers
+        assert res["saved_left"] == 0, f"rank {r} kept the failed step's activations"
+        assert "an earlier step failed" in res["reuse"], res["reuse"]
+    losses = {round(res["recovered_loss"], 12) for res in results}
+    assert len(losses) == 1, f"a new pipeline after the failure gave different losses {losses}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stage_failure_sim(world_size: int) -> None:
+    for schedule, phase, mb, code in CASES:
+        results = run_ranks("sim", world_size, body_stage_failure, schedule, phase, mb,
+                            timeout=20, join_timeout=60)
+        _check_failure(results, phase, mb, code)
+
+
+@pytest.mark.timeout(180)
+def test_stage_failure_tcp() -> None:
+    cases = CASES[1:3]
+    per_rank = run_ranks("tcp", 4, body_failure_cases, [c[:3] for c in cases], timeout=20,
+                         join_timeout=120)
+    for i, (_, phase, mb, code) in enumerate(cases):
+        _check_failure([results[i] for results in per_rank], phase, mb, code)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_stage_failure_mpi(mpi_world) -> None:
+    for schedule, phase, mb, code in CASES:
+        _check_failure(run_mpi(body_stage_failure, schedule, phase, mb), phase, mb, code)
+
+
+@pytest.mark.timeout(60)
+def test_stalled_stage_times_out_sim() -> None:
+    results = run_ranks("sim", 4, body_stage_hang, 0.5, timeout=20, join_timeout=30)
+    timed_out = []
+    for res in results:
+        kind, msg = res["error"]
+        assert "did not complete within 0.5 s" in msg, res
+        if kind == "CommTimeoutError":   # a rank waiting (directly or not) on the stalled one
+            assert f"rank {res['rank']} of 4" in msg and "waiting for the" in msg, msg
+            timed_out.append(res["rank"])
+        else:                              # told by the first rank that timed out
+            assert kind == "PeerFailureError" and "CommTimeoutError" in msg, res
+    assert timed_out and 2 not in timed_out, results   # the stalled rank learns when it returns
+
+
+def _check_mismatch(results: list[dict[str, Any]], which: str) -> None:
+    size = len(results)
+    culprit = 0 if which == "x" else size - 1
+    for res in results:
+        r = res["rank"]
+        assert res["error"] is not None, f"rank {r} did not raise"
+        kind, msg = res["error"]
+        assert "mismatched microbatch shape" in msg, msg
+        if r == culprit:
+            assert kind == "ValueError", res
+        else:
+            assert kind == "PeerFailureError" and f"stage {0 if which == 'x' else size - 1} " \
+                f"(rank {culprit}) failed in the input check" in msg, msg
+        assert res["grads_unchanged"], f"rank {r}: a backward ran"
+        if which == "x" or r == culprit:
+            assert res["computed"] == 0, f"rank {r} computed {res['computed']} forwards"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["sim", "tcp"])
+def test_shape_mismatch(backend: str) -> None:
+    schedules = ("1f1b", "zero_bubble") if backend == "sim" else ("1f1b",)
+    cases = [(schedule, which) for which in ("x", "y") for schedule in schedules]
+    per_rank = run_ranks(backend, 3, body_mismatch_cases, cases, timeout=20, join_timeout=90)
+    for i, (_, which) in enumerate(cases):
+        _check_mismatch([results[i] for results in per_rank], which)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_shape_mismatch_mpi(mpi_world) -> None:
+    for which in ("x", "y"):
+        _check_mismatch(run_mpi(body_shape_mismatch, "1f1b", which), which)
