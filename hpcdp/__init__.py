@@ -37,6 +37,7 @@ _LAZY = {
     "progress": ("hpcdp.progress", "progress"),
     "get_logger": ("hpcdp.progress", "get_logger"),
     "pipeline": ("hpcdp.pipeline", None),
+    "rpc": ("hpcdp.rpc", None),
     "trace": ("hpcdp.trace", None),
     "report_stragglers": ("hpcdp.trace", "report_stragglers"),
 }
@@ -63,5 +64,5 @@ __all__ = [
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",
-    "pipeline", "trace", "report_stragglers",
+    "pipeline", "rpc", "trace", "report_stragglers",
 ]

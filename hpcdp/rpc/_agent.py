@@ -1,0 +1,439 @@
+"""The RPC agent of one worker: names, requests and replies, serving, timeouts, failures.
+
+Threads and what they may do:
+
+* transport threads call ``_deliver``: they decode replies and complete futures, update RRef
+  state, and hand everything else to the pool or the control thread. They never send (on TCP a
+  reader blocked in a send to a peer whose reader is blocked the same way would deadlock).
+* the pool (``num_worker_threads``) runs callee functions and sends their replies;
+* the control thread sends protocol messages and small replies, expires deadlines and runs the
+  shutdown coordination's handlers. ``RRef.__del__`` only queues work for it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable, NamedTuple, Sequence
+
+import msgpack
+import numpy as np
+
+from ..errors import (
+    BackendUnavailableError, CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
+)
+from . import _protocol as P
+from ._calls import Calls
+from ._codec import Limits, decode, encode
+from ._context import using
+from ._errors import remote_error
+from ._future import Future
+from ._pool import Pool
+from ._rref import RRefManager
+from ._serve import Serving
+from ._shutdown import Coordinator
+from ._transport_base import exchange_bytes
+from ._wire import Frame, pack_envelope, unpack_envelope
+
+__all__ = ["Agent", "WorkerInfo"]
+
+LOG = logging.getLogger("hpcdp.rpc")
+_STOP = object()
+
+
+class WorkerInfo(NamedTuple):
+    """A worker's name and id (its rank in the RPC group)."""
+
+    name: str
+    id: int
+
+
+class _Pending:
+    __slots__ = ("fut", "dst", "what", "timeout", "control")
+
+    def __init__(self, fut: Future, dst: int, what: str, timeout: float, control: bool) -> None:
+        self.fut, self.dst, self.what, self.timeout, self.control = fut, dst, what, timeout, control
+
+
+class Agent(Serving, Calls):
+    """One worker's RPC endpoint; see the module docstring for its threads."""
+
+    def __init__(self, name: str, group: Any, *, timeout: float, num_worker_threads: int,
+                 limits: Limits, init_timeout: float) -> None:
+        self.group, self.rank, self.size = group, group.rank, group.size
+        self.name, self.limits, self.default_timeout = name, limits, timeout
+        rows = exchange_bytes(group, msgpack.packb([name, limits.as_list()]), init_timeout)
+        self.names: list[str] = []
+        self.peer_limits: list[Limits] = []
+        for r, raw in enumerate(rows):
+            n, lim = msgpack.unpackb(raw)
+            self.names.append(n)
+            self.peer_limits.append(Limits.from_list(lim))
+        dups = sorted({n for n in self.names if self.names.count(n) > 1})
+        if dups:
+            raise ValueError(f"init_rpc (rank {self.rank}): worker names must be unique; "
+                             f"{dups} used by ranks "
+                             f"{[r for r, n in enumerate(self.names) if n in dups]}")
+        self.index = {n: r for r, n in enumerate(self.names)}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self.sent = [0] * self.size
+        self.recv = [0] * self.size
+        self.lost: dict[int, str] = {}
+        self.state = "running"  # running -> closing (GO seen) -> closed
+        self.rrefs = RRefManager(self)
+        self._control_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._control_busy = False
+        self._handlers: dict[int, Callable[[int, int, list, Frame], None]] = {
+            P.RESULT: self._on_reply, P.ERROR: self._on_reply, P.CRESULT: self._on_reply,
+            P.CALL: self._on_call, P.REMOTE: self._on_remote, P.RCALL: self._on_rcall,
+            P.FETCH: self._on_fetch, P.FORK: self._on_fork, P.ACCEPT: self._on_accept,
+            P.DELETE: self._on_delete, P.READY: self._on_coord, P.PROBE: self._on_coord,
+            P.GO: self._on_coord,
+        }
+        self.coord = Coordinator(self)  # graceful shutdown
+        self.transport = self._make_transport(group, init_timeout)
+        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
+                                                name=f"hpcdp-rpc{self.rank}-control")
+        try:
+            group.barrier(timeout=init_timeout)  # every peer's transport exists before traffic
+        except BaseException:
+            self.transport.close(False, 0.0)
+            raise
+        polled = self.transport if hasattr(self.transport, "poll") else None
+        self._polled = polled
+        self.pool = Pool(f"hpcdp-rpc{self.rank}-pool", num_worker_threads,
+                         max(1024, 64 * num_worker_threads), self, progress=polled)
+        self._control_thread.start()
+        self.transport.start()
+
+    def _make_transport(self, group: Any, init_timeout: float) -> Any:
+        kind = getattr(group.backend, "name", None)
+        if kind == "sim":
+            from ._transport_sim import SimTransport
+
+            return SimTransport(group, self.limits, self._deliver, self._lost)
+        if kind == "tcp":
+            from ._transport_tcp import TCPTransport
+
+            return TCPTransport(group, self.limits, self._deliver, self._lost, init_timeout,
+                                max(30.0, self.default_timeout))
+        if kind == "mpi":
+            from ._transport_mpi import MPITransport
+
+            return MPITransport(group, self.limits, self._deliver, self._lost)
+        raise BackendUnavailableError(f"init_rpc (rank {self.rank}): no RPC transport for "
+                                      f"backend {kind!r}")
+
+    # -- naming -----------------------------------------------------------------------------
+    def worker_info(self, rank: int) -> WorkerInfo:
+        return WorkerInfo(self.names[rank], rank)
+
+    def resolve(self, to: Any, op: str) -> int:
+        if isinstance(to, WorkerInfo):
+            to = to.id
+        if isinstance(to, str):
+            r = self.index.get(to)
+            if r is None:
+                raise ValueError(f"rpc.{op} on rank {self.rank}: no worker named {to!r} "
+                                 f"(workers: {self.names})")
+            return r
+        if isinstance(to, (int, np.integer)) and not isinstance(to, bool) and 0 <= to < self.size:
+            return int(to)
+        raise ValueError(f"rpc.{op} on rank {self.rank}: 'to' must be a worker name, a rank in "
+                         f"[0, {self.size}) or a WorkerInfo, got {to!r}")
+
+    def timeout_of(self, timeout: float | None) -> float:
+        if timeout is None:
+            return self.default_timeout
+        t = float(timeout)
+        if not t > 0:
+            raise ValueError(f"rpc on rank {self.rank}: timeout must be > 0 seconds, got {timeout!r}")
+        return t
+
+    def what(self, op: str, target: str, dst: int) -> str:
+        return f"{op} {target} to {self.names[dst]} (rank {dst}) from rank {self.rank}"
+
+    # -- sending requests -------------------------------------------------------------------
+    def request(self, dst: int, kind: int, fields: Sequence[Any], body: Any, what: str,
+                timeout: float, control: bool = False) -> Future:
+        """Send a request; its ``Future`` completes with the reply, an error or the deadline."""
+        if self.state == "closed" or (self.state == "closing" and not control):
+            raise HpcdpError(f"{what}: RPC has shut down on this worker")
+        fut = Future(what, self)
+        fut._progress = self._polled
+        if dst in self.lost:
+            fut.set_exception(PeerFailureError(f"{what}: {self.names[dst]} is gone "
+                                               f"({self.lost[dst]})", peers=[dst]))
+            return fut
+        try:
+            enc = encode(body, self.peer_limits[dst], self.rrefs.encode_hook(dst))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{what}: {exc}") from None
+        mid = next(self._ids)
+        env = pack_envelope([kind, mid, *fields])
+        with self._lock:
+            self._pending[mid] = _Pending(fut, dst, what, timeout, control)
+            heapq.heappush(self._deadlines, (time.monotonic() + timeout, mid))
+        self.rrefs.commit(enc.rrefs)
+        try:
+            self._send(dst, kind, env, enc.body, enc.buffers)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the future
+            with self._lock:
+                self._pending.pop(mid, None)
+            self.rrefs.rollback(enc.rrefs)
+            if not isinstance(exc, HpcdpError):
+                exc = PeerFailureError(f"{what}: send failed ({type(exc).__name__}: {exc})",
+                                       peers=[dst])
+            elif what not in str(exc):
+                exc = type(exc)(f"{what}: {exc}")
+            fut.set_exception(exc)
+        return fut
+
+    def internal(self, dst: int, kind_name: str, fields: Sequence[Any], body: Any = None,
+                 timeout: float | None = None) -> Future:
+        """A protocol request (FORK, ACCEPT, DELETE, READY, ...); failures are logged."""
+        kind = P.BY_NAME[kind_name]
+        what = f"rpc {kind_name} to rank {dst} from rank {self.rank}"
+        try:
+            fut = self.request(dst, kind, fields, body, what, self.timeout_of(timeout),
+                               control=kind in P.CONTROL)
+        except HpcdpError as exc:
+            fut = Future(what, self)
+            fut.set_exception(exc)
+        fut._on_done(_log_failure)
+        return fut
+
+    def _send(self, dst: int, kind: int, env: bytes, body: bytes,
+              buffers: Sequence[memoryview]) -> None:
+        counted = kind in P.COUNTED
+        if dst == self.rank:  # loopback: copied like any message, delivered on this thread
+            frame = Frame(env, bytes(body), [np.frombuffer(b, np.uint8).copy() for b in buffers])
+            if counted:
+                with self._lock:
+                    self.sent[dst] += 1
+            self._deliver(dst, frame)
+            return
+        self.transport.send(dst, env, body, buffers)
+        if counted:
+            with self._lock:
+                self.sent[dst] += 1
+
+    def reply(self, dst: int, mid: int, value: Any, kind: int = P.RESULT) -> None:
+        """Send a result (from the pool or the control thread); an unsendable one becomes an error."""
+        try:
+            enc = encode(value, self.peer_limits[dst], self.rrefs.encode_hook(dst))
+        except (TypeError, ValueError) as exc:
+            return self.reply_error(dst, mid, type(exc)(f"the result cannot be sent back: {exc}"))
+        self.rrefs.commit(enc.rrefs)
+        try:
+            self._send(dst, kind, pack_envelope([kind, mid]), enc.body, enc.buffers)
+        except Exception as exc:  # noqa: BLE001 - the caller is gone; nothing else to tell
+            self.rrefs.rollback(enc.rrefs)
+            LOG.debug("hpcdp.rpc: rank %d could not reply to rank %d: %s", self.rank, dst, exc)
+
+    def reply_error(self, dst: int, mid: int, exc: BaseException, tb: str | None = None) -> None:
+        if tb is None:
+            tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ else ""
+        name = getattr(exc, "remote_type", None) or type(exc).__name__  # nested: the origin's
+        body = (name[:200], str(exc)[:P.MAX_ERROR_TEXT], tb[-P.MAX_ERROR_TEXT:])
+        try:
+            enc = encode(body, self.peer_limits[dst])
+            self._send(dst, P.ERROR, pack_envelope([P.ERROR, mid]), enc.body, enc.buffers)
+        except Exception as err:  # noqa: BLE001 - the caller is gone
+            LOG.debug("hpcdp.rpc: rank %d could not send an error to rank %d: %s", self.rank,
+                      dst, err)
+
+    def error_from(self, err: tuple[str, str, str], what: str) -> BaseException:
+        name, msg, tb = err
+        return remote_error(f"{what}: remote {name}: {msg}", name, tb)
+
+    # -- receiving --------------------------------------------------------------------------
+    def _deliver(self, src: int, frame: Frame) -> None:
+        try:
+            self._dispatch(src, frame)
+        except Exception:  # noqa: BLE001 - a bug must not stop a transport thread
+            LOG.exception("hpcdp.rpc: rank %d: failed to handle a message from rank %d",
+                          self.rank, src)
+
+    def _dispatch(self, src: int, frame: Frame) -> None:
+        try:
+            fields = unpack_envelope(frame.env)
+        except ProtocolError as exc:
+            LOG.warning("hpcdp.rpc: rank %d dropped a message from rank %d: %s", self.rank, src,
+                        exc)
+            return
+        kind, mid = fields[0], fields[1]
+        if kind in P.COUNTED:
+            with self._lock:
+                self.recv[src] += 1
+        handler = self._handlers.get(kind)
+        if handler is None:
+            LOG.warning("hpcdp.rpc: rank %d: unknown message kind %d from rank %d", self.rank,
+                        kind, src)
+            return
+        if frame.refused is not None and kind in P.REQUESTS:
+            self.control(lambda: self.reply_error(src, mid, ProtocolError(
+                f"rank {self.rank} refused the request: {frame.refused}"), ""))
+            return
+        try:
+            handler(src, mid, fields, frame)
+        except ProtocolError as exc:
+            LOG.warning("hpcdp.rpc: rank %d refused a %s from rank %d: %s", self.rank,
+                        P.NAMES.get(kind, kind), src, exc)
+            if kind in P.REQUESTS:
+                self.control(lambda e=exc: self.reply_error(src, mid, e, ""))
+
+    def _on_reply(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        with self._lock:
+            p = self._pending.get(mid)
+            if p is None or p.dst != src or p.control != (fields[0] == P.CRESULT):
+                forged = p is not None
+                p = None
+            else:
+                del self._pending[mid]
+        if p is None:
+            if forged:
+                LOG.warning("hpcdp.rpc: rank %d dropped a reply from rank %d for request %d, "
+                            "which went to another worker", self.rank, src, mid)
+            else:
+                LOG.debug("hpcdp.rpc: rank %d: late or unknown reply %d from rank %d", self.rank,
+                          mid, src)
+            return
+        if frame.refused is not None:
+            p.fut.set_exception(ProtocolError(f"{p.what}: the reply was refused here: "
+                                              f"{frame.refused}"))
+            return
+        try:
+            value = decode(frame.body, frame.buffers, self.limits, self.rrefs.decode_hook(src))
+            if fields[0] == P.ERROR:
+                if type(value) is not tuple or len(value) != 3 or \
+                        any(type(v) is not str for v in value):
+                    raise ProtocolError("malformed error reply")
+                p.fut.set_exception(self.error_from(value, p.what))
+            else:
+                p.fut.set_result(value)
+        except ProtocolError as exc:
+            p.fut.set_exception(ProtocolError(f"{p.what}: bad reply: {exc}"))
+
+    def _on_fork(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 5:
+            raise ProtocolError("malformed FORK")
+        self.rrefs.on_fork(src, fields[2], fields[3], fields[4])
+        self.control(lambda: self.reply(src, mid, None))
+
+    def _on_accept(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 3:
+            raise ProtocolError("malformed ACCEPT")
+        self.rrefs.on_accept(src, fields[2])
+        self.control(lambda: self.reply(src, mid, None))
+
+    def _on_delete(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 4:
+            raise ProtocolError("malformed DELETE")
+        self.rrefs.on_delete(src, fields[2], fields[3])
+        self.control(lambda: self.reply(src, mid, None))
+
+    def _on_coord(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        self.control(lambda: self.coord.handle(src, mid, fields[0]))
+
+    # -- the control thread -----------------------------------------------------------------
+    def control(self, fn: Callable[[], None], quiet: bool = False) -> None:
+        """Run ``fn`` on the control thread (lock-free: safe from ``__del__``)."""
+        self._control_q.put(fn)
+
+    def _control_loop(self) -> None:
+        with using(self):
+            while True:
+                wait = 0.1 if self._polled is None else 0.005  # a polled transport: a backstop
+                with self._lock:
+                    if self._deadlines:
+                        wait = min(wait, max(0.0, self._deadlines[0][0] - time.monotonic()))
+                try:
+                    fn = self._control_q.get(timeout=wait)
+                except queue.Empty:
+                    fn = None
+                if fn is _STOP:
+                    return
+                if self._polled is not None:
+                    self._polled.poll()  # progress even while every pool thread is busy
+                if fn is not None:
+                    self._control_busy = True
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - one failed task never stops the thread
+                        LOG.exception("hpcdp.rpc: rank %d: control task failed", self.rank)
+                    finally:
+                        self._control_busy = False
+                self._expire()
+
+    def _expire(self) -> None:
+        now, expired = time.monotonic(), []
+        with self._lock:
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                p = self._pending.pop(heapq.heappop(heap)[1], None)
+                if p is not None:
+                    expired.append(p)
+            if len(heap) > 2 * len(self._pending) + 4096:  # drop entries of answered requests
+                self._deadlines = [(d, m) for d, m in heap if m in self._pending]
+                heapq.heapify(self._deadlines)
+        for p in expired:
+            p.fut.set_exception(CommTimeoutError(
+                f"{p.what} did not complete within {p.timeout:g} s"))
+        if int(now) % 5 == 0:
+            self.rrefs.expire_placeholders(self.default_timeout)
+
+    def control_idle(self) -> bool:
+        return self._control_q.empty() and not self._control_busy
+
+    # -- failures and shutdown ---------------------------------------------------------------
+    def _lost(self, peer: int, why: str, graceful: bool) -> None:
+        with self._lock:
+            self.lost[peer] = why
+            failed = [mid for mid, p in self._pending.items() if p.dst == peer]
+            failed_p = [self._pending.pop(mid) for mid in failed]
+        if failed_p or not graceful:
+            level = logging.DEBUG if graceful else logging.WARNING
+            LOG.log(level, "hpcdp.rpc: rank %d lost %s (rank %d): %s", self.rank,
+                    self.names[peer], peer, why)
+        state = "shut down" if graceful else "failed"
+        for p in failed_p:
+            p.fut.set_exception(PeerFailureError(
+                f"{p.what}: {self.names[peer]} (rank {peer}) {state} before replying ({why})",
+                peers=[peer]))
+        self.rrefs.peer_lost(peer, why)
+        self.coord.peer_lost(peer)
+
+    def pending_count(self, control: bool = False) -> int:
+        with self._lock:
+            return sum(1 for p in self._pending.values() if p.control == control)
+
+    def close(self, graceful: bool, why: str) -> None:
+        """Tear down (after the coordination, or at once when not graceful)."""
+        with self._lock:
+            if self.state == "closed":
+                return
+            self.state = "closed"
+            failed = list(self._pending.values())
+            self._pending.clear()
+        self.transport.close(graceful, max(1.0, min(10.0, self.default_timeout)))
+        for p in failed:
+            p.fut.set_exception(HpcdpError(f"{p.what}: RPC was shut down on rank {self.rank} "
+                                           f"({why}) before the reply came"))
+        self.rrefs.fail_all(f"RPC was shut down on rank {self.rank}")
+        self.pool.close(0.0)
+        self._control_q.put(_STOP)
+
+
+def _log_failure(fut: Future) -> None:
+    err = fut.exception()
+    if err is not None:
+        LOG.debug("hpcdp.rpc: %s failed: %s", fut.what, err)
+

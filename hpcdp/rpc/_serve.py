@@ -1,0 +1,129 @@
+"""Serving requests: registered functions, RRef creation, method calls on RRefs, fetches.
+
+A handler runs on a transport thread and must not block or send: it checks the request, records
+RRef state, and queues the work on the pool (callee code) or the control thread (small replies).
+A malformed request raises ``ProtocolError``; the agent answers it with an error and serves on.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+from ..errors import HpcdpError, ProtocolError
+from . import _protocol as P
+from . import _registry
+from ._errors import remote_error
+from ._codec import decode
+from ._wire import Frame
+
+__all__ = ["Serving"]
+
+
+class Serving:
+    """Mixin of ``Agent``: the request handlers."""
+
+    def args_of(self, src: int, frame: Frame) -> tuple[tuple, dict]:
+        value = decode(frame.body, frame.buffers, self.limits, self.rrefs.decode_hook(src))
+        if type(value) is not tuple or len(value) != 2 or type(value[0]) is not tuple or \
+                type(value[1]) is not dict or any(type(k) is not str for k in value[1]):
+            raise ProtocolError("malformed arguments (expected (tuple, dict of str))")
+        return value
+
+    def submit(self, src: int, mid: int, task: Callable[[], None], *, force: bool = False) -> None:
+        if not self.pool.submit(task, force=force):
+            self.control(lambda: self.reply_error(src, mid, HpcdpError(
+                f"{self.names[self.rank]} (rank {self.rank}) is overloaded or shutting down: "
+                f"its RPC queue is full"), ""))
+
+    def _on_call(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 3 or type(fields[2]) is not str:
+            raise ProtocolError("malformed CALL")
+        self.submit(src, mid, lambda: self._serve(src, mid, frame, lambda: self.target(fields[2])))
+
+    def target(self, name: str) -> Callable[..., Any]:
+        entry = _registry.lookup(name)
+        if entry is None:
+            raise LookupError(f"{self.names[self.rank]} (rank {self.rank}) has no function or "
+                              f"class registered as {name[:200]!r} (use @hpcdp.rpc.register)")
+        return entry.obj
+
+    def _serve(self, src: int, mid: int, frame: Frame, get: Callable[[], Callable]) -> None:
+        try:
+            fn = get()
+            args, kwargs = self.args_of(src, frame)
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+            self.reply_error(src, mid, exc)
+            return
+        self.reply(src, mid, result)
+
+    def _on_remote(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 7 or type(fields[2]) is not str or \
+                (fields[5] is not None and type(fields[6]) is not str):
+            raise ProtocolError("malformed REMOTE")
+        rec = self.rrefs.remote_created(src, fields[3], fields[4])
+        self.control(lambda: self.reply(src, mid, None))
+        self.compute_into(rec, src, fields[2], fields[5], fields[6],
+                          lambda: self.args_of(src, frame))
+
+    def compute_into(self, rec: Any, src: int, name: str, target: Any, method: str | None,
+                     args: Callable[[], tuple[tuple, dict]]) -> None:
+        """Compute an RRef's value on the pool: ``name(*args)``, or ``method`` of ``target``'s."""
+
+        def compute(get: Callable[[], Callable]) -> None:
+            try:
+                fn = get()
+                a, kw = args()
+                value, err = fn(*a, **kw), None
+            except BaseException as exc:  # noqa: BLE001 - kept for to_here()
+                value = None
+                err = (getattr(exc, "remote_type", None) or type(exc).__name__,
+                       str(exc)[:P.MAX_ERROR_TEXT],
+                       "".join(traceback.format_exception(exc))[-P.MAX_ERROR_TEXT:])
+            self.rrefs.set_value(rec, value, err)
+
+        def start(get: Callable[[], Callable]) -> None:
+            if not self.pool.submit(lambda: compute(get), force=True):
+                self.rrefs.set_value(rec, None, ("HpcdpError", "the owner is shutting down", ""))
+
+        if target is None:
+            start(lambda: self.target(name))
+        else:
+            self.rrefs.when_ready(src, target, lambda trec: start(
+                lambda: self.bound_method(trec, str(method))))
+
+    def bound_method(self, rec: Any, method: str) -> Callable[..., Any]:
+        if rec.error is not None:
+            raise self.error_from(rec.error, "the RRef's value")
+        value = rec.value
+        cls = type(value)
+        if method.startswith("_") or not _registry.is_registered_class(cls):
+            raise PermissionError(f"{self.names[self.rank]}: method {method[:200]!r} of "
+                                  f"{cls.__qualname__} cannot be called remotely (only public "
+                                  "methods of @rpc.register-ed classes can)")
+        fn = getattr(cls, method, None)
+        if not callable(fn) or isinstance(getattr(cls, method, None), (staticmethod, property)):
+            raise AttributeError(f"{cls.__qualname__} has no method {method[:200]!r}")
+        return getattr(value, method)
+
+    def _on_rcall(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 4 or type(fields[3]) is not str:
+            raise ProtocolError("malformed RCALL")
+        method = fields[3]
+        self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+            src, mid, lambda: self._serve(src, mid, frame, lambda: self.bound_method(rec, method)),
+            force=True))
+
+    def _on_fetch(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        if len(fields) != 3:
+            raise ProtocolError("malformed FETCH")
+
+        def answer(rec: Any) -> None:
+            if rec.error is not None:
+                name, msg, tb = rec.error
+                self.reply_error(src, mid, remote_error(msg, name, ""), tb)
+            else:
+                self.reply(src, mid, rec.value)
+
+        self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+            src, mid, lambda: answer(rec), force=True))

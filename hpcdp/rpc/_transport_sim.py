@@ -1,0 +1,120 @@
+"""Simulated ranks (threads of one process): one inbox queue per rank, a dispatcher thread each.
+
+Messages are copied once on send, as a network would, so caller and callee never share arrays.
+A rank whose thread died (``SimWorld.dead``) is reported lost to its peers; a rank that shut
+down gracefully leaves the hub first, so its later exit is not a failure.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import HpcdpError, PeerFailureError
+from ._codec import Limits
+from ._transport_base import Deliver, Lost, Transport
+from ._wire import Frame, check_sizes
+
+__all__ = ["SimTransport"]
+
+_TICK = 0.05
+
+
+class _Hub:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.members: dict[int, "SimTransport"] = {}
+        self.left: set[int] = set()
+
+
+_hubs: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], _Hub]]" = weakref.WeakKeyDictionary()
+_hubs_lock = threading.Lock()
+
+
+class SimTransport(Transport):
+    name = "sim"
+
+    def __init__(self, group: Any, limits: Limits, deliver: Deliver, lost: Lost) -> None:
+        super().__init__(group.rank, group.size, limits, deliver, lost)
+        be = group.backend
+        self.world = be.comm.world
+        self.globals = tuple(be.ranks)
+        with _hubs_lock:
+            self.hub = _hubs.setdefault(self.world, {}).setdefault(self.globals, _Hub())
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        self.gone: set[int] = set()
+        with self.hub.lock:
+            self.hub.left.discard(self.rank)
+            self.hub.members[self.rank] = self
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"hpcdp-rpc-sim{self.rank}")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview]) -> None:
+        if self.closed:
+            raise HpcdpError(f"rpc send from rank {self.rank}: this worker has shut down")
+        with self.hub.lock:
+            peer = self.hub.members.get(dst)
+            left = dst in self.hub.left
+        if peer is None or peer.closed:
+            why = self.world.dead.get(self.globals[dst])
+            if left and why is None:
+                why = "it has shut down its RPC agent"
+            raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: "
+                                   f"{why or 'it is not running RPC'}", peers=[dst])
+        frame = Frame(bytes(env), bytes(body), [np.frombuffer(b, np.uint8).copy() for b in buffers])
+        peer.inbox.put((self.rank, frame))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get(timeout=_TICK)
+            except queue.Empty:
+                item = None
+            if item is None:
+                if self.closed:
+                    return
+                self._check_peers()
+                continue
+            src, frame = item
+            reason = check_sizes(len(frame.env), len(frame.body), [len(b) for b in frame.buffers],
+                                 self.limits)
+            if reason is not None:
+                frame = Frame(frame.env if len(frame.env) <= 4096 else None, None, [], reason)
+            self.deliver(src, frame)
+
+    def _check_peers(self) -> None:
+        dead = self.world.dead
+        if self.globals[self.rank] in dead and not self.closed:
+            self.close(False, 0.0)  # this rank's thread died: its agent goes with it
+            return
+        with self.hub.lock:
+            members, left = set(self.hub.members), set(self.hub.left)
+        for r, g in enumerate(self.globals):
+            if r == self.rank or r in self.gone:
+                continue
+            if g in dead or r not in members:
+                self.gone.add(r)
+                why = dead.get(g) or "it shut down its RPC agent"
+                self.lost(r, why, r in left)
+
+    def close(self, graceful: bool, timeout: float) -> None:
+        if self.closed:
+            return
+        with self.hub.lock:
+            self.closed = True
+            self.hub.members.pop(self.rank, None)
+            if graceful:
+                self.hub.left.add(self.rank)
+            peers = list(self.hub.members.values())
+        for p in peers:
+            p.inbox.put(None)  # wake them: they look at the hub on their next tick
+        self.inbox.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)

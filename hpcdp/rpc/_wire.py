@@ -1,0 +1,98 @@
+"""RPC frames: a fixed prefix, the buffer lengths, the envelope, the body, then the buffers.
+
+::
+
+    prefix  16 B  magic "HR", version, flags, envelope bytes (u32), body bytes (u32), buffers (u32)
+    lengths 8 B per buffer (u64)
+    envelope      msgpack array of plain values: kind, message id, routing fields
+    body          the codec's msgpack value (arguments, result or error text)
+    buffers       raw array bytes
+
+Everything a receiver allocates is announced in the prefix and the lengths and checked against
+its ``Limits`` first. A frame that breaks a limit but is well formed is drained (read in fixed
+chunks, never allocated) and reported to the agent with its envelope, so the caller gets a clear
+error and the connection stays in step; a malformed prefix is fatal for that connection only.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Sequence
+
+import msgpack
+
+from ..errors import ProtocolError
+from ._codec import Limits
+
+__all__ = ["PREFIX", "MAX_ENVELOPE", "Frame", "pack_prefix", "parse_prefix", "check_sizes",
+           "pack_envelope", "unpack_envelope"]
+
+PREFIX = struct.Struct("<2sBBIII")
+MAGIC = b"HR"
+VERSION = 1
+#: envelopes hold ids, names and routing fields only
+MAX_ENVELOPE = 4096
+_ENV_ITEMS = 16
+
+
+class Frame:
+    """One received message; ``refused`` says why its body and buffers were dropped."""
+
+    __slots__ = ("env", "body", "buffers", "refused")
+
+    def __init__(self, env: bytes | None, body: Any, buffers: Sequence[Any],
+                 refused: str | None = None) -> None:
+        self.env, self.body, self.buffers, self.refused = env, body, buffers, refused
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.env or b"") + len(self.body or b"") + sum(len(b) for b in self.buffers)
+
+
+def pack_prefix(env: bytes, body: bytes, lengths: Sequence[int]) -> bytes:
+    return PREFIX.pack(MAGIC, VERSION, 0, len(env), len(body), len(lengths)) + \
+        struct.pack(f"<{len(lengths)}Q", *lengths)
+
+
+def parse_prefix(raw: bytes | bytearray, limits: Limits) -> tuple[int, int, int]:
+    """(envelope, body, buffer count); ``ProtocolError`` when the stream cannot be followed."""
+    magic, version, flags, env_len, body_len, nbuf = PREFIX.unpack(raw)
+    if magic != MAGIC or version != VERSION or flags != 0:
+        raise ProtocolError(f"malformed RPC frame prefix (magic {magic!r}, version {version})")
+    if nbuf > limits.max_buffers:
+        raise ProtocolError(f"RPC frame announces {nbuf} buffers; the limit is {limits.max_buffers}")
+    return env_len, body_len, nbuf
+
+
+def check_sizes(env_len: int, body_len: int, lengths: Sequence[int], limits: Limits) -> str | None:
+    """Why a frame of these sizes is refused, or None."""
+    if env_len > MAX_ENVELOPE:
+        return f"envelope of {env_len} bytes exceeds {MAX_ENVELOPE}"
+    if body_len > limits.max_body_bytes:
+        return f"message body of {body_len} bytes exceeds the limit of {limits.max_body_bytes}"
+    if len(lengths) > limits.max_buffers:
+        return f"{len(lengths)} arrays exceed the limit of {limits.max_buffers}"
+    total = body_len + sum(lengths)
+    if total > limits.max_message_bytes:
+        return f"message of {total} bytes exceeds the limit of {limits.max_message_bytes}"
+    return None
+
+
+def pack_envelope(fields: Sequence[Any]) -> bytes:
+    return msgpack.packb(list(fields), use_bin_type=True)
+
+
+def unpack_envelope(env: bytes | None) -> list[Any]:
+    """The envelope's fields: a list starting with two ints (kind, id)."""
+    if env is None:
+        raise ProtocolError("frame without an envelope")
+    if len(env) > MAX_ENVELOPE:
+        raise ProtocolError(f"envelope of {len(env)} bytes exceeds {MAX_ENVELOPE}")
+    try:
+        fields = msgpack.unpackb(env, use_list=True, raw=False, max_map_len=0, max_ext_len=0,
+                                 max_array_len=_ENV_ITEMS)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is the peer's malformed frame
+        raise ProtocolError(f"malformed envelope ({type(exc).__name__}: {exc})") from None
+    if (type(fields) is not list or len(fields) < 2 or type(fields[0]) is not int
+            or type(fields[1]) is not int):
+        raise ProtocolError("malformed envelope (expected [kind, id, ...])")
+    return fields

@@ -1,0 +1,82 @@
+"""hpcdp.rpc: every call form, bit-exact values of every dtype, RRefs shared with a third worker
+and freed by their owner, errors, timeouts and shutdown with calls in flight; on simulated and
+TCP ranks here, and on the MPI world under mpirun (``-m mpi``)."""
+from __future__ import annotations
+
+import pytest
+
+import hpcdp
+import rpc_bodies as B
+from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _ok(results: list) -> None:
+    bad = {r: f for r, f in enumerate(results) if f}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_call_forms(backend: str) -> None:
+    _ok(run_ranks(backend, 3, B.body_call_forms, timeout=60, join_timeout=120))
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_values_round_trip_bit_exact(backend: str) -> None:
+    _ok(run_ranks(backend, 2, B.body_values, timeout=60, join_timeout=120))
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_rrefs_third_worker_and_refcounts(backend: str) -> None:
+    _ok(run_ranks(backend, 3, B.body_rrefs, timeout=60, join_timeout=120))
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_errors_timeouts_and_graceful_shutdown(backend: str) -> None:
+    _ok(run_ranks(backend, 2, B.body_errors, timeout=60, join_timeout=120))
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_worker_leaves_with_calls_in_flight(backend: str) -> None:
+    _ok(run_ranks(backend, 3, B.body_leave_abruptly, timeout=60, join_timeout=120))
+
+
+def test_killed_callee_tcp(tmp_path) -> None:
+    """A callee that exits mid-call fails the caller's pending calls with PeerFailureError."""
+    with pytest.raises(hpcdp.HpcdpError, match="rank 1 exited with code 3"):
+        run_ranks("tcp", 3, B.body_killed_callee, str(tmp_path), timeout=60, join_timeout=120)
+    assert (tmp_path / "rank0").read_text() == "[]"
+
+
+def test_sim_rank_dies_mid_call() -> None:
+    report: dict = {}
+    with pytest.raises(RuntimeError, match="rank 1 crashes"):
+        run_ranks("sim", 2, B.body_sim_rank_dies, report, timeout=60, join_timeout=120)
+    assert report == {0: []}
+
+
+# -- the same bodies on the MPI world (mpirun -n 2 and -n 4) -----------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_call_forms_mpi(mpi_world) -> None:
+    _ok(run_mpi(B.body_call_forms))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_values_mpi(mpi_world) -> None:
+    _ok(run_mpi(B.body_values))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rrefs_mpi(mpi_world) -> None:
+    _ok(run_mpi(B.body_rrefs))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_errors_mpi(mpi_world) -> None:
+    _ok(run_mpi(B.body_errors))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_leave_abruptly_mpi(mpi_world) -> None:
+    _ok(run_mpi(B.body_leave_abruptly))

@@ -1,0 +1,264 @@
+"""hpcdp.rpc refuses what it must, with a clear error, and keeps serving: unregistered names,
+forged messages from an authenticated peer, oversized and deeply nested payloads, payloads that
+name a class to build, and connections to the RPC port that do not authenticate."""
+from __future__ import annotations
+
+import heapq
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+import hpcdp
+import hpcdp.rpc as rpc
+import rpc_bodies as B
+from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.errors import ProtocolError
+from hpcdp.rpc import _codec as C, _context, _protocol as P
+from hpcdp.rpc._agent import _Pending
+from hpcdp.rpc._wire import pack_envelope
+
+pytestmark = pytest.mark.timeout(240)
+
+SMALL = dict(max_message_bytes=1 << 20, max_body_bytes=64 << 10, max_depth=16,
+             max_elements=1000)
+
+
+def raw_request(dst: int, kind: int, fields: list, body: bytes, buffers: tuple = ()) -> Any:
+    """A request sent as raw bytes through the transport, past every check of the sender."""
+    agent = _context.current("test")
+    mid = next(agent._ids)
+    fut = rpc.Future(f"raw {P.NAMES.get(kind, kind)}", agent)
+    with agent._lock:
+        agent._pending[mid] = _Pending(fut, dst, fut.what, 10.0, False)
+        heapq.heappush(agent._deadlines, (time.monotonic() + 10.0, mid))
+    agent.transport.send(dst, pack_envelope([kind, mid, *fields]), body,
+                         [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+                          for b in buffers])
+    return fut
+
+
+def args_body(*items: Any) -> bytes:
+    """A CALL body ((items...), {}) whose items are already in wire form."""
+    return msgpack.packb([C.TUPLE, [C.TUPLE, *items], [C.DICT]], use_bin_type=True)
+
+
+def _nested(depth: int) -> Any:
+    v: Any = 1
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def refused(fails: list[str], fut: Any, label: str, match: str) -> None:
+    e = B.raises(fails, rpc.RemoteError, fut.wait, label, match)
+    if e is not None and e.remote_type != "ProtocolError":
+        fails.append(f"{label}: remote type {e.remote_type}, not ProtocolError")
+
+
+@rpc.register
+def forge_replies(target: int, mid: int) -> list[str]:
+    """Runs on an authenticated peer: replies to a request that went to another worker."""
+    agent = _context.current("test")
+    for kind, body in [(P.RESULT, C.encode("forged", agent.limits).body),
+                       (P.ERROR, C.encode(("ValueError", "forged", ""), agent.limits).body),
+                       (P.CRESULT, C.encode("forged", agent.limits).body),
+                       (P.RESULT, C.encode("forged", agent.limits).body)]:
+        agent.transport.send(target, pack_envelope([kind, mid]), body, [])
+    agent.transport.send(target, pack_envelope([P.RESULT, 10**12]), b"\xc0", [])  # unknown id
+    agent.transport.send(target, pack_envelope([77, 1]), b"", [])  # unknown kind
+    agent.transport.send(target, b"\xc1\xc1", b"", [])  # not an envelope
+    return []
+
+
+@rpc.register
+def forge_rref_protocol(owner: int, rid: list, fid: list) -> list[str]:
+    """Runs on a worker that holds no fork of ``rid``: every protocol message must be refused."""
+    fails: list[str] = []
+    me = hpcdp.rank()
+    other = [1 - (me % 2), 99]
+    for label, kind, fields, match in [
+        ("DELETE of another's fork", P.DELETE, [rid, fid], "does not hold"),
+        ("FORK with a fork id not made by its parent", P.FORK, [rid, [me, 7], other[0]], "made by"),
+        ("FORK naming the owner as parent", P.FORK, [rid, [owner, 1], owner], "made by"),
+        ("ACCEPT of an unknown child", P.ACCEPT, [[owner, 424242]], "unknown child"),
+        ("REMOTE with a foreign id", P.REMOTE, ["add", [owner, 5], [owner, 6], None, None],
+         "foreign ids"),
+        ("FETCH without a reference", P.FETCH, [rid], "holds no reference"),
+        ("RCALL without a reference", P.RCALL, [rid, "size"], "holds no reference"),
+        ("malformed id", P.FETCH, [[1, "x"]], "malformed"),
+        ("malformed CALL", P.CALL, [5], "malformed CALL"),
+    ]:
+        body = args_body() if kind in (P.REMOTE, P.RCALL) else b"\xc0"
+        refused(fails, raw_request(owner, kind, fields, body), label, match)
+    return fails
+
+
+def body_security(rank: int) -> list[str]:
+    """Rank 1 runs with small limits; rank 0 attacks it, and rank 1 forges messages to rank 0."""
+    fails = B.start(rank, rpc_timeout=20, limits=rpc.Limits(**SMALL) if rank == 1 else None)
+    if rank == 0:
+        w1 = "worker1"
+        for name in ["os.system", "builtins.eval", "subprocess.Popen", "Table.__init__",
+                     "Table._secret", "add.__globals__"]:
+            e = B.raises(fails, rpc.RemoteError, lambda: rpc.rpc_sync(w1, name, args=("true",)),
+                         f"unregistered {name}", "no function or class registered")
+            if e is not None and e.remote_type != "LookupError":
+                fails.append(f"unregistered {name}: {e.remote_type}")
+        # the sender checks the receiver's announced limits before sending anything
+        for label, value, match in [
+            ("oversized array", np.zeros(2 << 20, np.uint8), "max_message_bytes"),
+            ("oversized body", "x" * (100 << 10), "max_body_bytes"),
+            ("too many elements", list(range(2000)), "max_elements"),
+            ("too deep", _nested(20), "max_depth")]:
+            B.raises(fails, ValueError, lambda: rpc.rpc_sync(w1, B.echo, args=(value,)), label,
+                     match)
+        # raw frames past the sender's checks: the receiver refuses each, with the reason
+        deep = [C.LIST, 1]
+        for _ in range(40):
+            deep = [C.LIST, deep]
+        stack = b"\x91" * 5000 + b"\xc0"
+        array = [C.NDARRAY, "uint8", [8], 0]
+        for label, fields, body, bufs, match in [
+            ("oversized buffer", ["echo"], args_body([C.NDARRAY, "uint8", [2 << 20], 0]),
+             (np.ones(2 << 20, np.uint8),), "exceeds the limit"),
+            ("oversized body", ["echo"], args_body("x" * (100 << 10)), (), "exceeds the limit"),
+            ("deep nesting", ["echo"], args_body(deep), (), "nested deeper"),
+            ("msgpack stack bomb", ["echo"], stack, (), "malformed message body"),
+            ("element flood", ["echo"], args_body([C.LIST, *range(5000)]), (), "elements"),
+            ("class to build", ["echo"],
+             args_body([C.DATACLASS, "subprocess.Popen", "args", "ls"]), (),
+             "not a registered dataclass"),
+            ("registered non-dataclass to build", ["echo"],
+             args_body([C.DATACLASS, "Table", "n", 3]), (), "not a registered dataclass"),
+            ("unknown dataclass field", ["echo"],
+             args_body([C.DATACLASS, "Point", "x", 1.0, "__class__", 2]), (), "bad field"),
+            ("object dtype", ["echo"], args_body([C.NDARRAY, "object", [1], 0]),
+             (np.zeros(8, np.uint8),), "not supported"),
+            ("shape/buffer mismatch", ["echo"], args_body([C.NDARRAY, "float64", [9], 0]),
+             (np.zeros(8, np.uint8),), "does not match"),
+            ("buffer used twice", ["echo"], args_body(array, array), (np.zeros(8, np.uint8),),
+             "used twice"),
+            ("unused buffer", ["echo"], args_body(1), (np.zeros(8, np.uint8),), "not referenced"),
+            ("extension type", ["echo"],
+             msgpack.packb([C.TUPLE, [C.TUPLE, msgpack.ExtType(5, b"x")], [C.DICT]]), (),
+             "extension"),
+            ("msgpack map", ["echo"], msgpack.packb([C.TUPLE, [C.TUPLE, {"a": 1}], [C.DICT]]), (),
+             "unexpected msgpack dict"),
+            ("unknown tag", ["echo"], args_body([99, 1]), (), "unknown or malformed value tag"),
+            ("RRef with a forged parent", ["echo"], args_body([C.RREF, 1, 0, 1, 5, 2, 5]), (),
+             "names parent"),
+            ("RRef to nothing of the owner's", ["echo"], args_body([C.RREF, 1, 0, 1, 0, 2, 0]),
+             (), "owns no RRef"),
+            ("garbage body", ["echo"], b"\xc1", (), "malformed message body"),
+        ]:
+            refused(fails, raw_request(1, P.CALL, fields, body, bufs), label, match)
+        # forged replies: a request of ours to worker0 (ourselves) answered by worker1
+        slow = rpc.rpc_async("worker0", B.sleep_then, args=(2.0, "real"))
+        agent = _context.current("test")
+        with agent._lock:
+            mid = max(agent._pending)
+        rpc.rpc_sync(w1, forge_replies, args=(0, mid))
+        B.check(fails, slow.wait() == "real", "a forged reply was taken")
+        # forged RRef protocol messages about an RRef this worker owns
+        mine = rpc.remote("worker0", B.Table, args=(3,))
+        mine.local_value()
+        before = rpc.stats()
+        with agent.rrefs.lock:
+            rid = list(mine._rid)
+        out = rpc.rpc_sync(w1, forge_rref_protocol, args=(0, rid, [0, 1]))
+        fails += [f"worker1: {f}" for f in out]
+        B.check(fails, rpc.stats() == before, f"forged protocol changed counts: {rpc.stats()}")
+        B.check(fails, mine.rpc_sync().size() == 3, "the RRef still works")
+        # and after all that, both still serve
+        B.check(fails, np.array_equal(rpc.rpc_sync(w1, B.add, args=(np.ones(2), 1)), [2, 2]),
+                "worker1 stopped serving")
+        del mine
+    hpcdp.barrier()
+    B.check(fails, rpc.rpc_sync(B.peer(rank), B.add, args=(1, 1)) == 2, "serving after attacks")
+    hpcdp.barrier()
+    rpc.shutdown()
+    return fails
+
+
+def body_unauthenticated(rank: int) -> list[str]:
+    """Connections to worker1's RPC listener that fail the handshake are dropped."""
+    from hpcdp.backends import _tcp_wire as wire
+    from hpcdp.rpc._transport_tcp import ROLE_RPC
+    from tcp_helpers import closed_by_server
+
+    fails = B.start(rank, rpc_timeout=20)
+    agent = _context.current("test")
+    ports = hpcdp.all_gather(np.array([agent.transport.address[1]]))
+    if rank == 0:
+        addr = ("127.0.0.1", int(ports[1][0]))
+        secret = wire.get_secret()
+        hello = struct.Struct("<4sBBHii32s")
+
+        def attempt(label: str, payload: bytes) -> None:
+            with socket.create_connection(addr, timeout=5) as s:
+                s.sendall(payload)
+                B.check(fails, closed_by_server(s), f"{label}: connection left open")
+
+        attempt("garbage", os.urandom(64))
+        attempt("RPC frame without handshake",
+                (struct.pack("<2sBBIII", b"HR", 1, 0, 7, 0, 0) + b"\x93\x01\x01\xa3add").ljust(64, b"\0"))
+        attempt("hello for the peer role", hello.pack(b"HPCD", 1, wire.ROLE_PEER, 0, 0, 1,
+                                                      os.urandom(32)))
+        attempt("hello for another rank", hello.pack(b"HPCD", 1, ROLE_RPC, 0, 0, 0,
+                                                     os.urandom(32)))
+        # right role and target, wrong secret: the client side sees the server refuse
+        with socket.create_connection(addr, timeout=5) as s:
+            try:
+                wire.client_handshake(s, b"not the secret", ROLE_RPC, 0, 1, 5.0)
+                fails.append("handshake with a wrong secret accepted")
+            except Exception as exc:  # noqa: BLE001 - AuthError or a closed connection
+                B.check(fails, isinstance(exc, (hpcdp.AuthError, ConnectionError, OSError)),
+                        f"wrong secret: {exc!r}")
+        # the secret, but claiming a rank that is already connected: refused after the handshake
+        with socket.create_connection(addr, timeout=5) as s:
+            wire.client_handshake(s, secret, ROLE_RPC, 0, 1, 5.0)
+            B.check(fails, closed_by_server(s), "second connection claiming rank 0 kept open")
+        B.check(fails, rpc.rpc_sync("worker1", B.add, args=(2, 3)) == 5, "worker1 stopped serving")
+    hpcdp.barrier()
+    rpc.shutdown()
+    return fails
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_refused_and_still_serving(backend: str) -> None:
+    res = run_ranks(backend, 2, body_security, timeout=60, join_timeout=150)
+    assert res == [[], []], res
+
+
+def test_unauthenticated_connections_to_rpc_port() -> None:
+    res = run_ranks("tcp", 2, body_unauthenticated, timeout=60, join_timeout=120)
+    assert res == [[], []], res
+
+
+@pytest.mark.mpi(min_size=2)
+def test_refused_and_still_serving_mpi(mpi_world) -> None:
+    res = run_mpi(body_security)
+    assert all(r == [] for r in res), res
+
+
+def test_codec_refuses_without_a_transport() -> None:
+    """The decoder alone: what an attacker's body turns into is a ProtocolError, never a value."""
+    lim = C.Limits(max_depth=8, max_elements=100)
+    for body, bufs in [(msgpack.packb([C.DATACLASS, "os.system", "command", "id"]), []),
+                       (msgpack.packb([C.NDARRAY, "O", [1], 0]), [bytearray(8)]),
+                       (msgpack.packb([C.NPSCALAR, "float64", b"\0"]), []),
+                       (msgpack.packb([C.BIGINT, b"\1" * 5000]), []),
+                       (msgpack.packb([C.DICT, 1]), []),
+                       (msgpack.packb([C.DICT, [C.LIST], 1]), []),
+                       (msgpack.packb([C.RREF, 0, 0, 0, 0, 0, 0]), []),
+                       (msgpack.packb([C.LIST] + [0] * 300), [])]:
+        with pytest.raises(ProtocolError):
+            C.decode(body, bufs, lim)
+    with pytest.raises(ProtocolError, match="more than 100 elements"):
+        C.decode(msgpack.packb([C.LIST, *[[C.LIST, 1, 2, 3]] * 60]), [], lim)
