@@ -1,15 +1,18 @@
 """Checkpoint test bodies (module level, so every backend and mpirun can run them)."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+import zlib
+from typing import Any, Callable
 
 import h5py
 import numpy as np
+import pytest
 
 import hpcdp
 from hpcdp.checkpoint import Shard, latest, load, save
-from hpcdp.checkpoint._format import BF16_META, type_note
+from hpcdp.checkpoint._format import BF16_META, FORMAT, MANIFEST, type_note
 from hpcdp.checkpoint._plan import row_bounds
 
 DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -212,3 +215,79 @@ def body_async(rank: int, path: str) -> list[str]:
     _eq(want, load(path + "-b", like=make_state(rank, n)), "async2", fails)
     h2.wait()
     return fails
+
+
+# -- forging checkpoints: the tests of untrusted input (test_checkpoint_untrusted/_manifest) -----
+#: Python's own exception names: a validation error must say what is wrong, not leak one of these
+RAW_ERRORS = ("AttributeError", "KeyError", "TypeError", "IndexError", "RecursionError",
+              "MemoryError", "ValueError")
+
+
+def crc(data: Any) -> int:
+    return zlib.crc32(np.ascontiguousarray(data).tobytes())
+
+
+def slab(offsets: list[int], shape: list[int], data: Any, rank: int = 0) -> dict:
+    return {"rank": rank, "offsets": offsets, "shape": shape, "crc32": crc(data)}
+
+
+def meta(shape: list[int], dtype: str, slabs: list[dict], *, type_: str | None = None,
+         kind: str = "replicated", mode: str = "owned") -> dict:
+    return {"shape": shape, "dtype": dtype, "type": type_ or dtype, "kind": kind, "mode": mode,
+            "slabs": slabs}
+
+
+def tree(*names: str) -> dict:
+    return {"t": "dict", "items": [{"k": n, "kt": "str", "h": n, "v": {"t": "array", "path": n}}
+                                   for n in names]}
+
+
+def manifest(datasets: dict, tree_: dict, *, files: list[str] = (), mode: str = "vds",
+             world_size: int = 1) -> dict:
+    return {"format": FORMAT, "format_version": 1, "hpcdp_version": "0", "world_size": world_size,
+            "mode": mode, "checksum": "crc32", "created_unix": None, "tree": tree_,
+            "datasets": datasets, "files": list(files)}
+
+
+class RawJSON(str):
+    """Manifest text given as is (json.dumps cannot write what json.loads must survive)."""
+
+
+def write_manifest(f: h5py.File, m: Any) -> None:
+    """``m`` as the manifest dataset, with a CRC that matches (any JSON value, on purpose)."""
+    raw = (m if isinstance(m, RawJSON) else json.dumps(m)).encode()
+    d = f.create_dataset(MANIFEST, data=np.frombuffer(raw, np.uint8))
+    d.attrs["crc32"] = np.uint32(zlib.crc32(raw))
+
+
+def forge(path: str, build: Callable[[h5py.File], None], m: Any) -> str:
+    """A checkpoint directory ``path`` whose data.h5 ``build`` fills, with manifest ``m``."""
+    os.makedirs(path, exist_ok=True)
+    with h5py.File(os.path.join(path, "data.h5"), "w") as f:
+        f.attrs["hpcdp_format"] = FORMAT
+        build(f)
+        write_manifest(f, m)
+    return path
+
+
+def load_error(path: str, like: Any = None) -> str:
+    """The CheckpointError loading ``path`` must raise (its directory masked), free of Python's
+    own exception names."""
+    with pytest.raises(hpcdp.CheckpointError) as info:
+        got = load(path, like=like)
+        print("loaded:", got)                          # shows what leaked when the test fails
+    # the test's own directory name (it holds words like "manifest") is no evidence either way
+    msg = str(info.value).replace(os.path.abspath(path), "<ck>")
+    assert not any(e in msg for e in RAW_ERRORS), msg
+    return msg
+
+
+DATA = np.arange(16, dtype=np.uint8)
+
+
+def plain_w(f: h5py.File, data: Any = DATA) -> None:
+    f.create_dataset("w", data=data)
+
+
+def good_manifest() -> dict:
+    return manifest({"w": meta([16], "|u1", [slab([0], [16], DATA)])}, tree("w"))

@@ -72,9 +72,10 @@ def test_keep_last_latest_and_cleanup(tmp_path) -> None:
     d = tmp_path / "ck"
     st = {"w": np.arange(10.0), "step": 0}
     assert latest(str(d)) is None
-    os.makedirs(d / ".tmp-step-99-dead")           # an uncommitted leftover, untouched for long
-    (d / ".tmp-step-99-dead" / "data.h5").write_bytes(b"torn")
-    _age(d / ".tmp-step-99-dead", _commit.STALE_AFTER_S + 60)
+    dead = d / ".tmp-step-99-0badc0de"              # an uncommitted leftover, untouched for long
+    os.makedirs(dead)
+    (dead / "data.h5").write_bytes(b"torn")
+    _age(dead, _commit.STALE_AFTER_S + 60)
     os.makedirs(d / "notes")                         # not a checkpoint
     for step in (1, 2, 10, 3):
         st["step"] = step

@@ -20,9 +20,9 @@ from .._arrays import is_cupy
 from ..errors import CheckpointError
 
 __all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
-           "encode_manifest", "decode_manifest", "storage_dtype", "type_note", "checksum_of",
+           "encode_manifest", "storage_dtype", "type_note", "checksum_of",
            "default_checksum",
-           "BF16_META"]
+           "BF16_META", "rank_file", "vds_name"]
 
 MANIFEST = "_hpcdp_manifest"
 MANIFEST_CRC_ATTR = "crc32"
@@ -79,6 +79,18 @@ class Leaf:
 
 
 # -- names and dtypes -----------------------------------------------------------------------
+def rank_file(rank: int) -> str:
+    """The file a rank's slabs go to in VDS mode, in the checkpoint's directory."""
+    return f"rank-{rank:05d}.h5"
+
+
+def vds_name(name: str) -> str:
+    """``name`` as HDF5 wants a virtual source's file or dataset name: it parses them as printf-like
+    patterns (``%b`` = block number), so a literal "%" (our "/" in a key is escaped as "%2F") must be
+    doubled, or H5Pset_virtual fails with "invalid format specifier"."""
+    return name.replace("%", "%%")
+
+
 def _h5name(key: str) -> str:
     name = key.replace("%", "%25").replace("/", "%2F")
     if name in ("", ".", ".."):
@@ -125,17 +137,18 @@ def as_storage(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype("<u2")) if type_note(a.dtype) == "bfloat16" else a
 
 
-def _crc32c(data: Any) -> int:
+def _crc32c(data: Any, value: int = 0) -> int:
     import crc32c
 
-    return crc32c.crc32c(data)
+    return crc32c.crc32c(data, value)
 
 
-#: Slab checksums by the name the manifest records. CRC32C (the iSCSI/ext4 polynomial) runs
-#: in hardware through the ``crc32c`` package at ~20 GB/s here, against ~2.3 GB/s for zlib's
-#: CRC32; that gap is the difference between a checksum that bounds load throughput and one
-#: that does not. Files written with "crc32" still load.
-CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32c": _crc32c, "crc32": zlib.crc32}
+#: Slab checksums by the name the manifest records, as ``fn(bytes, running_value) -> value`` so a
+#: slab can be checked in pieces. CRC32C (the iSCSI/ext4 polynomial) runs in hardware through
+#: the ``crc32c`` package at ~20 GB/s here, against ~2.3 GB/s for zlib's CRC32; that gap is the
+#: difference between a checksum that bounds load throughput and one that does not. Files
+#: written with "crc32" still load.
+CHECKSUMS: dict[str, Callable[[Any, int], int]] = {"crc32c": _crc32c, "crc32": zlib.crc32}
 
 
 def default_checksum() -> str:
@@ -146,14 +159,15 @@ def default_checksum() -> str:
     return "crc32c"
 
 
-def checksum_of(a: np.ndarray, algorithm: str = "crc32") -> int:
-    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order."""
+def checksum_of(a: np.ndarray, algorithm: str = "crc32", value: int = 0) -> int:
+    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order, continuing from
+    ``value`` (the checksum of the bytes before them)."""
     try:
         fn = CHECKSUMS[algorithm]
     except KeyError:
         raise CheckpointError(f"unknown checksum {algorithm!r} in the manifest") from None
     a = np.require(a, requirements="C")
-    return fn(a.reshape(-1).view(np.uint8)) if a.size else 0
+    return fn(a.reshape(-1).view(np.uint8), value) if a.size else value
 
 
 # -- state <-> tree -----------------------------------------------------------------------------
@@ -299,23 +313,7 @@ def container_groups(tree: dict, path: str = "") -> list[str]:
     return out
 
 
-# -- manifest -----------------------------------------------------------------------------
+# -- manifest (decoding and validation: _manifest.py) ----------------------------------------
 def encode_manifest(manifest: dict) -> tuple[np.ndarray, int]:
     raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return np.frombuffer(raw, np.uint8), zlib.crc32(raw)
-
-
-def decode_manifest(raw: np.ndarray, crc: int | None, where: str) -> dict:
-    data = np.asarray(raw, np.uint8).tobytes()
-    if crc is None or zlib.crc32(data) != int(crc):
-        raise CheckpointError(f"{where}: the manifest fails its CRC32 check (corrupt file)")
-    try:
-        m = json.loads(data)
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: the manifest is not valid JSON: {exc}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: not an hpcdp checkpoint (manifest format {m.get('format')!r})")
-    if int(m.get("format_version", 0)) > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: format version {m['format_version']} is newer than this "
-                              f"hpcdp reads ({FORMAT_VERSION})")
-    return m

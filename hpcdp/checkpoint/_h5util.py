@@ -6,8 +6,8 @@ from typing import Any, Sequence
 import h5py
 import numpy as np
 
-__all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "file_space",
-           "SlabWriteError"]
+__all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
+           "file_space", "SlabWriteError"]
 
 
 class SlabWriteError(Exception):
@@ -30,8 +30,13 @@ def create_dataset(f: Any, path: str, shape: Sequence[int], dtype: Any) -> Any:
     return f.create_dataset(path, shape=tuple(shape), dtype=dtype, dcpl=dcpl())
 
 
+def _did(dset: Any) -> Any:
+    """The low-level DatasetID of an h5py Dataset, or the DatasetID itself."""
+    return dset if isinstance(dset, h5py.h5d.DatasetID) else dset.id
+
+
 def file_space(dset: Any, offsets: Sequence[int] | None, shape: Sequence[int] | None) -> Any:
-    space = dset.id.get_space()
+    space = _did(dset).get_space()
     if offsets is None:
         space.select_none()
     elif len(shape) > 0:
@@ -74,8 +79,23 @@ def write_nothing(dset: Any, dxpl: Any = None) -> None:
 
 
 def read_slab(dset: Any, out: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
-    """Read the block of ``out.shape`` at ``offsets`` into ``out`` (C-contiguous)."""
+    """Read the block of ``out.shape`` at ``offsets`` of ``dset`` (a Dataset or DatasetID) into
+    ``out`` (C-contiguous)."""
     if out.size == 0:
         return out
-    dset.id.read(_mem_space(out.shape), file_space(dset, offsets, out.shape), out)
+    _did(dset).read(_mem_space(out.shape), file_space(dset, offsets, out.shape), out)
     return out
+
+
+def read_into(dset: Any, out: np.ndarray, out_offsets: Sequence[int], offsets: Sequence[int],
+              shape: Sequence[int]) -> None:
+    """Read the block ``shape`` at ``offsets`` of ``dset`` straight into ``out`` at ``out_offsets``
+    (HDF5 scatters it into the C-contiguous ``out``: no temporary the size of the block)."""
+    if len(shape) == 0:
+        read_slab(dset, out, ())
+        return
+    if 0 in shape:
+        return
+    mem = h5py.h5s.create_simple(tuple(out.shape))
+    mem.select_hyperslab(tuple(out_offsets), tuple(shape))
+    _did(dset).read(mem, file_space(dset, offsets, shape), out)

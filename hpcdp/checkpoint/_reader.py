@@ -1,27 +1,39 @@
 """``load``: read a checkpoint on any number of ranks, verify it, and reshard.
 
-Each rank opens ``data.h5`` read-only with the default driver and reads only what it needs: whole
-datasets for replicated arrays, and for a ``Shard`` of ``like`` the slabs that intersect its block.
-Every slab read is checked against its CRC32 in the manifest before any byte of it is used. Errors
-are gathered so every rank raises the same ``CheckpointError`` naming the file and dataset; nothing
-is loaded in part: ``load`` returns a new state and never modifies ``like``.
+Each rank opens ``data.h5`` read-only with the default driver and, before it allocates anything,
+validates the manifest (``_manifest``) and where every dataset's bytes are (``_layout``: nothing
+from outside the checkpoint, stored bytes behind every declared shape). It then reads only what it
+needs: whole datasets for replicated arrays, and for a ``Shard`` of ``like`` the slabs that meet
+its block. Every slab is checked against its checksum before any byte of it is used; one that a
+rank keeps only part of is read and checked in C-order blocks of ``READ_BLOCK_BYTES``, so a rank
+holds its own part plus one block, never a whole foreign slab. Errors are gathered so every rank
+raises the same ``CheckpointError`` naming the file and dataset; nothing is loaded in part:
+``load`` returns a new state and never modifies ``like``.
 """
 from __future__ import annotations
 
+import itertools
 import os
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Iterator
 
 import h5py
 import numpy as np
 
 from .._arrays import is_cupy
 from ..errors import CheckpointError
-from ._commit import DATA
-from ._format import MANIFEST, Shard, checksum_of, decode_manifest, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
-from ._group import resolve
-from ._h5util import read_slab
+from ._commit import DATA, recover
+from ._format import Shard, checksum_of, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
+from ._group import resolve as resolve_group
+from ._h5util import read_into, read_slab
+from ._layout import Names, Piece, open_rank_file, read_manifest, survey
 
-__all__ = ["load", "verify_structure", "data_file"]
+__all__ = ["load", "verify_structure", "data_file", "READ_BLOCK_BYTES"]
+
+#: a slab a rank keeps only part of is read and verified in pieces of at most this many bytes
+READ_BLOCK_BYTES = 16 << 20
+#: rank files kept open at once while one load reads (a 1000-rank checkpoint has 1000 of them)
+OPEN_RANK_FILES = 16
 
 
 def data_file(path: str | os.PathLike) -> str:
@@ -38,87 +50,194 @@ def _open(fn: str) -> Any:
         raise CheckpointError(f"load {fn}: cannot open as HDF5 (truncated or not a checkpoint): {exc}") from None
 
 
-def _manifest(f: Any, fn: str) -> dict:
-    if MANIFEST not in f:
-        raise CheckpointError(f"load {fn}: not an hpcdp checkpoint: no manifest dataset {MANIFEST!r}")
-    try:
-        d = f[MANIFEST]
-        raw, crc = d[()], d.attrs.get("crc32")
-    except (OSError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"load {fn}: the manifest cannot be read (truncated?): {exc}") from None
-    m = decode_manifest(raw, crc, f"load {fn}")
-    algo = m.get("checksum", "crc32")
-    for meta in m.get("datasets", {}).values():
-        meta["checksum"] = algo
-    base = os.path.dirname(fn)
-    for name in m.get("files", []):
-        src = os.path.join(base, name)
-        try:
-            with h5py.File(src, "r"):
-                pass
-        except OSError as exc:
-            raise CheckpointError(f"load {fn}: slab file {name} is missing or unreadable: {exc}") from None
-    return m
-
-
-def _dataset(f: Any, fn: str, path: str, meta: dict) -> Any:
-    try:
-        d = f[path]
-    except KeyError:
-        raise CheckpointError(f"load {fn}: dataset {path!r} is missing") from None
-    want_shape, want_dtype = tuple(meta["shape"]), np.dtype(meta["dtype"])
-    if not isinstance(d, h5py.Dataset) or d.shape != want_shape or d.dtype != want_dtype:
-        raise CheckpointError(f"load {fn}: dataset {path!r} is {getattr(d, 'shape', '?')} "
-                              f"{getattr(d, 'dtype', '?')}, the manifest says {want_shape} {want_dtype}")
-    return d
-
-
 def verify_structure(directory: str) -> None:
-    """Cheap check before commit: manifest intact, every dataset present at its shape and dtype."""
+    """Check before commit: manifest intact, every dataset present, stored and mapped as it must be."""
     fn = os.path.join(directory, DATA)
     with _open(fn) as f:
-        m = _manifest(f, fn)
-        for path, meta in m["datasets"].items():
-            _dataset(f, fn, path, meta)
+        survey(f, fn, read_manifest(f, f"load {fn}"))
 
 
-def _read_region(f: Any, fn: str, path: str, meta: dict, offsets: tuple, shape: tuple) -> np.ndarray:
-    """The verified block ``shape`` at ``offsets`` of dataset ``path`` (storage dtype)."""
-    d = _dataset(f, fn, path, meta)
-    dtype = np.dtype(meta["dtype"])
-    out = np.empty(shape, dtype)
-    full = tuple(offsets) == (0,) * len(shape) and tuple(shape) == tuple(meta["shape"])
-    try:
-        if full:
-            read_slab(d, out, offsets)
-        for s in meta["slabs"]:
-            so, ss = tuple(s["offsets"]), tuple(s["shape"])
-            lo = [max(a, b) for a, b in zip(so, offsets)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(so, ss, offsets, shape)]
-            if len(shape) and any(l >= h for l, h in zip(lo, hi)):
+def _blocks(shape: tuple[int, ...], itemsize: int, budget: int
+            ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Consecutive C-order blocks (offsets, shape) of an array of ``shape``, each at most
+    ``budget`` bytes (or one element): a checksum run over them in order is the whole array's."""
+    n = len(shape)
+    if n == 0:
+        yield (), ()
+        return
+    row = [0] * n                       # row[a]: bytes of one index step along axis a
+    acc = itemsize
+    for a in range(n - 1, -1, -1):
+        row[a] = acc
+        acc *= shape[a]
+    axis = next((a for a in range(n) if row[a] <= budget), n - 1)
+    step = max(1, budget // row[axis])
+    for lead in itertools.product(*(range(s) for s in shape[:axis])):
+        for lo in range(0, shape[axis], step):
+            k = min(step, shape[axis] - lo)
+            yield lead + (lo,) + (0,) * (n - axis - 1), (1,) * axis + (k,) + tuple(shape[axis + 1:])
+
+
+def _box(offsets: Any, shape: Any) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, shape))
+
+
+class _Reader:
+    """One load of one checkpoint file: its validated manifest, where each slab is, open files."""
+
+    def __init__(self, f: Any, fn: str) -> None:
+        self.f, self.fn, self.where = f, fn, f"load {fn}"
+        self.m = read_manifest(f, self.where)
+        self.algo = self.m["checksum"]
+        self.pieces = survey(f, fn, self.m)
+        self._rank_files: OrderedDict[str, Any] = OrderedDict()
+
+    def close(self) -> None:
+        for g, _ in self._rank_files.values():
+            g.close()
+        self._rank_files.clear()
+
+    def _dataset(self, p: Piece) -> Any:
+        if p.dset is not None:
+            return p.dset
+        entry = self._rank_files.pop(p.file, None)
+        if entry is None:
+            g = open_rank_file(os.path.dirname(p.file), os.path.basename(p.file), self.where)
+            entry = (g, Names(g, f"{self.where}: slab file {os.path.basename(p.file)}"))
+            while len(self._rank_files) >= OPEN_RANK_FILES:
+                self._rank_files.popitem(last=False)[1][0].close()
+        self._rank_files[p.file] = entry
+        return entry[1].get(p.name)
+
+    # -- one region of one dataset, verified --------------------------------------------------
+    def region(self, path: str, offsets: tuple, shape: tuple) -> np.ndarray:
+        """The verified block ``shape`` at ``offsets`` of dataset ``path`` (storage dtype)."""
+        dtype = np.dtype(self.m["datasets"][path]["dtype"])
+        out = np.empty(shape, dtype)  # within the declared shape, which survey saw stored
+        for p in self.pieces[path]:
+            so, ss = tuple(p.slab["offsets"]), tuple(p.slab["shape"])
+            lo = tuple(max(a, b) for a, b in zip(so, offsets))
+            hi = tuple(min(a + n, b + k) for a, n, b, k in zip(so, ss, offsets, shape))
+            if any(l >= h for l, h in zip(lo, hi)):
                 continue  # this slab does not meet the region
-            if full:
-                block = out[tuple(slice(o, o + n) for o, n in zip(so, ss))]
-            elif so == tuple(offsets) and ss == tuple(shape):
-                block = read_slab(d, out, so)
+            try:
+                crc = self._slab(self._dataset(p), p, out, offsets, lo, hi)
+            except CheckpointError:
+                raise
+            except (OSError, ValueError, TypeError, RuntimeError, KeyError) as exc:
+                raise CheckpointError(f"{self.where}: dataset {path!r} cannot be read (truncated?): "
+                                      f"{exc}") from None
+            if crc != p.slab["crc32"]:
+                raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {ss} at {so} fails "
+                                      f"its {self.algo.upper()} checksum (corrupt data)")
+        return out
+
+    def _slab(self, d: Any, p: Piece, out: np.ndarray, offsets: tuple, lo: tuple, hi: tuple) -> int:
+        """Read slab ``p`` from ``d``, put its part in [lo, hi) into ``out``; its checksum."""
+        so, ss = tuple(p.slab["offsets"]), tuple(p.slab["shape"])
+        blocks = _blocks(ss, out.dtype.itemsize, READ_BLOCK_BYTES)
+        if lo == so and hi == tuple(a + n for a, n in zip(so, ss)):
+            # the whole slab is wanted: read it in place, then checksum it there
+            rel = tuple(a - b for a, b in zip(so, offsets))
+            read_into(d, out, rel, p.at, ss)
+            view = out[_box(rel, ss)]
+            if view.flags.c_contiguous:
+                return checksum_of(view, self.algo)
+            crc = 0
+            for bo, bs in blocks:
+                crc = checksum_of(view[_box(bo, bs)], self.algo, crc)
+            return crc
+        crc = 0
+        for bo, bs in blocks:  # only part is wanted: never hold the whole slab
+            buf = read_slab(d, np.empty(bs, out.dtype), tuple(a + b for a, b in zip(p.at, bo)))
+            crc = checksum_of(buf, self.algo, crc)
+            g0 = tuple(a + b for a, b in zip(so, bo))
+            blo = tuple(max(g, l) for g, l in zip(g0, lo))
+            bhi = tuple(min(g + n, h) for g, n, h in zip(g0, bs, hi))
+            if all(l < h for l, h in zip(blo, bhi)):
+                out[tuple(slice(l - o, h - o) for l, h, o in zip(blo, bhi, offsets))] = \
+                    buf[tuple(slice(l - g, h - g) for l, h, g in zip(blo, bhi, g0))]
+        return crc
+
+    # -- the state ---------------------------------------------------------------------------
+    def _check_dtype(self, path: str, meta: dict, dtype: Any) -> None:
+        dt = np.dtype(dtype)
+        ok = (type_note(dt) or "") == (meta["type"] if meta["type"] == "bfloat16" else "")
+        try:
+            ok = ok and storage_dtype(dt) == np.dtype(meta["dtype"])
+        except TypeError:
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{self.where}: dataset {path!r} holds {meta['type']}, like has {dt}")
+
+    def from_like(self, like: Any, node: dict, where: str) -> Any:
+        t, fn = node["t"], self.fn
+        if isinstance(like, dict):
+            if t != "dict":
+                raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a dict in like")
+            items = {str(it["k"]): it["v"] for it in node["items"]}
+            out = {}
+            for k, v in like.items():
+                if str(k) not in items:
+                    raise CheckpointError(f"load {fn}: key {where}[{k!r}] is not in the checkpoint")
+                out[k] = self.from_like(v, items[str(k)], f"{where}[{k!r}]")
+            # Entries like does not have (e.g. optimizer state created lazily) are loaded whole.
+            known = {str(k) for k in like}
+            for it in node["items"]:
+                if str(it["k"]) not in known:
+                    k = int(it["k"]) if it["kt"] == "int" else it["k"]
+                    out[k] = self.whole(it["v"])
+            return out
+        if isinstance(like, (list, tuple)):
+            if t not in ("list", "tuple") or len(node["items"]) != len(like):
+                n = len(node.get("items", ()))
+                raise CheckpointError(f"load {fn}: {where} is a {t} of {n} in the checkpoint, "
+                                      f"like has a {type(like).__name__} of {len(like)}")
+            items = [self.from_like(v, c, f"{where}[{i}]")
+                     for i, (v, c) in enumerate(zip(like, node["items"]))]
+            return items if isinstance(like, list) else tuple(items)
+        if isinstance(like, Shard) or (hasattr(like, "shape") and hasattr(like, "dtype")
+                                       and not isinstance(like, np.generic)):
+            if t not in ("array", "shard"):
+                raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, an array in like")
+            path = node["path"]
+            meta = self.m["datasets"][path]
+            if isinstance(like, Shard):
+                gshape, offsets, local = like.global_shape, like.offsets, like.local
             else:
-                block = read_slab(d, np.empty(ss, dtype), so)
-                dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-                src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, so))
-                out[dst] = block[src]
-            if checksum_of(block, meta["checksum"]) != int(s["crc32"]):
-                raise CheckpointError(f"load {fn}: dataset {path!r}: the slab {ss} at {so} fails its "
-                                      f"{meta['checksum'].upper()} checksum (corrupt data)")
-    except CheckpointError:
-        raise
-    except (OSError, ValueError, TypeError, RuntimeError) as exc:
-        raise CheckpointError(f"load {fn}: dataset {path!r} cannot be read (truncated?): {exc}") from None
-    return out
+                gshape, offsets, local = tuple(like.shape), (0,) * len(like.shape), like
+            if tuple(gshape) != tuple(meta["shape"]):
+                raise CheckpointError(f"load {fn}: dataset {path!r} has shape {tuple(meta['shape'])}, "
+                                      f"like has {tuple(gshape)} at {where}")
+            self._check_dtype(path, meta, local.dtype)
+            a = _as_like(self.region(path, tuple(offsets), tuple(local.shape)), meta["type"], local)
+            return Shard(a, gshape, offsets) if isinstance(like, Shard) else a
+        if t != "scalar":
+            raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a scalar in like")
+        return scalar_value(node)
+
+    def whole(self, node: dict) -> Any:
+        """The subtree ``node`` with every array read whole, at its global shape."""
+        arrays = {}
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n["t"] in ("array", "shard"):
+                meta = self.m["datasets"][n["path"]]
+                shape = tuple(meta["shape"])
+                a = self.region(n["path"], (0,) * len(shape), shape)
+                arrays[n["path"]] = _as_like(a, meta["type"], None)
+            elif n["t"] == "dict":
+                stack.extend(it["v"] for it in n["items"])
+            elif n["t"] in ("list", "tuple"):
+                stack.extend(n["items"])
+        return unflatten(node, arrays)
 
 
 def _as_like(a: np.ndarray, note: str, like: Any) -> Any:
+    note = "bfloat16" if note == "bfloat16" else ""
     if like is not None:
-        a = a.view(like.dtype) if note == "bfloat16" else a
+        a = a.view(like.dtype) if note else a
         if is_cupy(like):
             import cupy
 
@@ -127,90 +246,20 @@ def _as_like(a: np.ndarray, note: str, like: Any) -> Any:
     return a.view(memory_dtype(a.dtype.str, note)) if note else a
 
 
-def _check_dtype(fn: str, path: str, meta: dict, dtype: Any) -> None:
-    dt = np.dtype(dtype)
-    ok = (type_note(dt) or "") == (meta.get("type") if meta.get("type") == "bfloat16" else "")
-    try:
-        ok = ok and storage_dtype(dt) == np.dtype(meta["dtype"])
-    except TypeError:
-        ok = False
-    if not ok:
-        raise CheckpointError(f"load {fn}: dataset {path!r} holds {meta.get('type')}, like has {dt}")
-
-
-def _from_like(f: Any, fn: str, m: dict, like: Any, node: dict, where: str) -> Any:
-    t = node["t"]
-    if isinstance(like, dict):
-        if t != "dict":
-            raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a dict in like")
-        items = {str(it["k"]): it["v"] for it in node["items"]}
-        out = {}
-        for k, v in like.items():
-            if str(k) not in items:
-                raise CheckpointError(f"load {fn}: key {where}[{k!r}] is not in the checkpoint")
-            out[k] = _from_like(f, fn, m, v, items[str(k)], f"{where}[{k!r}]")
-        # Entries like does not have (e.g. optimizer state created lazily) are loaded whole.
-        known = {str(k) for k in like}
-        for it in node["items"]:
-            if str(it["k"]) not in known:
-                k = int(it["k"]) if it["kt"] == "int" else it["k"]
-                out[k] = _whole(f, fn, m, it["v"])
-        return out
-    if isinstance(like, (list, tuple)):
-        if t not in ("list", "tuple") or len(node["items"]) != len(like):
-            n = len(node.get("items", ()))
-            raise CheckpointError(f"load {fn}: {where} is a {t} of {n} in the checkpoint, "
-                                  f"like has a {type(like).__name__} of {len(like)}")
-        items = [_from_like(f, fn, m, v, c, f"{where}[{i}]") for i, (v, c) in enumerate(zip(like, node["items"]))]
-        return items if isinstance(like, list) else tuple(items)
-    if isinstance(like, Shard) or (hasattr(like, "shape") and hasattr(like, "dtype") and not isinstance(like, np.generic)):
-        if t not in ("array", "shard"):
-            raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, an array in like")
-        path = node["path"]
-        meta = m["datasets"][path]
-        if isinstance(like, Shard):
-            gshape, offsets, local = like.global_shape, like.offsets, like.local
-        else:
-            gshape, offsets, local = tuple(like.shape), (0,) * len(like.shape), like
-        if tuple(gshape) != tuple(meta["shape"]):
-            raise CheckpointError(f"load {fn}: dataset {path!r} has shape {tuple(meta['shape'])}, "
-                                  f"like has {tuple(gshape)} at {where}")
-        _check_dtype(fn, path, meta, local.dtype)
-        a = _as_like(_read_region(f, fn, path, meta, tuple(offsets), tuple(local.shape)), meta.get("type", ""), local)
-        return Shard(a, gshape, offsets) if isinstance(like, Shard) else a
-    if t != "scalar":
-        raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a scalar in like")
-    return scalar_value(node)
-
-
-def _whole(f: Any, fn: str, m: dict, node: dict) -> Any:
-    """The subtree ``node`` with every array read whole, at its global shape."""
-    arrays = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n["t"] in ("array", "shard"):
-            meta = m["datasets"][n["path"]]
-            shape = tuple(meta["shape"])
-            a = _read_region(f, fn, n["path"], meta, (0,) * len(shape), shape)
-            arrays[n["path"]] = _as_like(a, "bfloat16" if meta.get("type") == "bfloat16" else "", None)
-        elif n["t"] == "dict":
-            stack.extend(it["v"] for it in n["items"])
-        elif n["t"] in ("list", "tuple"):
-            stack.extend(n["items"])
-    return unflatten(node, arrays)
-
-
 def _read(fn: str, like: Any) -> Any:
     with _open(fn) as f:
-        m = _manifest(f, fn)
-        if like is not None:
-            return _from_like(f, fn, m, like, m["tree"], "state")
-        return _whole(f, fn, m, m["tree"])
+        r = _Reader(f, fn)
+        try:
+            return r.whole(r.m["tree"]) if like is None else r.from_like(like, r.m["tree"], "state")
+        finally:
+            r.close()
 
 
 def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any:
     """Read the checkpoint ``path`` (collective over ``group``); returns a new state.
+
+    A re-save of ``path`` that died between moving the old copy aside and renaming the new one in
+    left only temporary names: the old copy is put back under ``path`` first.
 
     Args:
         path: a checkpoint directory (as passed to ``save``) or its ``data.h5``.
@@ -223,11 +272,14 @@ def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any
     """
     from ._save import wait_pending
 
-    group = resolve(group)
+    group = resolve_group(group)
     wait_pending(group)
     fn = data_file(path)
     result, err = None, None
     try:
+        if not os.path.lexists(fn):
+            recover(os.fspath(path))  # whichever rank put it back, it is back for all
+            fn = data_file(path)
         result = _read(fn, like)
     except CheckpointError as exc:
         err = str(exc)

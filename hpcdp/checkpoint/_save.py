@@ -3,7 +3,8 @@
 1. flatten the state locally (copying it first for ``async_save``);
 2. gather every rank's dataset specs, shard blocks and a digest of its non-array values; check
    they agree (rank 0's scalars are the ones written) and that shards tile;
-3. rank 0 creates the temporary directory and broadcasts its name;
+3. rank 0 checks that ``path`` is free or a committed checkpoint it may replace (anything else
+   raises, untouched), creates the temporary directory and broadcasts its name;
 4. write the slabs (``_writer_mpio`` or ``_writer_vds``), CRC32 of each slab computed on the way;
    a rank that fails goes on taking part in the remaining collective writes with nothing to write;
 5. gather the slab checksums (and any failure); build the manifest, identical on every rank;
@@ -155,7 +156,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
             tmp = _commit.begin(final)
         except Exception as exc:  # noqa: BLE001
             err = _describe(exc)
-    tmp = _agree(group, "creating the temporary directory", final, err, tmp)[0]
+    tmp = _agree(group, "preparing the directory", final, err, tmp)[0]
 
     # 4. write
     if mode == "mpio":
@@ -207,7 +208,8 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
         d["slabs"].sort(key=lambda s: s["offsets"])
     files = []
     if mode == "vds":
-        from ._writer_vds import _in_main, rank_file
+        from ._format import rank_file
+        from ._writer_vds import _in_main
 
         files = sorted({rank_file(s.rank) for p in plans if not _in_main(p) for s in p.slabs})
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": hpcdp.__version__,
@@ -311,11 +313,15 @@ def save(path: str | os.PathLike, state: dict, *, group: Any = None, keep_last: 
     """Write ``state`` as the checkpoint ``path`` (a directory); collective over ``group``.
 
     Args:
-        path: e.g. ``"ckpt/step-100"``; the same on every rank.
+        path: e.g. ``"ckpt/step-100"``; the same on every rank. An existing ``path`` is replaced
+            only if it is a committed hpcdp checkpoint with nothing else in it; anything else (a
+            project directory, ``"."``, the parent of ``step-*/``) raises ``CheckpointError``
+            and is left untouched.
         state: nested dict of arrays (numpy/cupy, replicated: rank 0's copy is written), ``Shard``s,
             scalars, strings, lists and tuples.
         group: process group (default: the default group; none needed in a plain session).
-        keep_last: keep only the newest N checkpoints in ``path``'s directory.
+        keep_last: keep only the newest N checkpoints in ``path``'s directory (only committed
+            hpcdp checkpoints count, and only they are ever deleted).
         async_save: copy the arrays now, write in a background thread, return an ``AsyncSave``.
         mode: "mpio", "vds" or "auto" (default: ``HPCDP_CKPT_MODE`` or auto).
 

@@ -15,22 +15,11 @@ import h5py
 import numpy as np
 
 from ._commit import DATA
-from ._format import MANIFEST, Leaf, container_groups, scalar_attrs
+from ._format import MANIFEST, Leaf, container_groups, rank_file, scalar_attrs, vds_name
 from ._h5util import create_dataset, write_slab
 from ._plan import DatasetPlan, slab_data
 
 __all__ = ["VdsWriter", "rank_file", "vds_name"]
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.h5"
-
-
-def vds_name(name: str) -> str:
-    """``name`` as HDF5 wants a virtual source's file or dataset name: it parses them as printf-like
-    patterns (``%b`` = block number), so a literal "%" (our "/" in a key is escaped as "%2F") must be
-    doubled, or H5Pset_virtual fails with "invalid format specifier"."""
-    return name.replace("%", "%%")
 
 
 def _in_main(p: DatasetPlan) -> bool:

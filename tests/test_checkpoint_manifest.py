@@ -1,0 +1,124 @@
+"""A manifest of the wrong structure gets a CheckpointError that says what is wrong (issue 9, item 7).
+
+The manifest is untrusted JSON: every field is validated before any reader code meets it, so a
+JSON list, a wrong type or a missing key never surfaces as an ``AttributeError`` or ``KeyError``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Callable
+
+import pytest
+
+import hpcdp
+from ckpt_bodies import DATA, RawJSON, forge, good_manifest, load_error, plain_w
+from hpcdp.checkpoint import load
+
+
+# -- 7: the manifest's structure ----------------------------------------------------------------
+def _set(path: tuple, value: Any) -> Callable[[dict], Any]:
+    def mutate(m: dict) -> Any:
+        m = copy.deepcopy(m)
+        node = m
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return m
+    return mutate
+
+
+def _deep(m: dict) -> RawJSON:
+    """A tree nested 5000 lists deep (deeper than Python's recursion limit)."""
+    m = copy.deepcopy(m)
+    m["tree"]["items"][0]["v"] = {"t": "list", "items": ["@"]}
+    text = json.dumps(m)
+    n = 5000
+    return RawJSON(text.replace('"@"', '{"t": "list", "items": [' * n + '{"t": "array", "path": "w"}'
+                                + "]}" * n))
+
+
+MANIFESTS = {
+    "json-list": (lambda m: [m], "JSON array"),
+    "json-string": (lambda m: "hpcdp-checkpoint", "JSON string"),
+    "datasets-list": (_set(("datasets",), [1, 2]), "'datasets'"),
+    "no-tree": (lambda m: {k: v for k, v in m.items() if k != "tree"}, "'tree'"),
+    "version-string": (_set(("format_version",), "1"), "'format_version'"),
+    "checksum-unknown": (_set(("checksum",), "md5"), "'md5'"),
+    "shape-string": (_set(("datasets", "w", "shape"), "16"), "datasets['w'].shape"),
+    "shape-negative": (_set(("datasets", "w", "shape"), [-16]), "datasets['w'].shape"),
+    "dtype-number": (_set(("datasets", "w", "dtype"), 8), "datasets['w'].dtype"),
+    "slabs-dict": (_set(("datasets", "w", "slabs"), {"0": 1}), "datasets['w'].slabs"),
+    "slab-no-crc": (lambda m: _set(("datasets", "w", "slabs"), [{"rank": 0, "offsets": [0],
+                                                                  "shape": [16]}])(m),
+                    "datasets['w'].slabs[0]"),
+    "slab-crc-string": (_set(("datasets", "w", "slabs", 0, "crc32"), "abc"), "crc32"),
+    "slab-offsets-axes": (_set(("datasets", "w", "slabs", 0, "offsets"), [0, 0]), "offsets"),
+    "tree-not-dict": (_set(("tree",), ["w"]), "tree"),
+    "tree-unknown-node": (_set(("tree", "items", 0, "v"), {"t": "pickle", "data": "x"}), "'pickle'"),
+    "tree-items-dict": (_set(("tree", "items"), {"w": 1}), "items"),
+    "tree-missing-dataset": (_set(("tree", "items", 0, "v", "path"), "nope"), "'nope'"),
+    "tree-key-type": (_set(("tree", "items", 0, "kt"), "float"), "kt"),
+    "scalar-wrong-value": (_set(("tree", "items", 0, "v"), {"t": "scalar", "type": "int",
+                                                            "value": "7"}), "int"),
+    "files-dotdot": (_set(("files",), ["../rank-00000.h5"]), "../rank-00000.h5"),
+    "too-deep": (_deep, "deep"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(MANIFESTS))
+def test_manifest_structure_is_validated(case: str, tmp_path) -> None:
+    mutate, why = MANIFESTS[case]
+    ck = forge(str(tmp_path / "step-1"), plain_w, mutate(good_manifest()))
+    msg = load_error(ck)
+    assert "manifest" in msg and why in msg, msg
+    assert msg.startswith("load ") and "data.h5" in msg, msg
+
+
+@pytest.mark.timeout(120)
+def test_random_manifest_damage_gives_only_checkpoint_errors() -> None:
+    """Thousands of seeded random replacements anywhere in a manifest: each is accepted or gets a
+    CheckpointError, never another exception (the validator runs before any reader code)."""
+    import random
+
+    from hpcdp.checkpoint._manifest import validate_manifest
+
+    values = [None, True, 0, -1, 2**40, 1.5, "", "x", "<f4", "|O", [], [0], [-1], [[]], {},
+              {"t": "dict"}, {"t": "array", "path": "w"}]
+
+    def places(node: Any, at: tuple = ()) -> Any:
+        yield at
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in items:
+            yield from places(v, at + (k,))
+
+    base = good_manifest()
+    where = list(places(base))
+    rng = random.Random(9)
+    refused = 0
+    for _ in range(3000):
+        m: Any = copy.deepcopy(base)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.choice(where)
+            try:
+                node = m
+                for k in at[:-1]:
+                    node = node[k]
+                if at:
+                    node[at[-1]] = rng.choice(values)
+                else:
+                    m = rng.choice(values)
+            except (KeyError, IndexError, TypeError):
+                pass                                   # an earlier change removed that place
+        try:
+            validate_manifest(m, "load x")
+        except hpcdp.CheckpointError:
+            refused += 1
+    assert refused > 2000                              # most damage is caught, all of it cleanly
+
+
+def test_the_unmutated_forgery_loads(tmp_path) -> None:
+    """The forging helpers make a valid checkpoint: every refusal above is the mutation's doing."""
+    ck = forge(str(tmp_path / "step-1"), plain_w, good_manifest())
+    assert load(ck)["w"].tolist() == DATA.tolist()
