@@ -82,7 +82,7 @@ MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
 
-.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives demo-pipeline \
+.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives demo-fsdp demo-pipeline \
         bench-deps bench info clean distclean
 
 help:
@@ -93,6 +93,7 @@ help:
 	@echo "  make test-mpi          only the MPI runs (-n 2 and -n 4)"
 	@echo "  make test-slurm        every jobs/*.sbatch under a real one-node Slurm (sbatch --wait)"
 	@echo "  make demo-collectives  collectives tour on 4 MPI ranks (examples/01_collectives.py)"
+	@echo "  make demo-fsdp         GPT with FSDP full_shard on 4 MPI ranks (examples/03_fsdp_gpt.py)"
 	@echo "  make demo-pipeline     GPT in 4 pipeline stages on 4 MPI ranks (examples/04_pipeline_gpt.py)"
 	@echo "  make install           .venv with MPI-enabled h5py, mpi4py and hpcdp (editable, [dev,examples])"
 	@echo "  make check             verify parallel h5py and that mpirun ranks see one MPI world"
@@ -274,6 +275,10 @@ demo: install
 
 demo-collectives: install
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/01_collectives.py
+
+# A char-level GPT trained with FSDP (full_shard, one unit per block) on 4 MPI ranks.
+demo-fsdp: install
+	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/03_fsdp_gpt.py
 
 # A char-level GPT split into 4 pipeline stages (1F1B), checked against the unpipelined model.
 demo-pipeline: install

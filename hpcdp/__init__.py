@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._launch import spawn
+from .launch import spawn
 from ._world import (
     finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
 )
@@ -36,6 +36,9 @@ _LAZY = {
     "checkpoint": ("hpcdp.checkpoint", None),
     "progress": ("hpcdp.progress", "progress"),
     "get_logger": ("hpcdp.progress", "get_logger"),
+    "FSDP": ("hpcdp.fsdp", "FSDP"),
+    "FullyShardedDataParallel": ("hpcdp.fsdp", "FSDP"),
+    "fsdp": ("hpcdp.fsdp", None),
     "pipeline": ("hpcdp.pipeline", None),
     "rpc": ("hpcdp.rpc", None),
     "trace": ("hpcdp.trace", None),
@@ -64,5 +67,5 @@ __all__ = [
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",
-    "pipeline", "rpc", "trace", "report_stragglers",
+    "FSDP", "FullyShardedDataParallel", "fsdp", "pipeline", "rpc", "trace", "report_stragglers",
 ]

@@ -343,6 +343,64 @@ class DDP:
         """Load into the module (same keys as the bare model's)."""
         return self.module.load_state_dict(state, strict=strict)
 
+    def optim_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s state keyed by parameter name (plain arrays), as ``FSDP.optim_state_dict``.
+
+        Returns ``{"state": {name: {key: array | scalar}}, "param_groups": [{..., "params": [names]}]}``,
+        so optimizer state moves between DDP, FSDP and world sizes through a checkpoint.
+        """
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        groups, state = [], {}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in names:
+                    raise ValueError(f"DDP.optim_state_dict (rank {self.group.rank}): the optimizer holds a "
+                                     "parameter that is not one of the module's")
+                if optimizer.state.get(p):
+                    state[names[id(p)]] = dict(optimizer.state[p])
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [names[id(p)] for p in g["params"]]})
+        return {"state": state, "param_groups": groups}
+
+    def load_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Load name-keyed optimizer state (whole arrays, or ``checkpoint.Shard`` blocks covering
+        the whole parameter) into ``optimizer``, e.g. from ``FSDP.optim_state_dict`` via a checkpoint."""
+        where = f"DDP.load_optim_state_dict (rank {self.group.rank})"
+        by_name = dict(self.module.named_parameters())
+        groups = list(state.get("param_groups", []))
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"{where}: state has {len(groups)} param groups, the optimizer "
+                             f"{len(optimizer.param_groups)}")
+        names = {id(p): n for n, p in by_name.items()}
+        for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+            if sorted(names.get(id(p), "?") for p in mine["params"]) != sorted(map(str, theirs.get("params", []))):
+                raise ValueError(f"{where}: param group {i} names {theirs.get('params')} do not match")
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v.tolist() if hasattr(v, "tolist") else v) if isinstance(mine.get(k), tuple) \
+                        else (v.item() if isinstance(v, np.generic) else v)
+        new: dict[Any, dict[str, Any]] = {}
+        for name, st in state.get("state", {}).items():
+            p = by_name.get(str(name))
+            if p is None:
+                raise KeyError(f"{where}: state for {name!r}, which the module does not have")
+            entry = {}
+            for k, v in st.items():
+                if hasattr(v, "global_shape") and hasattr(v, "local"):   # a checkpoint.Shard
+                    if tuple(v.local.shape) != tuple(v.global_shape):
+                        raise ValueError(f"{where}: {name}.{k} is a block {tuple(v.local.shape)} of "
+                                         f"{tuple(v.global_shape)}; DDP needs the whole array")
+                    v = v.local
+                if hasattr(v, "shape") and v.ndim == 0 and k == "step":
+                    v = int(v)
+                elif hasattr(v, "shape"):
+                    xp = xp_of(p.data)
+                    v = xp.asarray(v.get() if hasattr(v, "get") and xp is np else v)
+                    v = v.astype(p.data.dtype if np.issubdtype(v.dtype, np.floating) else v.dtype, copy=True)
+                entry[k] = v
+            new[p] = entry
+        optimizer.state = new
+
     def train(self, mode: bool = True) -> DDP:
         """Set the module's training mode; return self."""
         self.module.train(mode)

@@ -1,0 +1,244 @@
+"""FSDP state for checkpoints: Shards at global names, full gathers, name-keyed optimizer state.
+
+What each rank returns from ``state_dict`` / ``optim_state_dict``:
+
+* full_shard and shard_grad_op (n > 1): ``Shard(local rows, global shape, (lo, 0, ...))`` per
+  parameter and per optimizer array of a parameter's shape; padding never leaves the unit.
+* hybrid_shard: the replicas of shard group 0 give their blocks, the other replicas empty blocks
+  (a checkpoint must not be written twice); loading broadcasts from replica 0 across replicas.
+* no_shard or one rank: the plain arrays, as the bare model's ``state_dict`` would.
+
+Loading takes, per name, a ``Shard`` (this rank's block, e.g. read back through ``like=``) or a
+whole array (a checkpoint from DDP or a plain model, or optimizer state that ``like`` did not
+describe, which ``checkpoint.load`` reads whole): this rank's rows are cut out of it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._arrays import to_host, xp_of
+from ..errors import HpcdpError
+from ..nn._backend import to_module
+
+__all__ = ["state_dict", "load_state_dict", "full_state_dict", "optim_state_dict", "load_optim_state_dict"]
+
+
+def _shard_type() -> Any:
+    # Imported on use: hpcdp.checkpoint brings h5py, which training alone does not need.
+    from ..checkpoint import Shard
+
+    return Shard
+
+
+def _as_entry(fsdp: Any, slot: Any, local: Any) -> Any:
+    Shard = _shard_type()
+    comm = fsdp.comm
+    if comm.n == 1:
+        return local
+    if comm.replica != 0:
+        return Shard(local[:0], slot.shape, (0,) * len(slot.shape))
+    return Shard(local, slot.shape, slot.offsets)
+
+
+def _buffers(fsdp: Any) -> dict[str, Any]:
+    names = {n for n, _ in fsdp._named_shards}
+    sd = getattr(fsdp.module, "state_dict", None)
+    if sd is None:
+        return {}
+    return {k: v for k, v in sd().items() if k not in names}
+
+
+def _slots(fsdp: Any) -> dict[str, tuple[Any, Any, Any]]:
+    """name -> (unit, slot, shard parameter)."""
+    return {s.name: (u, s, sp) for u in fsdp.units for s, sp in zip(u.slots, u.shard_params)}
+
+
+def state_dict(fsdp: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    slots = _slots(fsdp)
+    for name, sp in fsdp._named_shards:
+        out[name] = _as_entry(fsdp, slots[name][1], sp.data)
+    out.update(_buffers(fsdp))
+    return out
+
+
+def _local_piece(where: str, name: str, value: Any, slot: Any, rank: int) -> Any | None:
+    """This rank's rows from a Shard or a whole array; None for an empty block (hybrid replica)."""
+    lo, hi = slot.bounds()
+    if isinstance(value, _shard_type()):
+        if tuple(value.global_shape) != slot.shape:
+            raise ValueError(f"{where} (rank {rank}): {name!r} has global shape {value.global_shape}, "
+                             f"the model has {slot.shape}")
+        local = value.local
+        if hi == lo:
+            return local[:0]
+        if local.size == 0 and slot.row_size != 0:
+            return None
+        start = value.offsets[0]
+        if any(value.offsets[1:]) or tuple(local.shape[1:]) != slot.shape[1:] \
+                or start > lo or start + local.shape[0] < hi:
+            raise ValueError(f"{where} (rank {rank}): {name!r} is a block {tuple(local.shape)} at "
+                             f"{value.offsets}, which does not hold this rank's rows [{lo}, {hi})")
+        return local[lo - start:hi - start]
+    shape = tuple(getattr(value, "shape", ()))
+    if shape != slot.shape:
+        raise ValueError(f"{where} (rank {rank}): {name!r} has shape {shape}, the model has {slot.shape}")
+    return value[lo:hi]
+
+
+def load_state_dict(fsdp: Any, state: dict[str, Any], strict: bool = True) -> None:
+    where, rank = "FSDP.load_state_dict", fsdp.group.rank
+    if fsdp._sched.summoned or fsdp._sched.in_backward:
+        raise HpcdpError(f"{where} (rank {rank}): not inside summon_full_params() or backward")
+    slots = _slots(fsdp)
+    bufs = dict(fsdp.module.named_buffers()) if hasattr(fsdp.module, "named_buffers") else {}
+    persistent = _buffers(fsdp)
+    missing = [k for k in list(slots) + list(persistent) if k not in state]
+    unexpected = [k for k in state if k not in slots and k not in bufs]
+    if strict and (missing or unexpected):
+        raise KeyError(f"{where} (rank {rank}): missing keys {missing}, unexpected keys {unexpected}")
+    for name, (u, slot, sp) in slots.items():
+        if name not in state:
+            continue
+        piece = _local_piece(where, name, state[name], slot, rank)
+        if piece is not None:
+            sp.data[...] = to_module(piece, xp_of(sp.data))
+    for name, b in bufs.items():
+        if name in state:
+            b[...] = to_module(state[name], xp_of(b))
+    rep = fsdp.comm.replicate
+    if rep is not None and fsdp.comm.n > 1:  # hybrid: replicas other than 0 may have read nothing
+        for u in fsdp.units:
+            if u.S:
+                rep.broadcast(u.flat, 0)
+
+
+def full_state_dict(fsdp: Any) -> dict[str, Any]:
+    comm = fsdp.comm
+    out: dict[str, Any] = {}
+    mine = fsdp.group.rank == 0
+    if comm.replica != 0:
+        return out
+    for u in fsdp.units:
+        if not u.slots:
+            continue
+        if comm.n == 1:
+            full = to_host(u.flat).copy() if mine else None
+        else:
+            got = comm.shard.gather(u.flat, root=0)
+            full = None
+            if mine:
+                full = np.empty(u.F, u.master_dtype)
+                host = to_host(got)
+                for slot in u.slots:
+                    slot.copy_out(host, full)
+        if mine:
+            for slot in u.slots:
+                out[slot.name] = slot.full_view(full)
+    if not mine:
+        return {}
+    order = [n for n, _ in fsdp._named_shards]
+    result = {n: out[n] for n in order}
+    result.update({k: to_host(v).copy() for k, v in _buffers(fsdp).items()})
+    return result
+
+
+def _groups_out(optimizer: Any, names: dict[int, str]) -> list[dict[str, Any]]:
+    groups = []
+    for g in optimizer.param_groups:
+        gd = {k: v for k, v in g.items() if k != "params"}
+        gd["params"] = [names[id(p)] for p in g["params"]]
+        groups.append(gd)
+    return groups
+
+
+def _name_map(fsdp: Any, optimizer: Any, where: str) -> dict[int, str]:
+    names = {id(sp): n for n, sp in fsdp._named_shards}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in names:
+                raise ValueError(f"{where} (rank {fsdp.group.rank}): the optimizer holds a parameter "
+                                 f"of shape {tuple(p.data.shape)} that is not one of this FSDP's shard "
+                                 "parameters; build the optimizer on fsdp.parameters()")
+    return names
+
+
+def optim_state_dict(fsdp: Any, optimizer: Any) -> dict[str, Any]:
+    names = _name_map(fsdp, optimizer, "FSDP.optim_state_dict")
+    slots = _slots(fsdp)
+    state: dict[str, Any] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            st = optimizer.state.get(p)
+            if not st:
+                continue
+            name = names[id(p)]
+            slot = slots[name][1]
+            entry = {}
+            for k, v in st.items():
+                is_piece = hasattr(v, "shape") and tuple(v.shape) == tuple(p.data.shape) and v.ndim > 0
+                entry[k] = _as_entry(fsdp, slot, v) if is_piece else v
+            state[name] = entry
+    return {"state": state, "param_groups": _groups_out(optimizer, names)}
+
+
+def _restore_groups(where: str, rank: int, optimizer: Any, groups: list[dict[str, Any]],
+                    names: dict[int, str]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{where} (rank {rank}): state has {len(groups)} param groups, the optimizer "
+                         f"has {len(optimizer.param_groups)}")
+    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+        want = [names[id(p)] for p in mine["params"]]
+        got = [str(n) for n in theirs.get("params", [])]
+        if sorted(want) != sorted(got):
+            raise ValueError(f"{where} (rank {rank}): param group {i} holds {got}, the optimizer {want}")
+        for k, v in theirs.items():
+            if k == "params":
+                continue
+            if isinstance(mine.get(k), tuple):
+                v = tuple(v.tolist() if hasattr(v, "tolist") else v)
+            elif isinstance(v, np.generic):
+                v = v.item()
+            mine[k] = v
+
+
+def _cast(name: str, value: Any, like: Any) -> Any:
+    if not hasattr(value, "shape"):
+        return value
+    if value.ndim == 0 and name == "step":
+        return int(value)
+    arr = to_module(value, xp_of(like))
+    dtype = like.dtype if np.issubdtype(np.dtype(arr.dtype), np.floating) else arr.dtype
+    return arr.astype(dtype, copy=True)
+
+
+def load_optim_state_dict(fsdp: Any, optimizer: Any, osd: dict[str, Any]) -> None:
+    where, rank = "FSDP.load_optim_state_dict", fsdp.group.rank
+    names = _name_map(fsdp, optimizer, where)
+    by_name = {n: sp for n, sp in fsdp._named_shards}
+    slots = _slots(fsdp)
+    _restore_groups(where, rank, optimizer, list(osd.get("param_groups", [])), names)
+    new_state: dict[Any, dict[str, Any]] = {}
+    for name, st in osd.get("state", {}).items():
+        name = str(name)
+        if name not in by_name:
+            raise KeyError(f"{where} (rank {rank}): state for {name!r}, which this model does not have")
+        sp, slot = by_name[name], slots[name][1]
+        entry: dict[str, Any] = {}
+        for k, v in st.items():
+            if isinstance(v, _shard_type()) or (hasattr(v, "shape") and tuple(v.shape) == slot.shape and v.ndim > 0):
+                piece = _local_piece(where, f"{name}.{k}", v, slot, rank)
+                entry[k] = xp_of(sp.data).zeros_like(sp.data) if piece is None else _cast(k, piece, sp.data)
+            else:
+                entry[k] = _cast(k, v, sp.data)
+        new_state[sp] = entry
+    rep = fsdp.comm.replicate
+    if rep is not None and fsdp.comm.n > 1:   # hybrid: replica 0's state to the others
+        for name, sp in fsdp._named_shards:
+            for k in sorted(new_state.get(sp, {})):
+                v = new_state[sp][k]
+                if hasattr(v, "shape") and v.ndim > 0:
+                    rep.broadcast(v, 0)
+    optimizer.state = new_state
