@@ -123,3 +123,30 @@ def test_zero1_matches_ddp(world_size: int, opt: str) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_zero1_mpi(mpi_world) -> None:
     _check(run_mpi(body_zero, "adam"))
+
+
+def _memory_stats_find_the_optimizer(rank: int) -> list[str]:
+    import hpcdp
+    from hpcdp import nn, optim
+
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).astype(np.float64)
+    f = hpcdp.FSDP(m)
+    fails = []
+    if f.memory_stats()["optim_state"] != 0:
+        fails.append("optimizer state counted before any optimizer exists")
+    opt = optim.Adam(f.parameters(), lr=1e-3)
+    other = optim.Adam(nn.Linear(3, 3).parameters(), lr=1e-3)  # not on these shards: not counted
+    out = f(np.ones((4, 8)))
+    f.backward(np.ones_like(out))
+    opt.step()
+    found, given = f.memory_stats()["optim_state"], f.memory_stats(opt)["optim_state"]
+    if not (found == given > 0):
+        fails.append(f"memory_stats() found {found} B of optimizer state, memory_stats(opt) {given} B")
+    del other
+    return fails
+
+
+@pytest.mark.timeout(120)
+def test_memory_stats_finds_the_optimizer_itself() -> None:
+    for fails in run_ranks("sim", 2, _memory_stats_find_the_optimizer):
+        assert not fails, fails

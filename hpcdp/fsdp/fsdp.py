@@ -383,13 +383,21 @@ class FSDP:
                 u.reshard()
 
     def memory_stats(self, optimizer: Any = None, *, reset_peak: bool = False) -> MemoryStats:
-        """Bytes this rank holds: shard parameters, gradients, optimizer state (if given), peaks.
+        """Bytes this rank holds: shard parameters, gradients, optimizer state, peaks.
 
         Args:
-            optimizer: the optimizer built on ``fsdp.parameters()``; its state is counted.
+            optimizer: the optimizer whose state to count; by default every live ``hpcdp.optim``
+                optimizer built on these shards (``print(fsdp.memory_stats())`` shows them all).
             reset_peak: start a new peak window after reading this one.
         """
         shard_params = [p for _, p in self._named_shards]
+        if optimizer is None:
+            from ..optim.optimizer import live_optimizers
+
+            mine = {id(p) for p in shard_params}
+            optimizers = [o for o in live_optimizers()
+                          if any(id(p) in mine for g in o.param_groups for p in g["params"])]
+            optimizer = _Combined(optimizers)  # none built yet: no state, 0 bytes
         stats = MemoryStats(
             rank=self.group.rank, world=self.group.size, strategy=self.strategy,
             params=sum(u.shard_param_bytes() for u in self.units),
@@ -434,3 +442,12 @@ class FSDP:
         units = ", ".join(f"{u.name}({len(u.slots)})" for u in self.units)
         return (f"FSDP(strategy={self.strategy}, group={self.group.name}, shard={self.comm.n}, "
                 f"replicas={self.comm.m}, units=[{units}])")
+
+
+class _Combined:
+    """Several optimizers seen as one ``state`` mapping, for memory accounting."""
+
+    def __init__(self, optimizers: list[Any]) -> None:
+        self.state: dict[Any, Any] = {}
+        for o in optimizers:
+            self.state.update(o.state)

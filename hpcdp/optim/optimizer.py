@@ -2,13 +2,23 @@
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from ..nn._backend import to_module, xp_of
 
-__all__ = ["Optimizer"]
+__all__ = ["Optimizer", "live_optimizers"]
+
+#: every optimizer alive in this process, so wrappers can account for the state of the optimizers
+#: built on their parameters (``FSDP.memory_stats()``) without being handed them
+_LIVE: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+
+
+def live_optimizers() -> list["Optimizer"]:
+    """The optimizers of this process that have not been garbage-collected."""
+    return list(_LIVE)
 
 
 class Optimizer:
@@ -35,6 +45,7 @@ class Optimizer:
         groups = params if isinstance(params[0], dict) else [{"params": params}]
         for g in groups:
             self.add_param_group(g)
+        _LIVE.add(self)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Add a group of parameters with its own hyper-parameters (missing ones take the defaults)."""
