@@ -115,20 +115,22 @@ def body_parity_cases(rank: int, cases: list[tuple]) -> list[str]:
     return [f for case in cases for f in body_parity(rank, *case)]
 
 
-def body_pp_dp(rank: int, schedule: str, pp_size: int = 2, steps: int = 3, v: int = 1) -> list[str]:
+def body_pp_dp(rank: int, schedule: str, pp_size: int = 2, steps: int = 3, v: int = 1,
+               kind: str = "ce") -> list[str]:
     """``pp_size`` pipeline ranks x (world / pp_size) replicas equal one process training on the
-    whole batch (each replica takes its part of it)."""
+    whole batch (each replica takes its part of it). With ``kind="ce_ignore"`` the replicas hold
+    different numbers of ignored targets: the mean is still over the whole batch's."""
     g = pp.grid(pp_size)
     dp = hpcdp.world_size() // pp_size
-    ref = reference("ce", steps, batch=dp * BATCH)
+    ref = reference(kind, steps, batch=dp * BATCH)
     # Replica 1 starts from other weights: the pipeline must broadcast replica 0's.
     stage = pp.PipelineStage(make_model(seed=0 if g.dp_rank == 0 else 7), virtual=v, group=g.pp_group)
-    pipe = pp.Pipeline(stage, schedule=schedule, n_microbatches=4, loss_fn=make_loss("ce"),
+    pipe = pp.Pipeline(stage, schedule=schedule, n_microbatches=4, loss_fn=make_loss(kind),
                        dp_group=g.dp_group)
     opt = optim.SGD(stage.parameters(), lr=0.1)
     fails = []
     for step in range(steps):
-        x, y = make_data("ce", step, dp * BATCH)
+        x, y = make_data(kind, step, dp * BATCH)
         part = slice(g.dp_rank * BATCH, (g.dp_rank + 1) * BATCH)
         loss = pipe.step(x[part], y[part])
         rloss, rgrads, rparams = ref[step]
@@ -312,3 +314,45 @@ def body_ckpt_ddp(rank: int, path: str, expected: dict[str, np.ndarray]) -> list
     ddp.load_state_dict(state["model"])
     return [f"{n} differs under DDP" for n, prm in ddp.named_parameters()
             if not np.array_equal(prm.data, expected[n])]
+
+
+def body_failure_with_an_unreachable_peer(rank: int) -> dict[str, Any]:
+    """Stage 2 of 4 raises in a forward while its control message to rank 0 cannot be sent (that
+    peer looks gone): rank 2 still raises its own error, ranks 1 and 3 still hear of it from rank 2
+    (not by timing out), and nothing stays stashed on any rank (the loss's included)."""
+    g = hpcdp.get_default_group()
+    model, boom = _boom_model()
+    stage = pp.PipelineStage(model, split_points=[1, 2, 3])
+    loss_fn = make_loss("ce")
+    pipe = pp.Pipeline(stage, schedule="gpipe", n_microbatches=4, loss_fn=loss_fn, timeout=30)
+    x, y = make_data("ce", 0, 8)
+    if g.rank == 2:
+        comm = pipe._channel.comm
+        send = comm.isend
+
+        def isend(buf: Any, dst: int, tag: int = 0, **kw: Any) -> Any:
+            if dst == 0 and tag == 0:
+                raise hpcdp.PeerFailureError("isend to rank 0: connection closed", peers=[0])
+            return send(buf, dst, tag, **kw)
+
+        comm.isend = isend
+        boom.armed = ("forward", 3)
+    out: dict[str, Any] = {"rank": g.rank}
+    try:
+        pipe.step(x, y)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["error"] = (type(exc).__name__, str(exc))
+    out["saved_left"] = stage.saved_count() + loss_fn.saved_count()
+    return out
+
+
+def body_traced_step(rank: int, schedule: str) -> list[str]:
+    """One step with HPCDP_TRACE timelines on (simulated ranks bind their rank, as ``install`` does);
+    returns this rank's compute actions in order."""
+    hpcdp.trace.bind_rank(rank)
+    stage = pp.PipelineStage(make_model())
+    pipe = pp.Pipeline(stage, schedule=schedule, n_microbatches=2, loss_fn=make_loss("ce"))
+    x, y = make_data("ce", 0, 4)
+    pipe.step(x, y)
+    return [str(a) for a in pipe.schedule.actions[rank] if a.is_compute]

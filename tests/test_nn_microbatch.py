@@ -290,3 +290,88 @@ def test_repeated_forward_replaces_saved_tensors_and_free_saved():
     model.free_saved()
     assert model.saved_count() == 0
     assert not any(k.startswith("_x") or k in ("_cache", "_mask") for m in model.modules() for k in vars(m))
+
+
+# -- a module called more than once in one forward pass -----------------------------------------------
+
+
+class TwiceAct(nn.Module):
+    """One GELU applied twice (``act(lin(act(x)))``), its backward written in reverse order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.GELU()
+        self.lin = nn.Linear(4, 4, dtype=F64, seed=5)
+
+    def forward(self, x: Any) -> Any:
+        return self.act(self.lin(self.act(x)))
+
+    def backward_input(self, g: Any) -> Any:
+        return self.act.run_backward_input(self.lin.run_backward_input(self.act.run_backward_input(g)))
+
+    def backward_weight(self) -> None:
+        self.lin.backward_weight()
+
+
+def _shared_and_tied() -> tuple[nn.Module, nn.Module]:
+    """The same network twice: once reusing modules, once with distinct modules tying the weights."""
+    lin, act = nn.Linear(4, 4, dtype=F64, seed=3), nn.Tanh()
+    shared = nn.Sequential(lin, act, lin, act, TwiceAct())
+    copy = nn.Linear(4, 4, dtype=F64, seed=9)
+    copy.weight, copy.bias = lin.weight, lin.bias     # tied: the same Parameter objects
+    inner = TwiceAct()
+    inner.lin.weight, inner.lin.bias = shared[4].lin.weight, shared[4].lin.bias
+    tied = nn.Sequential(nn.Linear(4, 4, dtype=F64, seed=3), nn.Tanh(), copy, nn.Tanh(), inner)
+    tied[0].weight, tied[0].bias = lin.weight, lin.bias
+    return shared, tied
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_module_called_twice_in_one_forward(split):
+    """Sequential(lin, act, lin, act, ...) keeps one entry per call: gradients equal tied weights'."""
+    xs = [_rand((3, 4), 60 + i) for i in range(2)]
+    gs = [_rand((3, 4), 70 + i) for i in range(2)]
+    results = []
+    for model in _shared_and_tied():
+        for i, x in enumerate(xs):            # two microbatches in flight
+            with nn.microbatch(i):
+                model(x)
+        dxs = []
+        for i in (1, 0):
+            with nn.microbatch(i):
+                if split:
+                    dxs.append(model.run_backward_input(gs[i]))
+                else:
+                    dxs.append(model.run_backward(gs[i]))
+        if split:
+            for i in (0, 1):
+                with nn.microbatch(i):
+                    model.backward_weight()
+        assert model.saved_count() == 0
+        results.append((dxs, {id(p): p.grad.copy() for p in model.parameters()}))
+        model.zero_grad()
+    (dx_shared, g_shared), (dx_tied, g_tied) = results
+    for a, b in zip(dx_shared, dx_tied):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+    assert g_shared.keys() == g_tied.keys()
+    for k in g_shared:
+        np.testing.assert_allclose(g_shared[k], g_tied[k], rtol=1e-13, atol=1e-15)
+
+
+def test_module_called_twice_matches_finite_differences():
+    lin = nn.Linear(3, 3, dtype=F64, seed=4)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    x = _rand((2, 3), 80)
+    model.run_backward(model(x))        # loss = sum(out^2) / 2
+    eps, num = 1e-6, np.zeros_like(lin.weight.data)
+    for i in np.ndindex(*num.shape):
+        old = lin.weight.data[i]
+        lin.weight.data[i] = old + eps
+        up = float((model(x) ** 2).sum() / 2)
+        lin.weight.data[i] = old - eps
+        down = float((model(x) ** 2).sum() / 2)
+        lin.weight.data[i] = old
+        num[i] = (up - down) / (2 * eps)
+    np.testing.assert_allclose(lin.weight.grad, num, rtol=1e-6, atol=1e-8)
+    # 18 probe passes, no backward: only the last pass's entries remain (two of lin, one of Tanh)
+    assert model.saved_count() == 3

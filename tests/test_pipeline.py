@@ -49,6 +49,13 @@ def test_pp_dp_sim() -> None:
     _check(run_ranks("sim", 3, body_pp_dp, "gpipe", 1))         # 1 stage x 3 replicas
 
 
+@pytest.mark.timeout(120)
+def test_pp_dp_loss_scaling_across_replicas_sim() -> None:
+    # replicas hold different numbers of ignored targets: the mean is over the global batch's
+    _check(run_ranks("sim", 4, body_pp_dp, "1f1b", 2, 2, 1, "ce_ignore"))
+    _check(run_ranks("sim", 3, body_pp_dp, "zero_bubble", 1, 2, 1, "ce_ignore"))
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule,v", VARIANTS, ids=[n for n, _ in VARIANTS])
@@ -65,6 +72,8 @@ def test_pp_dp_mpi(mpi_world) -> None:
     for schedule in ("1f1b", "zero_bubble", "gpipe"):
         _check(run_mpi(body_pp_dp, schedule, mpi_world.size // 2))
     _check(run_mpi(body_pp_dp, "interleaved_1f1b", mpi_world.size // 2, 2, 2))
+    # replicas with different numbers of ignored targets: still the global mean
+    _check(run_mpi(body_pp_dp, "1f1b", mpi_world.size // 2, 2, 1, "ce_ignore"))
 
 
 def _body_stage_api(rank: int) -> list[str]:
@@ -138,6 +147,15 @@ def _body_stage_errors(rank: int) -> list[str]:
         fails.append("reduction='none' accepted")
     except ValueError:
         pass
+    # a rank outside the stage group has no stages (it used to build all of them as "stage -1")
+    sub = hpcdp.get_default_group().new_group([0])
+    if not sub.is_member:
+        try:
+            pp.PipelineStage(make_model(), group=sub)
+            fails.append("a non-member built stages")
+        except ValueError as exc:
+            if "not a member" not in str(exc):
+                fails.append(f"non-member: {exc}")
     return fails
 
 
@@ -189,3 +207,40 @@ def test_wire_messages() -> None:
     with pytest.raises(ValueError, match="need tags up to"):
         Channel(comm, 4, 100, 1.0)
     assert Channel(comm, 2, 20, 1.0).data_tag(True, 1, 19) <= 100
+
+
+@pytest.mark.timeout(120)
+def test_trace_timeline_has_pipeline_events_sim(tmp_path) -> None:
+    import json
+
+    from hpcdp import trace
+    from hpcdp.pipeline._actions import Action
+    from pipeline_bodies import body_traced_step
+
+    trace.reset()
+    trace.enable(str(tmp_path))
+    try:
+        per_rank = run_ranks("sim", 2, body_traced_step, "zero_bubble")
+    finally:
+        trace.disable()      # closes the timelines
+        trace.reset()
+    for r, actions in enumerate(per_rank):
+        with open(tmp_path / f"trace-rank{r}.json") as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "pipeline"]
+        got = [(e["name"], e["args"]["stage"], e["args"]["mb"]) for e in events]
+        want = [(a.op.description, a.stage, a.mb) for a in map(Action.parse, actions)]
+        assert got == want, (r, got)
+        assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
+
+
+def test_shape_messages_round_trip_and_refuse_unsendable_dtypes() -> None:
+    from hpcdp.errors import HpcdpError
+    from hpcdp.pipeline._channel import decode_meta, encode_meta
+
+    assert decode_meta(encode_meta(np.zeros((2, 3), np.float32)), "t") == ((2, 3), np.dtype(np.float32))
+    with pytest.raises(TypeError, match="dtype datetime64"):
+        encode_meta(np.zeros(2, "datetime64[s]"))
+    bad = encode_meta(np.zeros(2))
+    bad[2] = -5                                   # a damaged peer message: refused before any allocation
+    with pytest.raises(HpcdpError, match="malformed shape message"):
+        decode_meta(bad, "t")

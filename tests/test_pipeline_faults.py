@@ -9,7 +9,8 @@ import pytest
 
 from conftest import run_mpi, run_ranks
 from pipeline_bodies import (
-    body_failure_cases, body_mismatch_cases, body_shape_mismatch, body_stage_failure, body_stage_hang,
+    body_failure_cases, body_failure_with_an_unreachable_peer, body_mismatch_cases, body_shape_mismatch,
+    body_stage_failure, body_stage_hang,
 )
 
 # (schedule, phase, microbatch, the action the failing stage names)
@@ -112,3 +113,14 @@ def test_shape_mismatch(backend: str) -> None:
 def test_shape_mismatch_mpi(mpi_world) -> None:
     for which in ("x", "y"):
         _check_mismatch(run_mpi(body_shape_mismatch, "1f1b", which), which)
+
+
+@pytest.mark.timeout(120)
+def test_failure_reaches_the_other_peers_when_one_is_unreachable_sim() -> None:
+    results = run_ranks("sim", 4, body_failure_with_an_unreachable_peer, timeout=60, join_timeout=90)
+    by = {res["rank"]: res for res in results}
+    assert by[2]["error"] == ("ValueError", "boom in forward"), by[2]
+    for r in (1, 3):    # told by rank 2 itself: not a CommTimeoutError after the 30 s timeout
+        kind, msg = by[r]["error"]
+        assert kind == "PeerFailureError" and "stage 2 (rank 2) failed in action 2F3" in msg, msg
+    assert all(res["saved_left"] == 0 for res in results), results

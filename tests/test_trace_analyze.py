@@ -282,3 +282,37 @@ def test_records_of_an_earlier_job_are_set_aside(tmp_path) -> None:
     text = analyze(str(tmp_path))
     assert "Set aside the records of rank 3: they are from an earlier job." in text, text
     assert sorted(load_flight_records(str(tmp_path))) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * 100_000, "RecursionError"),                                   # nesting deeper than the parser
+    ('{"format": "hpcdp.flight/1", "rank": ' + "9" * 5000 + "}", "not valid JSON"),  # a 5000-digit number
+])
+def test_unparseable_records_give_clear_errors(tmp_path, text, message) -> None:
+    _good(tmp_path)
+    (tmp_path / "flight-rank1.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as ei:
+        load_flight_records(str(tmp_path))
+    assert "flight-rank1.json" in str(ei.value)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d.update(world_size=2**60), "world_size must be in"),             # per-rank lists of 2**60
+    (lambda d: d["entries"][0].update(group_ranks=[0, 2**40]), "group_ranks must be in"),
+    (lambda d: d["entries"][0].update(start_ns=10**400), "start_ns must be in"),   # not a 64-bit time
+])
+def test_records_claiming_absurd_sizes_are_refused(tmp_path, damage, message) -> None:
+    _good(tmp_path)
+    _rewrite(tmp_path / "flight-rank1.json", damage)
+    with pytest.raises(ValueError, match=message):
+        load_flight_records(str(tmp_path))
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_sequence_number_does_not_stall_the_analysis(tmp_path) -> None:
+    ranks = [Rank(r, 2) for r in range(2)]
+    for rk in ranks:
+        rk.op("allreduce")
+    ranks[0].op("allreduce", seq=10**15)          # a damaged record: the walk must not count up to it
+    text = analyze(_dump(tmp_path))
+    assert "allreduce #1000000000000000 on group world" in text and "not by rank 1" in text, text

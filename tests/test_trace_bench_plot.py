@@ -105,3 +105,34 @@ def test_plot_option_for_benchmarks(tmp_path) -> None:
     rows = [Row(**{k: v for k, v in r.items()}) for r in _rows() if r["bench"] == "collectives"]
     out = _plot.maybe_plot(p.parse_args(["--plot", str(tmp_path / "sub" / "b.png")]), rows)
     assert out and open(out, "rb").read(8) == PNG
+
+
+def test_pipeline_rows_are_figures_against_their_targets() -> None:
+    rows = [{"bench": "F1", "schedule": "1f1b", "ranks": 4, "ratio": 1.04, "bubble": 0.30,
+             "bubble_theory": 0.2727},
+            {"bench": "F1", "schedule": "zero_bubble", "ranks": 4, "ratio": 1.2, "bubble": 0.2,
+             "bubble_theory": 0.1}]
+    figs = {lab: (v, d, t) for lab, v, d, t in _plot._figure_rows(rows)}
+    assert figs["F1 1f1b, 4 ranks: step / ideal"] == (1.04, "<=", 1.10)
+    v, d, t = figs["F1 zero_bubble, 4 ranks: |bubble - theory|"]
+    assert (v, d, t) == (pytest.approx(0.1), "<=", 0.03)
+
+
+def test_deeply_nested_line_is_reported_with_file_and_line(tmp_path) -> None:
+    bad = tmp_path / "deep.jsonl"
+    bad.write_text('{"bench": "sim"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl:2: not JSON \(RecursionError"):
+        _plot.load_rows([str(bad)])
+
+
+@pytest.mark.timeout(180)
+def test_pipeline_benchmark_draws_its_plot(tmp_path) -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    png = tmp_path / "pipeline.png"
+    p = subprocess.run([sys.executable, "-m", "hpcdp.bench", "pipeline", "--ranks", "2", "--microbatches", "2",
+                        "--trials", "1", "--t-f", "0.5", "--t-i", "0.5", "--t-w", "0.5", "--plot", str(png)],
+                       capture_output=True, text=True, timeout=150, env=env, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"# plot: {png}" in p.stdout and png.read_bytes()[:8] == PNG

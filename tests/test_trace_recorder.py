@@ -308,3 +308,33 @@ def test_install_from_a_thread_only_binds_the_rank() -> None:
     assert signal.getsignal(signal.SIGUSR1) is before
     with pytest.raises(ValueError, match="rank 4 is not in"):
         trace.install(4, 4)
+
+
+def test_late_end_of_a_forgotten_entry_keeps_the_newer_ones_end() -> None:
+    rec = Recorder(0, 2)
+    old = rec.begin("allreduce", "world", 1)
+    mid = rec.begin("allreduce", "world", 2)
+    new = rec.begin("allreduce", "world", 3)     # takes the slot of seq 1
+    rec.end(new)
+    rec.end(mid)
+    rec.end(old)                                 # an async op finishing after newer ones
+    assert {o.seq: o.state for o in rec.snapshot()} == {2: COMPLETED, 3: COMPLETED}
+    rec2 = Recorder(0, 2)
+    old = rec2.begin("allreduce", "world", 1)
+    new = [rec2.begin("allreduce", "world", s) for s in (2, 3)]
+    rec2.end(new[1])
+    rec2.end(old, FAILED)                        # the error path too
+    assert {o.seq: o.state for o in rec2.snapshot()}[3] == COMPLETED
+
+
+def test_dump_never_writes_through_a_planted_symlink(tmp_path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    d = tmp_path / "trace"
+    d.mkdir()
+    rec = trace.recorder(0)
+    rec.end(rec.begin("allreduce", "world", 1))
+    tmp = d / f".flight-rank0.{os.getpid()}.{threading.get_ident()}.tmp"
+    os.symlink(outside, tmp)
+    assert trace.dump("t", directory=d) == []          # reported on stderr, not raised
+    assert outside.read_text() == "precious"

@@ -244,3 +244,56 @@ def test_timeline_is_thread_safe(tmp_path) -> None:
     tl.close()
     evs = [e for e in _load(tl.path)["traceEvents"] if e["ph"] == "X"]
     assert len(evs) == 1800 and len({e["tid"] for e in evs}) == 6
+
+
+def test_merge_and_plot_drop_malformed_events(tmp_path) -> None:
+    _write_rank(tmp_path, 0, 0, [("forward", 0, 2_000_000)])
+    path = tmp_path / "trace-rank0.json"
+    doc = _load(path)
+    doc["traceEvents"] += [
+        {"name": "huge", "ph": "X", "pid": 0, "tid": 0, "ts": 1e307, "dur": 1.0},    # overflows ns
+        {"name": "nodur", "ph": "X", "pid": 0, "tid": 0, "ts": 1.0},
+        {"name": "badtid", "ph": "X", "pid": 0, "tid": 2**70, "ts": 1.0, "dur": 1.0},
+        {"name": "twophase", "ph": "Xi", "pid": 0, "tid": 0, "ts": 1.0, "dur": 1.0},
+    ]
+    path.write_text(json.dumps(doc))
+    events, _ = merged_events(str(tmp_path))
+    assert sorted(e["name"] for e in events if e["ph"] == "X") == ["badtid", "forward"]
+    assert next(e for e in events if e["name"] == "badtid")["tid"] == 0
+    # a merged file given to plot is read as untrusted too: only well-formed 'X' events count
+    merged = tmp_path / "merged.json"
+    merged.write_text(json.dumps({"traceEvents": [
+        {"name": "ok", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 5.0},
+        {"name": "nodur", "ph": "X", "pid": 0, "tid": 0, "ts": 1.0},
+        {"name": "nopid", "ph": "X", "tid": 0, "ts": 1.0, "dur": 1.0},
+        {"name": "strts", "ph": "X", "pid": 0, "tid": 0, "ts": "1", "dur": 1.0},
+    ]}))
+    from hpcdp.trace._plot import load_events
+
+    assert [e["name"] for e in load_events(str(merged))] == ["ok"]
+    assert self_times(load_events(str(merged))) == {0: {"ok": pytest.approx(5e-6)}}
+
+
+def test_timeline_never_writes_through_a_symlink(tmp_path, capsys) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    d = tmp_path / "trace"
+    d.mkdir()
+    os.symlink(outside, d / "trace-rank0.json")
+    tl = _chrome.Timeline(0, str(d), flush_every=1)
+    tl.complete("step", "train", tl.epoch_ns, tl.epoch_ns + 10)   # flushes: must not raise
+    tl.complete("step", "train", tl.epoch_ns, tl.epoch_ns + 10)
+    tl.close()
+    assert outside.read_text() == "precious"
+    assert tl.closed and "timeline stops" in capsys.readouterr().err
+
+
+def test_overlapping_events_use_a_bounded_number_of_lanes() -> None:
+    from hpcdp.trace._merge import MAX_LANES
+
+    # 2000 ops each overlapping the next without nesting (as a damaged file may claim)
+    evs = [{"name": f"op{i}", "ph": "X", "pid": 0, "tid": 0, "ts": float(i), "dur": 10_000.0} for i in range(2000)]
+    out = assign_lanes(evs)
+    tids = {e["tid"] for e in out if e["ph"] == "X"}
+    assert len(tids) == MAX_LANES + 1
+    assert sum(1 for e in out if e["ph"] == "M") == MAX_LANES

@@ -54,8 +54,8 @@ def load_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
                     continue
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{i}: not JSON ({exc})") from None
+                except (ValueError, RecursionError) as exc:  # also too deeply nested, too long a number
+                    raise ValueError(f"{path}:{i}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get("bench"), str):
                     raise ValueError(f"{path}:{i}: not a benchmark row (an object with 'bench')")
                 rows.append(obj)
@@ -191,6 +191,13 @@ def _figure_rows(rows: list[dict[str, Any]]) -> list[tuple[str, float, str, floa
                     out.append((f"checkpoint {r.get('op')}, {r.get('ranks')} ranks: bw / MPI-IO", v, ">=", t))
         elif b == "ddp" and r.get("op") == "D4" and _num(r.get("efficiency")) is not None:
             out.append((f"D4 weak scaling efficiency, {r.get('ranks')} ranks", float(r["efficiency"]), ">=", 0.85))
+        elif b == "F1":   # python -m hpcdp.bench pipeline
+            name = f"F1 {str(r.get('schedule'))[:30]}, {r.get('ranks')} ranks"
+            ratio, bubble, theory = _num(r.get("ratio")), _num(r.get("bubble")), _num(r.get("bubble_theory"))
+            if ratio is not None:
+                out.append((f"{name}: step / ideal", ratio, "<=", 1.10))
+            if bubble is not None and theory is not None:
+                out.append((f"{name}: |bubble - theory|", abs(bubble - theory), "<=", 0.03))
     return out
 
 

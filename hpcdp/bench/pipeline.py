@@ -37,6 +37,7 @@ import hpcdp.pipeline as pipeline
 from hpcdp import nn
 
 from ._common import JsonSink
+from ._plot import add_plot_argument, maybe_plot
 
 VARIANTS = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 1))
 
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--t-w", type=float, default=50.0, help="weight-gradient sleep, ms")
     ap.add_argument("--json", default=None)
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    add_plot_argument(ap)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     started = not hpcdp.is_initialized()
     if started:
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             sink.write(r)
         sink.close()
+        maybe_plot(args, rows, title=f"hpcdp pipeline F1: step time and bubble, {rows[0]['ranks']} ranks")
     return 0 if ok or not args.check else 1
 
 

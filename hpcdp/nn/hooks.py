@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .microbatch import enter_call, exit_call
 from .parameter import RemovableHandle
 
 __all__ = ["HooksMixin"]
@@ -91,20 +92,24 @@ class HooksMixin:
         return any(d.get(k) for k in _HOOK_KINDS)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        pre = self.__dict__.get("_forward_pre_hooks")
-        if pre:
-            for fn in list(pre.values()):
-                res = fn(self, args)
-                if res is not None:
-                    args = _as_args(res)
-        out = self.forward(*args, **kwargs)  # type: ignore[attr-defined]
-        post = self.__dict__.get("_forward_hooks")
-        if post:
-            for fn in list(post.values()):
-                res = fn(self, args, out)
-                if res is not None:
-                    out = res
-        return out
+        enter_call()   # the outermost call is one forward pass (see hpcdp.nn.microbatch)
+        try:
+            pre = self.__dict__.get("_forward_pre_hooks")
+            if pre:
+                for fn in list(pre.values()):
+                    res = fn(self, args)
+                    if res is not None:
+                        args = _as_args(res)
+            out = self.forward(*args, **kwargs)  # type: ignore[attr-defined]
+            post = self.__dict__.get("_forward_hooks")
+            if post:
+                for fn in list(post.values()):
+                    res = fn(self, args, out)
+                    if res is not None:
+                        out = res
+            return out
+        finally:
+            exit_call()
 
     def _with_backward_hooks(self, step: Callable[[Any], Any], grad_output: Any) -> Any:
         pre = self.__dict__.get("_backward_pre_hooks")

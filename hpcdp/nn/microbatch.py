@@ -12,11 +12,17 @@ Two stores per module, both keyed by microbatch id:
 * what the weight gradient needs, written by ``save_for_weight`` in ``backward_input`` and taken
   (freed) by ``saved_for_weight`` in ``backward_weight``.
 
-A second forward under the same microbatch before its backward replaces the first's activations
-(as the single-slot layers did), so evaluation loops and finite-difference checks do not grow memory.
+A module called several times within one forward pass (``Sequential(lin, act, lin)``, one
+activation used twice in a block) keeps one entry per call, and its backwards take them back last
+call first: the order in which a ``Sequential``, or any backward written in the reverse order of
+its forward, runs them. A forward pass is one outermost ``module(...)`` call on this thread; the
+next one, under a microbatch whose backward has not run, replaces that microbatch's entries (as the
+single-slot layers did), so evaluation loops and finite-difference checks do not grow memory.
+Calling ``forward`` directly, outside any ``module(...)`` call, always replaces.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -26,6 +32,25 @@ from ..errors import HpcdpError
 __all__ = ["microbatch", "current_microbatch", "SavedTensorsMixin"]
 
 _local = threading.local()
+_pass_ids = itertools.count(1)
+
+
+def enter_call() -> None:
+    """``Module.__call__`` starts: an outermost call begins a new forward pass on this thread."""
+    depth = getattr(_local, "depth", 0)
+    if depth == 0:
+        _local.pass_id = next(_pass_ids)
+    _local.depth = depth + 1
+
+
+def exit_call() -> None:
+    """``Module.__call__`` ends (normally or not)."""
+    _local.depth -= 1
+
+
+def _forward_pass() -> int | None:
+    """Id of the forward pass in progress on this thread; None outside any ``module(...)`` call."""
+    return _local.pass_id if getattr(_local, "depth", 0) else None
 
 
 def current_microbatch() -> int:
@@ -56,9 +81,13 @@ def microbatch(index: int) -> Iterator[int]:
 
 
 class SavedTensorsMixin:
-    """Per-microbatch saved tensors for :class:`~hpcdp.nn.Module` (no layer keeps ``self._x``)."""
+    """Per-microbatch saved tensors for :class:`~hpcdp.nn.Module` (no layer keeps ``self._x``).
 
-    def _store(self, key: str) -> dict[int, tuple[Any, ...]]:
+    Each store maps a microbatch id to a stack of ``(pass id, tensors)``: one entry per call of the
+    module in that forward pass (see the module docstring).
+    """
+
+    def _store(self, key: str) -> dict[int, list[tuple[int | None, tuple[Any, ...]]]]:
         d = self.__dict__.get(key)
         if d is None:
             d = {}
@@ -67,34 +96,48 @@ class SavedTensorsMixin:
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep ``tensors`` for this module's backward under the current microbatch."""
-        self._store("_saved_fwd")[current_microbatch()] = tensors
+        store, mb, pid = self._store("_saved_fwd"), current_microbatch(), _forward_pass()
+        entries = store.get(mb)
+        if entries and pid is not None and entries[-1][0] == pid:
+            entries.append((pid, tensors))   # called again in the same forward pass
+        else:
+            store[mb] = [(pid, tensors)]
+
+    def _take(self, key: str, missing: str) -> tuple[int | None, tuple[Any, ...]]:
+        """Pop the newest ``(pass id, tensors)`` of the current microbatch from store ``key``."""
+        mb = current_microbatch()
+        store = self._store(key)
+        entries = store.get(mb)
+        if not entries:
+            raise HpcdpError(f"{type(self).__name__}.{missing} under microbatch {mb}")
+        entry = entries.pop()
+        if not entries:
+            del store[mb]
+        return entry
 
     def saved_tensors(self) -> tuple[Any, ...]:
-        """Take (and free) what ``forward`` saved under the current microbatch."""
-        mb = current_microbatch()
-        try:
-            return self._store("_saved_fwd").pop(mb)
-        except KeyError:
-            raise HpcdpError(f"{type(self).__name__}.backward called without a preceding forward "
-                             f"under microbatch {mb}") from None
+        """Take (and free) what the latest forward under the current microbatch saved."""
+        pid, tensors = self._take("_saved_fwd", "backward called without a preceding forward")
+        self.__dict__["_consumed_pass"] = pid   # what a following save_for_weight belongs to
+        return tensors
 
     def save_for_weight(self, *tensors: Any) -> None:
         """Keep what ``backward_weight`` needs for the current microbatch (called by ``backward_input``)."""
         mb = current_microbatch()
         store = self._store("_saved_wgt")
-        if mb in store:
+        pid = self.__dict__.get("_consumed_pass")
+        entries = store.get(mb)
+        if not entries:
+            store[mb] = [(pid, tensors)]
+        elif pid is not None and entries[-1][0] == pid:
+            entries.append((pid, tensors))   # another call of the module in the same forward pass
+        else:
             raise HpcdpError(f"{type(self).__name__}.backward_input under microbatch {mb}: the weight "
                              f"gradient of the previous backward_input has not run; call backward_weight first")
-        store[mb] = tensors
 
     def saved_for_weight(self) -> tuple[Any, ...]:
         """Take (and free) what ``backward_input`` kept for the current microbatch's weight gradient."""
-        mb = current_microbatch()
-        try:
-            return self._store("_saved_wgt").pop(mb)
-        except KeyError:
-            raise HpcdpError(f"{type(self).__name__}.backward_weight called without a preceding "
-                             f"backward_input under microbatch {mb}") from None
+        return self._take("_saved_wgt", "backward_weight called without a preceding backward_input")[1]
 
     def pending_microbatches(self) -> tuple[list[int], list[int]]:
         """Return (microbatches with saved activations, microbatches awaiting backward_weight) of this module."""
@@ -106,7 +149,7 @@ class SavedTensorsMixin:
         Zero after every forward has had its full backward: nothing is left holding memory.
         """
         mods = self.modules() if recurse else iter([self])  # type: ignore[attr-defined]
-        return sum(len(m._store("_saved_fwd")) + len(m._store("_saved_wgt")) for m in mods)
+        return sum(len(e) for m in mods for key in ("_saved_fwd", "_saved_wgt") for e in m._store(key).values())
 
     def free_saved(self, microbatch: int | None = None, recurse: bool = True) -> None:
         """Drop saved entries of ``microbatch`` (all when None), e.g. after an aborted step or in eval."""

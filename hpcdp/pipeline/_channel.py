@@ -96,9 +96,12 @@ class PeerAborted(HpcdpError):
 def encode_meta(x: Any) -> np.ndarray:
     if x.ndim > _META_LEN - 2:
         raise ValueError(f"pipeline: activations with {x.ndim} axes (at most {_META_LEN - 2})")
+    name = np.dtype(x.dtype).name
+    if name not in _DTYPES:
+        raise TypeError(f"pipeline: activations of dtype {name} cannot be sent (supported: {', '.join(_DTYPES)})")
     meta = np.zeros(_META_LEN, np.int64)
     meta[0] = x.ndim
-    meta[1] = _DTYPES.index(np.dtype(x.dtype).name)
+    meta[1] = _DTYPES.index(name)
     meta[2: 2 + x.ndim] = x.shape
     return meta
 
@@ -177,12 +180,22 @@ class Channel:
                     raise PeerAborted(msg, peer)
 
     def tell_all(self, msg: ControlMessage) -> None:
-        """Send ``msg`` to every other rank (small: never blocks for long)."""
+        """Send ``msg`` to every other rank (small: never blocks for long).
+
+        Every peer is tried, even after one cannot be reached (that error is raised at the end),
+        so a failure report still gets to the others when one of them is gone.
+        """
         buf = msg.encode()
         self.told = True
+        error: HpcdpError | None = None
         for peer in range(self.size):
             if peer != self.rank:
-                self.ctrl_sends.append((self.comm.isend(buf, peer, CTRL_TAG), buf))
+                try:
+                    self.ctrl_sends.append((self.comm.isend(buf, peer, CTRL_TAG), buf))
+                except HpcdpError as exc:
+                    error = error or exc
+        if error is not None:
+            raise error
 
     def finish(self, loss: float) -> float:
         """End a step that went well here: DONE to every peer, wait for theirs; return the loss

@@ -9,7 +9,10 @@ also sends each stage's output shape once; later steps check against it before a
 Loss scaling: the last stage seeds microbatch ``k``'s backward with ``w_k * dloss_k/dout`` where
 ``w_k`` is its share of the full batch's loss (``1/m`` for a mean, the fraction of non-ignored
 targets for a cross-entropy with ``ignore_index``, 1 for a sum), so the accumulated gradients
-equal the full batch's and the returned loss is the full batch's.
+equal the full batch's and the returned loss is the full batch's. With data-parallel replicas the
+full batch is all replicas' batches: the non-ignored targets are counted over the last stages'
+``dp_group`` (whose replicas' gradients and losses are then averaged), so replicas holding
+different numbers of ignored targets still give the global mean.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import numpy as np
 from .. import nn
 from .._arrays import xp_of
 from ..errors import CollectiveMismatchError, HpcdpError
+from ..trace import span
+from ..trace import state as trace_state
 from ._actions import Action, Op
 from ._builtin import schedule as builtin_schedule
 from ._channel import (
@@ -36,8 +41,12 @@ from ._verify import Report, ScheduleError, verify
 __all__ = ["Pipeline", "loss_weights"]
 
 
-def loss_weights(loss_fn: Any, targets: list[Any]) -> list[float]:
-    """Each microbatch's share of the full batch's loss (see the module docstring)."""
+def loss_weights(loss_fn: Any, targets: list[Any], dp_group: Any = None) -> list[float]:
+    """Each microbatch's share of the full batch's loss (see the module docstring).
+
+    With ``dp_group`` (the last stages of every replica; collective over it when the loss ignores
+    targets) the share is of all replicas' batches, times the replica count that averaging divides by.
+    """
     m = len(targets)
     reduction = getattr(loss_fn, "reduction", "mean")
     if reduction == "sum":
@@ -45,9 +54,12 @@ def loss_weights(loss_fn: Any, targets: list[Any]) -> list[float]:
     ignore = getattr(loss_fn, "ignore_index", None)
     if ignore is not None and all(np.issubdtype(np.dtype(t.dtype), np.integer) for t in targets):
         counts = [int((t != ignore).sum()) for t in targets]
-        total = sum(counts)
+        total, replicas = sum(counts), 1
+        if dp_group is not None and dp_group.size > 1:
+            replicas = dp_group.size
+            total = int(dp_group.allreduce(np.array([total], np.int64), "sum")[0])
         if total:
-            return [c / total for c in counts]
+            return [c * replicas / total for c in counts]
     return [1.0 / m] * m
 
 
@@ -179,7 +191,11 @@ class Pipeline:
         try:
             self._prepare(x, y, st)
             for i, current in enumerate(self._actions):
-                self._execute(current, st)
+                if trace_state.on and current.is_compute:   # HPCDP_TRACE: one span per compute
+                    with span(current.op.description, "pipeline", stage=current.stage, mb=current.mb):
+                        self._execute(current, st)
+                else:
+                    self._execute(current, st)
                 if self._dp is not None:
                     self._dp.after(i)
             current = "the end of the step"
@@ -213,11 +229,17 @@ class Pipeline:
         return ControlMessage(FAILED, a.stage, a.mb, rank, math.nan, str(a), text)
 
     def _fail(self, st: _Step, info: ControlMessage) -> None:
-        """Tell every peer (once), give up this step's transfers, free its activations."""
+        """Tell every peer (once), give up this step's transfers, free its activations.
+
+        Best effort: a peer that cannot be told (gone too) must not replace the error being raised.
+        """
         ch = self._channel
         try:
             if not ch.told:
-                ch.tell_all(info)
+                try:
+                    ch.tell_all(info)
+                except HpcdpError:
+                    pass
             ch.abandon([w for w in st.recvs.values() if w is not None]
                        + [w for w, _ in self._meta_recv.values()])
             ch.drain()
@@ -225,6 +247,9 @@ class Pipeline:
             self._meta_recv.clear()
             for mod in self.stage.modules.values():
                 mod.free_saved()
+            free = getattr(self.loss_fn, "free_saved", None)
+            if free is not None:
+                free()
             self._broken = (f"an earlier step failed ({info.describe()}); messages of that step may "
                             f"still be in flight, so build a new Pipeline to continue")
 
@@ -254,7 +279,7 @@ class Pipeline:
             st.y, self._y_meta = self._split("y", y, self._y_meta)
             if x is not None and hasattr(x, "shape") and x.shape[:1] != y.shape[:1]:
                 raise ValueError(f"{self._where}: x has {x.shape[0]} samples, y {y.shape[0]}")
-            st.weights = loss_weights(self.loss_fn, st.y)
+            st.weights = loss_weights(self.loss_fn, st.y, None if self._dp is None else self._dp.group)
 
     # -- actions --------------------------------------------------------------------------------
     def _execute(self, a: Action, st: _Step) -> None:

@@ -68,6 +68,9 @@ class PipelineStage:
                             f"into stages), got {type(model).__name__}")
         if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
             raise ValueError(f"PipelineStage: virtual must be a positive int, got {virtual!r}")
+        if not getattr(group, "is_member", True) or group.rank < 0:
+            raise ValueError(f"PipelineStage: this rank is not a member of group {group.name}; "
+                             f"only the group's ranks build its stages")
         own = [n for n, _ in model.named_parameters(recurse=False)] + list(model._buffers)
         if own:
             raise ValueError(f"PipelineStage: the Sequential holds parameters or buffers of its own "

@@ -108,12 +108,10 @@ def _group_divergence(records: dict[int, FlightRecord], group: str,
     for r in have:
         if not seqs[r] and records[r].total_ops > records[r].capacity > 0:
             return None  # its ring overflowed: nothing can be said about this group
-    top = max(max(seqs[r]) for r in have if seqs[r])
-    for s in range(start, top + 1):
+    # The numbers someone holds, not range(start, top): a damaged record may claim any number.
+    for s in sorted({q for r in have for q in seqs[r] if q >= start}):
         at = {r: seqs[r].get(s) for r in have}
         present = {r: e for r, e in at.items() if e is not None}
-        if not present:
-            continue
         holders: dict[tuple[Any, ...], list[int]] = defaultdict(list)
         for r, e in sorted(present.items()):
             holders[e.signature()].append(r)

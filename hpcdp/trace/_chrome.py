@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import socket
+import sys
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -194,25 +195,43 @@ class Timeline:
                 "pid": os.getpid()}
 
     def flush(self) -> None:
-        """Append the buffered events to the file (opening it on the first flush)."""
+        """Append the buffered events to the file (opening it on the first flush).
+
+        Tracing must not break the job it watches: a file that cannot be written (a full disk, a
+        symlink in its place, which is never followed) is reported once on stderr, and this
+        rank's timeline stops.
+        """
         with self._lock:
             buf, self._buf = self._buf, []
             if self.closed or (not buf and self._fh is not None):
                 return
-            if self._fh is None:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                self._fh = open(self.path, "w")
-                head = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-                         "args": {"name": f"rank {self.rank}"}},
-                        {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,
-                         "args": {"sort_index": self.rank}},
-                        {"name": "hpcdp_clock", "ph": "M", "pid": self.rank, "tid": 0,
-                         "args": self._meta()}]
-                self._fh.write('{"traceEvents":[\n' + ",\n".join(json.dumps(e) for e in head))
-            text = ",\n".join(self._text(e) for e in buf)
-            if text:
-                self._fh.write(",\n" + text)
-            self._fh.flush()
+            try:
+                if self._fh is None:
+                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                                 0o644)
+                    self._fh = os.fdopen(fd, "w")
+                    head = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+                             "args": {"name": f"rank {self.rank}"}},
+                            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,
+                             "args": {"sort_index": self.rank}},
+                            {"name": "hpcdp_clock", "ph": "M", "pid": self.rank, "tid": 0,
+                             "args": self._meta()}]
+                    self._fh.write('{"traceEvents":[\n' + ",\n".join(json.dumps(e) for e in head))
+                text = ",\n".join(self._text(e) for e in buf)
+                if text:
+                    self._fh.write(",\n" + text)
+                self._fh.flush()
+            except OSError as exc:
+                self.closed = True
+                if self._fh is not None:
+                    try:
+                        self._fh.close()
+                    except OSError:
+                        pass
+                    self._fh = None
+                print(f"hpcdp.trace: rank {self.rank}'s timeline stops: cannot write {self.path}: {exc}",
+                      file=sys.stderr)
 
     def close(self) -> None:
         """Flush and finish the file as valid JSON; later events are dropped."""
@@ -284,8 +303,6 @@ def close_all() -> None:
         try:
             tl.close()
         except OSError as exc:
-            import sys
-
             print(f"hpcdp.trace: could not finish {tl.path}: {exc}", file=sys.stderr)
 
 

@@ -201,7 +201,10 @@ def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None 
                     continue
                 path = record_path(d, rec.rank)
                 tmp = os.path.join(d, f".flight-rank{rec.rank}.{os.getpid()}.{threading.get_ident()}.tmp")
-                with open(tmp, "w") as fh:
+                # never through a symlink planted under the temporary name (os.replace then
+                # swaps the name itself, never a file a link at ``path`` points to)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+                with os.fdopen(fd, "w") as fh:
                     json.dump(_record(rec, reason), fh, default=str)
                 os.replace(tmp, path)
                 written.append(path)

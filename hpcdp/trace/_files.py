@@ -22,6 +22,9 @@ __all__ = [
 ]
 
 MAX_BYTES = 1 << 30
+#: largest world size a record may claim (the analyzer makes per-rank lists of this length)
+MAX_WORLD = 1 << 20
+_INT64 = 1 << 63
 _FLIGHT_FORMAT = "hpcdp.flight/1"
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -68,23 +71,24 @@ def read_json(path: str, *, repair_trace: bool = False, limit: int | None = None
         raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if repair_trace:
+    except (ValueError, RecursionError) as exc:  # also nesting too deep, integers too long
+        if repair_trace and isinstance(exc, json.JSONDecodeError):
             body = text.rstrip()
             if body.startswith('{"traceEvents":['):
                 body = body.rstrip(",")
                 try:
                     return json.loads(body + "]}")
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):
                     pass
-        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        raise ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {clean(exc, 200)})") from None
 
 
-def _int(v: Any, what: str, lo: int | None = None) -> int:
+def _int(v: Any, what: str, lo: int | None = None, hi: int = _INT64) -> int:
+    """``v`` checked to be an integer in ``[lo, hi)`` (int64 at most: times, ids, ranks)."""
     if not isinstance(v, int) or isinstance(v, bool):
         raise ValueError(f"{what} must be an integer, got {clean(repr(v), 60)}")
-    if lo is not None and v < lo:
-        raise ValueError(f"{what} must be >= {lo}, got {v}")
+    if not (-_INT64 if lo is None else lo) <= v < hi:
+        raise ValueError(f"{what} must be in [{-_INT64 if lo is None else lo}, {hi}), got {clean(v, 60)}")
     return v
 
 
@@ -96,12 +100,12 @@ def _opt_str(v: Any, what: str, limit: int = 4096) -> str | None:
     return v[:limit]
 
 
-def _int_list(v: Any, what: str) -> tuple[int, ...] | None:
+def _int_list(v: Any, what: str, lo: int | None = None, hi: int = _INT64) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or len(v) > 1 << 20:
         raise ValueError(f"{what} must be a list of integers")
-    return tuple(_int(x, what) for x in v)
+    return tuple(_int(x, what, lo, hi) for x in v)
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class FlightRecord:
     total_ops: int = 0
 
 
-def _entry(d: Any, rank: int, offset: int, where: str) -> Entry:
+def _entry(d: Any, rank: int, world: int, offset: int, where: str) -> Entry:
     if not isinstance(d, dict):
         raise ValueError(f"{where} is not an object")
     state = d.get("state")
@@ -165,7 +169,7 @@ def _entry(d: Any, rank: int, offset: int, where: str) -> Entry:
         raise ValueError(f"{where}: op and group are required")
     return Entry(
         rank=rank, id=_int(d.get("id"), f"{where}.id", 0), seq=_int(d.get("seq"), f"{where}.seq", 0),
-        op=op, group=group, group_ranks=_int_list(d.get("group_ranks"), f"{where}.group_ranks"),
+        op=op, group=group, group_ranks=_int_list(d.get("group_ranks"), f"{where}.group_ranks", 0, world),
         shape=_int_list(d.get("shape"), f"{where}.shape"), dtype=_opt_str(d.get("dtype"), f"{where}.dtype", 60),
         peer=_int(d.get("peer", -1), f"{where}.peer"),
         start=_int(d.get("start_ns"), f"{where}.start_ns") + offset,
@@ -180,14 +184,14 @@ def parse_flight_record(doc: Any, path: str) -> FlightRecord:
     if not isinstance(doc, dict) or doc.get("format") != _FLIGHT_FORMAT:
         raise ValueError(f"{path}: not an hpcdp flight record (format {_FLIGHT_FORMAT!r} expected)")
     rank = _int(doc.get("rank"), f"{path}: rank", 0)
-    world = _int(doc.get("world_size"), f"{path}: world_size", 1)
+    world = _int(doc.get("world_size"), f"{path}: world_size", 1, MAX_WORLD + 1)
     if rank >= world:
         raise ValueError(f"{path}: rank {rank} is not below world_size {world}")
     offset = _int(doc.get("clock_offset_ns", 0), f"{path}: clock_offset_ns")
     raw = doc.get("entries")
     if not isinstance(raw, list):
         raise ValueError(f"{path}: entries must be a list")
-    entries = [_entry(d, rank, offset, f"{path}: entries[{i}]") for i, d in enumerate(raw)]
+    entries = [_entry(d, rank, world, offset, f"{path}: entries[{i}]") for i, d in enumerate(raw)]
     entries.sort(key=lambda e: e.id)
     threads = [t for t in doc.get("threads", []) if isinstance(t, dict)] if isinstance(doc.get("threads"), list) else []
     return FlightRecord(

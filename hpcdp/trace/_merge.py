@@ -15,17 +15,61 @@ from typing import Any
 
 from ._files import list_rank_files, load_flight_records, load_timeline
 
-__all__ = ["merged_events", "merge", "assign_lanes"]
+__all__ = ["merged_events", "merge", "assign_lanes", "clean_event"]
 
 _PHASES = frozenset("XiICMBEbenf")
 _EPS_US = 1e-3
+#: largest |ts| or dur accepted, in microseconds (~30 years): beyond it float arithmetic overflows
+_MAX_US = 1e15
+_INT64 = 1 << 63
 
 
 def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     f = float(v)
-    return f if math.isfinite(f) else None
+    return f if math.isfinite(f) and abs(f) <= _MAX_US else None
+
+
+def _small_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT64 <= v < _INT64
+
+
+def clean_event(e: Any, pid: int | None = None) -> dict[str, Any] | None:
+    """A checked copy of an untrusted Chrome-trace event (``pid`` given: that rank's), or None to
+    drop it: a known phase, a string name, integer pid/tid, finite bounded ``ts`` and ``dur``."""
+    if not isinstance(e, dict):
+        return None
+    ph = e.get("ph")
+    if not isinstance(ph, str) or len(ph) != 1 or ph not in _PHASES:
+        return None
+    if pid is None:
+        pid = e.get("pid")
+        if not _small_int(pid):
+            return None
+    name = e.get("name")
+    ev: dict[str, Any] = {"name": name if isinstance(name, str) else str(name), "ph": ph, "pid": pid}
+    tid = e.get("tid", 0)
+    ev["tid"] = tid if _small_int(tid) else 0
+    if isinstance(e.get("args"), dict):
+        ev["args"] = e["args"]
+    if ph == "M":
+        return ev
+    ts = _num(e.get("ts"))
+    if ts is None:
+        return None
+    if isinstance(e.get("cat"), str):
+        ev["cat"] = e["cat"]
+    ev["ts"] = ts
+    if ph == "X":
+        dur = _num(e.get("dur"))
+        if dur is None or dur < 0:
+            return None
+        ev["dur"] = dur
+    for k in ("s", "id"):
+        if isinstance(e.get(k), str) or _small_int(e.get(k)):
+            ev[k] = e[k]
+    return ev
 
 
 def _rank_events(rank: int, path: str) -> tuple[list[dict[str, Any]], int, tuple[str, int]]:
@@ -34,38 +78,15 @@ def _rank_events(rank: int, path: str) -> tuple[list[dict[str, Any]], int, tuple
     events, meta = load_timeline(path)
     epoch = meta.get("epoch_wall_ns", 0)
     offset = meta.get("clock_offset_ns", 0)
-    if not isinstance(epoch, int) or not isinstance(offset, int) or isinstance(epoch, bool):
-        raise ValueError(f"{path}: epoch_wall_ns / clock_offset_ns must be integers")
+    if not _small_int(epoch) or not _small_int(offset):
+        raise ValueError(f"{path}: epoch_wall_ns / clock_offset_ns must be 64-bit integers")
     out = []
     for e in events:
-        ph = e.get("ph")
-        if ph not in _PHASES or len(ph) != 1:
+        ev = clean_event(e, rank)
+        if ev is None or (ev["ph"] == "M" and ev["name"] == "hpcdp_clock"):
             continue
-        name = e.get("name")
-        ev: dict[str, Any] = {"name": name if isinstance(name, str) else str(name), "ph": ph, "pid": rank}
-        tid = e.get("tid", 0)
-        ev["tid"] = tid if isinstance(tid, int) and not isinstance(tid, bool) else 0
-        if isinstance(e.get("args"), dict):
-            ev["args"] = e["args"]
-        if ph == "M":
-            if ev["name"] == "hpcdp_clock":
-                continue
-            out.append(ev)
-            continue
-        ts = _num(e.get("ts"))
-        if ts is None:
-            continue
-        if isinstance(e.get("cat"), str):
-            ev["cat"] = e["cat"]
-        ev["ts"], ev["_base"] = ts, epoch + offset
-        if ph == "X":
-            dur = _num(e.get("dur"))
-            if dur is None or dur < 0:
-                continue
-            ev["dur"] = dur
-        for k in ("s", "id"):
-            if isinstance(e.get(k), (str, int)) and not isinstance(e.get(k), bool):
-                ev[k] = e[k]
+        if ev["ph"] != "M":
+            ev["_base"] = epoch + offset
         out.append(ev)
     return out, offset, (str(meta.get("job", "")), epoch)
 
@@ -94,8 +115,14 @@ def _flight_events(directory: str) -> tuple[dict[int, list[dict[str, Any]]], dic
     return per, offs
 
 
+#: extra lanes per thread at most; beyond, overlapping events share the last lane (a damaged or
+#: hostile trace of n such events would otherwise cost n lanes and n^2 time)
+MAX_LANES = 32
+
+
 def assign_lanes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Move 'X' events that overlap without nesting on one (pid, tid) to extra tids of that pid."""
+    """Move 'X' events that overlap without nesting on one (pid, tid) to extra tids of that pid
+    (at most ``MAX_LANES`` per thread)."""
     by_thread: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in events:
         if e["ph"] == "X":
@@ -117,6 +144,9 @@ def assign_lanes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     e["tid"] = lane_tid
                     break
             else:
+                if len(lanes) > MAX_LANES:
+                    e["tid"] = lanes[-1][0]
+                    continue
                 new = max(used[pid]) + 1
                 used[pid].add(new)
                 lanes.append((new, [end]))

@@ -11,7 +11,7 @@ from collections import defaultdict
 from typing import Any
 
 from ._files import load_timeline
-from ._merge import merged_events
+from ._merge import clean_event, merged_events
 
 __all__ = ["self_times", "plot", "load_events"]
 
@@ -46,7 +46,7 @@ def load_events(source: str) -> list[dict[str, Any]]:
     if os.path.isdir(source):
         return merged_events(source)[0]
     events, _ = load_timeline(source)
-    return events
+    return [ev for ev in map(clean_event, events) if ev is not None]   # untrusted: checked
 
 
 def plot(source: str, out: str | None = None, *, title: str | None = None) -> str:

@@ -160,23 +160,28 @@ class Recorder:
         ident = threading.get_ident
         tl = self._timeline
 
+        # An operation that ends after ``cap`` newer ones began has lost its slot: its end is
+        # dropped, so it cannot overwrite the end of the newer operation now in that slot.
         def finish(token: int, state: str, t1: int) -> None:
-            if state != COMPLETED:
-                if state not in STATES:
-                    raise ValueError(f"Recorder.end: state must be one of {STATES}, got {state!r}")
-                ends[token % cap] = (token, t1, state, _caller(2))  # the error path: cost is fine
-            else:
-                ends[token % cap] = (token, t1, COMPLETED, None)
+            if state not in STATES:
+                raise ValueError(f"Recorder.end: state must be one of {STATES}, got {state!r}")
+            i = token % cap
+            row = rows[i]
+            if row is None or row[0] != token:
+                return
+            # a failure records its caller's line: the error path can afford the stack walk
+            ends[i] = (token, t1, state, None if state == COMPLETED else _caller(2))
             if tl is not None:
-                row = rows[token % cap]
-                if row is not None and row[0] == token:
-                    tl.op_event(row, t1, state)
+                tl.op_event(row, t1, state)
 
         if tl is None:
             def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
                 """Mark operation ``token`` finished; a failure also records where it was called."""
                 if state is COMPLETED:
-                    ends[token % cap] = (token, _c(), COMPLETED, None)
+                    i = token % cap
+                    row = rows[i]
+                    if row is not None and row[0] == token:
+                        ends[i] = (token, _c(), COMPLETED, None)
                 else:
                     finish(token, state, _c())
         else:
