@@ -5,14 +5,144 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
+import numpy as np
 import pytest
 
 import hpcdp
 from conftest import run_mpi, run_ranks
-from fsdp_bodies import body_ckpt_segment, body_ckpt_sharded_layout, compare, reference_params
+from fsdp_bodies import Block, OddNet, Sub, compare, data, snapshot
+from hpcdp import nn, optim
+from hpcdp.fsdp import FSDP
 
 pytestmark = pytest.mark.timeout(240)
+
+
+# -- checkpoints across strategies and world sizes ---------------------------------------------------
+CKPT_BATCH = 12   # global batch: divisible by 1, 2, 3 and 4 ranks
+
+
+def _ckpt_opt(params: Any) -> Any:
+    return optim.AdamW(params, lr=0.02, weight_decay=0.05)
+
+
+def _plain_optim_by_name(opt: Any, model: nn.Module) -> dict[str, Any]:
+    """A plain optimizer's state in the name-keyed layout (what a single process without a wrapper saves)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"state": {names[id(p)]: dict(st) for p, st in opt.state.items() if st},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [names[id(p)] for p in g["params"]]} for g in opt.param_groups]}
+
+
+def _plain_load_by_name(opt: Any, model: nn.Module, osd: dict[str, Any]) -> None:
+    """Name-keyed state into a plain optimizer through its own (index-keyed) ``load_state_dict``."""
+    index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[str(n)] for n in g["params"]]}
+              for g in osd["param_groups"]]
+    opt.load_state_dict({"state": {index[str(n)]: st for n, st in osd["state"].items()}, "param_groups": groups})
+
+
+def body_ckpt_segment(rank: int, kind: str, start: int, stop: int, load_from: str | None,
+                      save_to: str | None, group: Any = None) -> dict[str, np.ndarray] | None:
+    """Train steps [start, stop) under ``kind`` ("fsdp:<strategy>", "ddp" or "plain"), loading the
+    model and optimizer from ``load_from`` first and saving them to ``save_to`` after; return the
+    whole parameters on rank 0 of the group (None elsewhere)."""
+    from hpcdp.checkpoint import load, save
+
+    g = group or hpcdp.get_default_group()
+    n, r = g.size, g.rank
+    model = OddNet(seed=21)
+    if kind.startswith("fsdp"):
+        strategy = kind.split(":")[1]
+        w: Any = FSDP(model, strategy=strategy, group=g, auto_wrap={Block, Sub},
+                      shard_size=2 if strategy == "hybrid_shard" else None)
+    elif kind == "ddp":
+        w = hpcdp.DDP(model, group=g)
+    else:
+        w = None
+    opt = _ckpt_opt(w.parameters() if w is not None else model.parameters())
+
+    def osd() -> dict[str, Any]:
+        return w.optim_state_dict(opt) if w is not None else _plain_optim_by_name(opt, model)
+
+    if load_from is not None:
+        like = {"model": w.state_dict() if w is not None else model.state_dict(), "optim": osd(), "step": 0}
+        got = load(load_from, like=like, group=g)
+        if w is not None:
+            w.load_state_dict(got["model"])
+            w.load_optim_state_dict(opt, got["optim"])
+        else:
+            model.load_state_dict(got["model"])
+            _plain_load_by_name(opt, model, got["optim"])
+        if int(got["step"]) != start:
+            raise AssertionError(f"checkpoint step {got['step']} != {start}")
+    x, y = data(8 * CKPT_BATCH, seed=5)   # fixed size: the same samples whatever the segment
+    loss_fn = nn.CrossEntropyLoss()
+    b = CKPT_BATCH // n
+    for s in range(start, stop):
+        mine = slice(s * CKPT_BATCH + r * b, s * CKPT_BATCH + (r + 1) * b)
+        out = (w or model)(x[mine])
+        loss_fn(out, y[mine])
+        (w.backward if w is not None else model.backward)(loss_fn.backward())
+        opt.step()
+        opt.zero_grad()
+    if save_to is not None:
+        save(save_to, {"model": w.state_dict() if w is not None else model.state_dict(), "optim": osd(),
+                       "step": stop}, group=g)
+    if isinstance(w, FSDP):
+        full = w.full_state_dict()
+        return full if r == 0 else None
+    return snapshot(model) if r == 0 else None
+
+
+def reference_params(steps: int) -> dict[str, np.ndarray]:
+    """One process, the whole batch, ``steps`` AdamW steps."""
+    return body_ckpt_segment(0, "plain", 0, steps, None, None, group=_SelfGroup())  # type: ignore[return-value]
+
+
+class _SelfGroup:
+    """Enough of a group for ``body_ckpt_segment(kind="plain")`` without any backend."""
+
+    size, rank = 1, 0
+
+
+def body_ckpt_sharded_layout(rank: int) -> list[str]:
+    """``state_dict`` gives Shards at global names and shapes; optimizer state too."""
+    from hpcdp.checkpoint import Shard
+
+    g = hpcdp.get_default_group()
+    model = OddNet(seed=21)
+    names = {n: tuple(p.data.shape) for n, p in model.named_parameters()}
+    fsdp = FSDP(model, strategy="full_shard", auto_wrap={Block})
+    opt = _ckpt_opt(fsdp.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = data(4, seed=rank)
+    loss_fn(fsdp(x), y)
+    fsdp.backward(loss_fn.backward())
+    opt.step()
+    fails = []
+    sd = fsdp.state_dict()
+    for n, shape in names.items():
+        v = sd.get(n)
+        if not isinstance(v, Shard) or v.global_shape != shape:
+            fails.append(f"{n}: {type(v).__name__} {getattr(v, 'global_shape', None)}, expected a Shard of {shape}")
+            continue
+        rows = -(-shape[0] // g.size)
+        lo = min(rank * rows, shape[0])
+        if v.offsets[0] != lo or v.local.shape[0] != min(shape[0], lo + rows) - lo:
+            fails.append(f"{n}: block {v.local.shape} at {v.offsets} on rank {rank}")
+    st = fsdp.optim_state_dict(opt)
+    for n, shape in names.items():
+        ent = st["state"].get(n, {})
+        if not isinstance(ent.get("exp_avg"), Shard) or ent["exp_avg"].global_shape != shape:
+            fails.append(f"optimizer state of {n} is not a Shard of {shape}: {ent}")
+        if ent.get("step") != 1:
+            fails.append(f"optimizer step of {n}: {ent.get('step')}")
+    if st["param_groups"][0]["params"] != list(names):
+        fails.append(f"param group names {st['param_groups'][0]['params']}")
+    return fails
+
 
 ROUND_TRIPS = [  # (saved by, world size) -> (loaded by, world size)
     (("fsdp:full_shard", 4), ("fsdp:full_shard", 3)),

@@ -107,6 +107,10 @@ def load_state_dict(fsdp: Any, state: dict[str, Any], strict: bool = True) -> No
             sp.data[...] = to_module(piece, xp_of(sp.data))
     for name, b in bufs.items():
         if name in state:
+            shape = tuple(getattr(state[name], "shape", ()))
+            if shape != tuple(b.shape):   # b[...] = v would broadcast a wrong shape silently
+                raise ValueError(f"{where} (rank {rank}): buffer {name!r} has shape {shape}, the model "
+                                 f"has {tuple(b.shape)}")
             b[...] = to_module(state[name], xp_of(b))
     rep = fsdp.comm.replicate
     if rep is not None and fsdp.comm.n > 1:  # hybrid: replicas other than 0 may have read nothing

@@ -13,7 +13,12 @@ Who calls what, in one training step (every rank, same order):
    step) reshards it and posts its gradient reduction, asynchronously.
 4. ``finish_backward`` reduces the units whose hooks could not (gradients still missing: a weight
    gradient deferred by ``run_backward_input``, or hooks bypassed), in a fixed order, and waits
-   for the reductions still in flight, first-in first-out.
+   for the reductions still in flight, first-in first-out. Each reduction also sums one "used"
+   flag per parameter, so a parameter no rank gave a gradient keeps ``grad=None``.
+
+An exception in forward (``abort_forward``) or backward (``abort_backward``) reshards every unit
+and drops unreduced gradients before it propagates, so nothing full-size stays behind; a peer
+still waiting in a collective gets the group's timeout.
 
 Prefetch is bounded: with ``limit_all_gathers`` at most one unit is gathered ahead of its use
 (two without), so besides the units whose forward or backward is running (the root, an
@@ -214,6 +219,7 @@ class Schedule:
         hit = self.where.get(id(param))
         if hit is not None:
             hit[0].arrived.add(hit[1])
+            hit[0].used.add(hit[1])
 
     def post_backward(self, unit: Unit) -> None:
         self.log("bwd_end", unit)
@@ -251,19 +257,43 @@ class Schedule:
         self.reductions.append(unit)
         self.log("rs_post", unit)
 
+    def _drop_gathered(self) -> None:
+        """Reshard every unit after an exception, keeping the caller's exception the one raised.
+
+        A prefetched all-gather was posted by every rank at the same program point, so waiting for
+        it completes (or times out with the group's timeout, which is then swallowed here: the
+        original error says what went wrong).
+        """
+        self.stack.clear()
+        self.ahead.clear()
+        for u in self.units:
+            if u.state != FREE:
+                try:
+                    u.reshard()
+                except HpcdpError:
+                    pass
+
+    def abort_forward(self) -> None:
+        """After an exception inside the model's forward: drop the gathered and prefetched units."""
+        if self.summoned or self.in_backward:
+            return   # not this schedule's forward (summon) or a misuse raised before touching state
+        self.forward_pending = False
+        self._drop_gathered()
+
     def abort_backward(self) -> None:
         """After an exception inside the model's backward: forget the step without posting anything.
 
-        Reductions already posted are dropped unwaited (the transport reaps them), unsharded
-        gradients are discarded; the next forward starts clean.
+        Reductions already posted are dropped unwaited (the transport reaps them), gathered
+        parameters and unsharded gradients are released (the model's ``.grad`` views of them
+        too, or they would keep the whole buffer alive); the next forward starts clean.
         """
         self.in_backward = self.forward_pending = False
-        self.stack.clear()
         self.deferred.clear()
         self.reductions.clear()
+        self._drop_gathered()
         for u in self.units:
             u.reduction = None
-            u.grad_full = None
+            u.drop_local_grads()
         self.phase = "fwd"
 
     def finish_backward(self) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._arrays import xp_of
+from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.parameter import Parameter
 from ._api import BF16, is_low_precision
@@ -79,6 +79,7 @@ class Unit:
         self._ag_bytes = 0
         self._full_bytes = 0
         self._gather_dtype: Any = self.param_dtype
+        self._gather_direct = False
         self.grad_full: Any = None     # parameter-major unsharded gradient (this rank's)
         self.reduction: Reduction | None = None
         self._placeholder = self.xp.empty((0,), self.compute_dtype)
@@ -86,7 +87,11 @@ class Unit:
         self.fwd_count = 0
         self.bwd_count = 0
         self.bwd_done = False
-        self.arrived: set[int] = set()
+        self.arrived: set[int] = set()   # slots whose gradient hook fired in this pass
+        # slots given a gradient since the last reduction (all passes of a no_sync accumulation);
+        # parameters without gradient hooks (foreign frameworks) count as always given one
+        self.used: set[int] = {i for i, s in enumerate(self.slots) if not hasattr(s.param, "register_hook")}
+        self._always_used = frozenset(self.used)
 
     # -- construction -------------------------------------------------------------------------
     def shard_from_model(self) -> None:
@@ -112,18 +117,21 @@ class Unit:
         """Whether the gathered parameters can be views of the flat shard itself (no copy)."""
         return self.comm.n == 1 and dtype == self.master_dtype
 
-    def start_gather(self, full_precision: bool = False) -> bool:
+    def start_gather(self, full_precision: bool = False, private: bool = False) -> bool:
         """Post the all-gather (True), or do nothing if the unit is gathered or gathering (False).
 
         Args:
             full_precision: gather in the master dtype (summon_full_params), not the compute dtype.
+            private: into a buffer of its own even where views of the flat shard would do, so
+                changes to the gathered parameters do not reach the shard (summon without writeback).
         """
         if self.state != FREE or not self.slots:
             return False
         travel = self.master_dtype if full_precision else self.param_dtype
         self._gather_dtype = travel
+        self._gather_direct = self._direct(travel) and not private
         self.state = PENDING
-        if self._direct(travel):
+        if self._gather_direct:
             return True
         send = encode(self.flat, travel)
         n = self.comm.n
@@ -144,7 +152,7 @@ class Unit:
         if self.state == FREE:
             self.start_gather()
         travel = self._gather_dtype
-        if self._direct(travel):
+        if self._gather_direct:
             self.full = self.flat
         else:
             if self._ag_work is not None:
@@ -206,10 +214,24 @@ class Unit:
             g = slot.param.grad
             if fresh and g is not None and not isinstance(g, FreedGrad) and g is not view:
                 view += g  # a gradient accumulated outside FSDP's backward is kept
+                self.used.add(i)
             slot.param.grad = view
 
+    def drop_local_grads(self) -> None:
+        """Forget the unreduced gradient (no_sync passes, an aborted backward) and its views."""
+        self.grad_full = None
+        self.used = set(self._always_used)
+        for slot in self.slots:
+            slot.param.grad = None
+
     def launch_reduction(self) -> None:
-        """Copy the unit's gradient in, post its reduction, free the unsharded gradient."""
+        """Copy the unit's gradient in, post its reduction, free the unsharded gradient.
+
+        One "used" flag per parameter rides at the end of every rank's chunk, so the reduction
+        also tells each rank which parameters got a gradient on some rank: one that none used
+        keeps ``grad=None`` as in single-process training (a zero gradient would still let
+        momentum and weight decay move it).
+        """
         if self.reduction is not None:
             raise HpcdpError(f"FSDP unit {self.name!r} (rank {self.comm.group.rank}): a gradient reduction "
                              "was launched twice in one backward")
@@ -219,16 +241,18 @@ class Unit:
         predivide = is_low_precision(self.reduce_dtype) and self.comm.world > 1
         if predivide:
             full *= 1.0 / self.comm.world
-        n = self.comm.n
+        n, k = self.comm.n, len(self.slots)
         staging = np.dtype(np.float32) if self.reduce_dtype == BF16 else np.dtype(self.reduce_dtype)
-        if n == 1:
-            send = full.reshape(1, self.F)
-            if send.dtype != staging:
-                send = send.astype(staging)
+        send = self.xp.empty((n, self.S + k), staging)
+        if n == 1:   # no_shard: the flat shard is the whole unit, same layout
+            send[0, :self.F] = full
         else:
-            send = self.xp.empty((n, self.S), staging)
             for slot in self.slots:
                 slot.copy_in(full, send)
+        flags = np.zeros(k, staging)
+        flags[sorted(self.used)] = 1
+        send[:, self.S:] = self.xp.asarray(flags)
+        self.used = set(self._always_used)
         if self.reduce_dtype == BF16:
             send = encode(send, BF16).reshape(send.shape)
         self.grad_full = None
@@ -243,10 +267,12 @@ class Unit:
         if red is None:
             return
         res = red.wait()
-        if res.dtype != self.master_dtype:
-            res = res.astype(self.master_dtype)
+        used = to_host(res[self.S:]) > 0
+        res = res[:self.S].astype(self.master_dtype)   # a copy: the flags do not stay behind
         for i in self.trainable:
             sp, slot = self.shard_params[i], self.slots[i]
+            if not used[i]:
+                continue   # no rank gave it a gradient: it keeps None (or what it had)
             piece = slot.shard_view(res)
             if sp.grad is None:
                 sp.grad = piece

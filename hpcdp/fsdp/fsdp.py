@@ -62,7 +62,8 @@ def _spec(module: Any, config: tuple) -> dict[str, Any]:
 
 def _difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     if a["config"] != b["config"]:
-        keys = ("strategy", "shard_size", "mixed_precision", "prefetch", "limit_all_gathers", "units")
+        keys = ("strategy", "shard_size", "mixed_precision", "prefetch", "limit_all_gathers",
+                "sync_module_states", "units")
         for k, x, y in zip(keys, a["config"], b["config"]):
             if x != y:
                 return f"FSDP option {k}={y!r} where rank 0 has {x!r}"
@@ -156,7 +157,8 @@ class FSDP:
         named = list(module.named_parameters())
         specs = plan_units(module, auto_wrap, named)
         plan = [(sp.name, [n for n, _ in sp.params]) for sp in specs]
-        config = (strategy, shard_size, repr(mixed_precision), bool(prefetch), bool(limit_all_gathers), plan)
+        config = (strategy, shard_size, repr(mixed_precision), bool(prefetch), bool(limit_all_gathers),
+                  bool(sync_module_states), plan)
         self._check_same_model(_spec(module, config))
         self.comm = self._make_groups(strategy, shard_size)
         bufs = list(module.named_buffers()) if hasattr(module, "named_buffers") else []
@@ -246,14 +248,22 @@ class FSDP:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's forward; the hooks gather each unit for it and reshard after."""
-        if self._hooked:
-            return self.module(*args, **kwargs)
+        """Run the module's forward; the hooks gather each unit for it and reshard after.
+
+        If the forward raises, every gathered or prefetched unit is resharded before the
+        exception propagates, so no full parameters stay behind.
+        """
         root, sched = self.units[0], self._sched
-        new = sched.pre_forward(root, args)
-        out = self.module.forward(*(args if new is None else new), **kwargs)
-        sched.post_forward(root, bool(getattr(self.module, "training", True)))
-        return out
+        try:
+            if self._hooked:
+                return self.module(*args, **kwargs)
+            new = sched.pre_forward(root, args)
+            out = self.module.forward(*(args if new is None else new), **kwargs)
+            sched.post_forward(root, bool(getattr(self.module, "training", True)))
+            return out
+        except BaseException:
+            sched.abort_forward()
+            raise
 
     def backward(self, grad_output: Any) -> Any:
         """Run the module's backward; return its input gradient once the shard gradients are reduced.
@@ -305,9 +315,7 @@ class FSDP:
             elif p.grad is not None:
                 p.grad[...] = 0
         for u in self.units:
-            u.grad_full = None
-            for s in u.slots:
-                s.param.grad = None
+            u.drop_local_grads()
 
     @property
     def events(self) -> list[Event]:
@@ -370,7 +378,7 @@ class FSDP:
         for u in self.units:
             u.reshard()
         for u in self.units:
-            if u.start_gather(full_precision=True):
+            if u.start_gather(full_precision=True, private=not writeback):
                 u.finish_gather()
         sched.summoned = True
         try:

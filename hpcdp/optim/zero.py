@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
+from ..nn.parameter import Parameter
 from .optimizer import Optimizer
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -80,11 +81,13 @@ class ZeroRedundancyOptimizer(Optimizer):
                 local.append({**{k: v for k, v in grp.items() if k != "params"}, "params": own})
                 self._local_groups.append(i)
         self.local: Optimizer | None = optimizer_class(local, **defaults) if local else None
-        if self.local is not None:   # the class's own defaults (betas, eps...) become visible here
-            for li, gi in enumerate(self._local_groups):
-                for k, v in self.local.param_groups[li].items():
-                    if k != "params":
-                        self.param_groups[gi].setdefault(k, v)
+        # The class's own defaults (betas, eps...) in every group, on every rank, including groups
+        # this rank owns nothing of: schedulers and the consolidated state dict read them there.
+        full = optimizer_class([Parameter(np.zeros(1))], **defaults).defaults
+        self.defaults = dict(full)
+        for grp in self.param_groups:
+            for k, v in full.items():
+                grp.setdefault(k, v)
         self.state = self.local.state if self.local is not None else {}
         # One all-gather per (array module, dtype): partitions packed, padded to the largest.
         self._plans: list[tuple[list[list[Any]], int, Any, Any]] = []
@@ -98,6 +101,19 @@ class ZeroRedundancyOptimizer(Optimizer):
             width = max(sum(int(p.data.size) for p in part) for part in parts)
             self._plans.append((parts, width, xp_of(ps[0].data), ps[0].data.dtype))
         self._consolidated: dict[str, Any] | None = None
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a group while constructing; afterwards raise (the partition is fixed at construction).
+
+        A group added later would be in ``param_groups`` but owned by no rank, so its
+        parameters would silently never be updated.
+        """
+        if "owner" not in self.__dict__:
+            super().add_param_group(group)
+            return
+        raise HpcdpError(f"ZeroRedundancyOptimizer.add_param_group (rank {self.group.rank}): the "
+                         "parameters are partitioned across ranks at construction; build a new "
+                         "ZeroRedundancyOptimizer over all the groups instead")
 
     def step(self, closure: Any = None) -> Any:
         """Update this rank's parameters, then all-gather everyone's updated parameters."""
