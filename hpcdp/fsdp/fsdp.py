@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from typing import Any, Iterator
 
 import numpy as np
@@ -181,6 +182,8 @@ class FSDP:
         order = {id(p): k for k, (_, p) in enumerate(named)}
         pairs = [(order[id(s.param)], s.name, sp) for u in self.units for s, sp in zip(u.slots, u.shard_params)]
         self._named_shards = [(name, sp) for _, name, sp in sorted(pairs, key=lambda t: t[0])]
+        for _, sp in self._named_shards:   # opt.state_dict() on shards defers to optim_state_dict
+            sp._state_owner = weakref.ref(self)
         self._sched = Schedule(self.units, reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
                                prefetch=prefetch, limit_all_gathers=limit_all_gathers,
                                mixed=mixed_precision, rank=rank)

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ..errors import HpcdpError
 from ..nn._backend import to_module, xp_of
 
 __all__ = ["Optimizer", "live_optimizers"]
@@ -14,6 +15,11 @@ __all__ = ["Optimizer", "live_optimizers"]
 #: every optimizer alive in this process, so wrappers can account for the state of the optimizers
 #: built on their parameters (``FSDP.memory_stats()``) without being handed them
 _LIVE: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+
+
+def _owner_of(p: Any) -> Any:
+    ref = getattr(p, "_state_owner", None)
+    return ref() if ref is not None else None
 
 
 def live_optimizers() -> list["Optimizer"]:
@@ -91,8 +97,33 @@ class Optimizer:
     def _index(self) -> dict[int, Any]:
         return {i: p for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
+    def _sharded_owner(self) -> Any:
+        """The wrapper (FSDP) whose shards these parameters are, or None for plain parameters.
+
+        Its shards are pieces of global arrays, so their state must be saved as ``Shard`` blocks at
+        the parameters' global names; a plain index-keyed dict would write one rank's piece as if
+        it were the whole array.
+        """
+        owners = {id(o): o for g in self.param_groups for p in g["params"]
+                  if (o := _owner_of(p)) is not None}
+        if not owners:
+            return None
+        plain = [p for g in self.param_groups for p in g["params"] if _owner_of(p) is None]
+        if len(owners) > 1 or plain:
+            raise HpcdpError(f"{type(self).__name__}.state_dict: the optimizer mixes the shards of "
+                             f"{len(owners)} FSDP wrapper(s) with {len(plain)} other parameter(s); "
+                             "save each wrapper's part with fsdp.optim_state_dict(opt)")
+        return next(iter(owners.values()))
+
     def state_dict(self) -> dict[str, Any]:
-        """Return ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``."""
+        """Return ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``.
+
+        On FSDP shards it returns ``fsdp.optim_state_dict(self)`` instead: state keyed by parameter
+        name, each array a ``checkpoint.Shard``, so a checkpoint reshards across world sizes.
+        """
+        owner = self._sharded_owner()
+        if owner is not None:
+            return owner.optim_state_dict(self)
         index = self._index()
         state = {i: dict(self.state[p]) for i, p in index.items() if self.state.get(p)}
         groups, start = [], 0
@@ -106,6 +137,10 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyper-parameters and per-parameter state (arrays copied onto each param's module/dtype)."""
+        owner = self._sharded_owner()
+        if owner is not None:
+            owner.load_optim_state_dict(self, state_dict)
+            return
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"loaded state has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
