@@ -16,6 +16,9 @@ from .collectives import (
     barrier, broadcast, broadcast_object, gather, gather_object, irecv, isend, recv, reduce,
     reduce_scatter, scatter, send,
 )
+from ._p2p import (
+    ANY_SOURCE, ANY_TAG, P2POp, Status, batch_isend_irecv, iprobe, probe, recv_any, wait_all,
+)
 from .errors import (
     AuthError, BackendUnavailableError, CheckpointError, CollectiveMismatchError,
     CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
@@ -63,7 +66,8 @@ __all__ = [
     "get_default_group", "spawn", "available_backends", "register_backend", "ProcessGroup",
     "ReduceOp", "Work", "allreduce", "all_reduce", "broadcast", "reduce", "all_gather",
     "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",
-    "send", "recv", "isend", "irecv", "broadcast_object", "all_gather_object", "gather_object",
+    "send", "recv", "isend", "irecv", "ANY_SOURCE", "ANY_TAG", "Status", "P2POp",
+    "batch_isend_irecv", "wait_all", "probe", "iprobe", "recv_any", "broadcast_object", "all_gather_object", "gather_object",
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_cupy", "xp_of", "to_host", "SUPPORTED_DTYPES", "is_array", "cupy_or_none"]
+__all__ = ["is_cupy", "xp_of", "split_sizes", "shard_bounds", "to_host", "SUPPORTED_DTYPES", "is_array", "cupy_or_none",
+           "contiguous", "overlaps"]
 
 # Dtypes every collective accepts. float16 travels as raw bits and is reduced in float32 where the
 # transport has no half type (Open MPI 4), which rounds once instead of at every step.
@@ -35,13 +36,33 @@ def is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or is_cupy(x)
 
 
-def xp_of(x: Any) -> ModuleType:
-    """numpy or cupy, whichever owns ``x``."""
-    if type(x) is np.ndarray:  # the common case, without the cupy lookup
-        return np
-    if is_cupy(x):
-        return cupy_or_none()  # type: ignore[return-value]
+def xp_of(*arrays: Any) -> ModuleType:
+    """cupy if any argument is a cupy array, else numpy (one code path for both)."""
+    for x in arrays:
+        if type(x) is np.ndarray:  # the common case, without the cupy lookup
+            continue
+        if is_cupy(x):
+            return cupy_or_none()  # type: ignore[return-value]
     return np
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` near-equal pieces of ``length`` (numpy.array_split's rule: the first
+    ``length % parts`` pieces are one longer)."""
+    if parts < 1 or length < 0:
+        raise ValueError(f"split_sizes: need length >= 0 and parts >= 1, got {length}, {parts}")
+    q, r = divmod(length, parts)
+    return [q + 1 if i < r else q for i in range(parts)]
+
+
+def shard_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each piece of ``split_sizes(length, parts)``: ring segments, checkpoint
+    rows, shards."""
+    out, lo = [], 0
+    for n in split_sizes(length, parts):
+        out.append((lo, lo + n))
+        lo += n
+    return out
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -50,3 +71,19 @@ def to_host(x: Any) -> np.ndarray:
 
 def is_supported_dtype(dt: np.dtype) -> bool:
     return (dt if isinstance(dt, np.dtype) else np.dtype(dt)) in _SUPPORTED
+
+
+def contiguous(x: Any) -> Any:
+    """``x`` itself when C-contiguous, else a contiguous copy."""
+    return x if x.flags.c_contiguous else xp_of(x).ascontiguousarray(x)
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether two arrays may share memory (numpy: may_share_memory; cupy: device ranges)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    ptr = lambda v: v.data.ptr  # noqa: E731
+    try:
+        return ptr(a) < ptr(b) + b.nbytes and ptr(b) < ptr(a) + a.nbytes
+    except AttributeError:
+        return False

@@ -6,11 +6,12 @@ process-wide.
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 from .backends import backend_factory
+from ._validate import check_timeout
 from .errors import BackendUnavailableError, HpcdpError
 from .group import ProcessGroup
 
@@ -20,6 +21,10 @@ __all__ = [
 ]
 
 _default: ProcessGroup | None = None
+#: the registered backend name each world group was started under (``init``, ``spawn``)
+_started: "weakref.WeakKeyDictionary[ProcessGroup, str]" = weakref.WeakKeyDictionary()
+#: run with the group at ``finalize``, before its transport goes (``on_finalize``)
+_finalizers: list[Callable[[ProcessGroup], None]] = []
 _tls = threading.local()
 _lock = threading.Lock()
 
@@ -70,20 +75,33 @@ def is_initialized() -> bool:
 def init(backend: str | None = None, *, timeout: float | None = None, **options: Any) -> ProcessGroup:
     """Start the default group and return it.
 
+    Calling ``init`` again while initialised returns the current group when it asks for the
+    same backend and no other timeout; a different backend, options or ``timeout`` raise
+    ``HpcdpError`` rather than being ignored (set ``get_default_group().timeout`` to change the
+    timeout of a running world, or ``finalize()`` first).
+
     Args:
         backend: "mpi", "tcp" or "sim"; None picks by environment (``detect_backend``).
-        timeout: seconds any blocking call may wait (default ``HPCDP_TIMEOUT`` or 30 minutes).
+        timeout: seconds any blocking call may wait (default ``HPCDP_TIMEOUT`` or 30 minutes);
+            a finite number > 0.
         options: passed to the backend factory.
     """
     global _default
     with _lock:
         current = getattr(_tls, "group", None) or _default
         name = backend or detect_backend()
+        where = f"init(backend={name!r}" + (f", timeout={timeout!r})" if timeout is not None else ")")
+        t = None if timeout is None else check_timeout(where, timeout)
         if current is not None:
-            if current.backend is not None and current.backend.name == name and not options:
-                return current
+            if current.backend is not None and _started.get(current) == name and not options:
+                if t is None or t == current.timeout:
+                    return current
+                raise HpcdpError(
+                    f"{where}: already initialised with timeout {current.timeout:g} s; set "
+                    f"hpcdp.get_default_group().timeout = {t:g} to change it, or finalize() first"
+                )
             raise HpcdpError(
-                f"init(backend={name!r}): already initialised with {current!r}; call finalize() first"
+                f"{where}: already initialised with {current!r}; call finalize() first"
             )
         factory = backend_factory(name)
         if factory is None:
@@ -94,33 +112,44 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
             raise
         except ImportError as exc:
             raise BackendUnavailableError(f"init: backend {name!r} cannot start here: {exc}") from exc
-        group = ProcessGroup(be, name="world", timeout=timeout)
+        group = ProcessGroup(be, name="world", timeout=t)
+        _started[group] = name
         _default = group
         return group
 
 
-def _set_thread_default(group: ProcessGroup | None) -> None:
+def _set_thread_default(group: ProcessGroup | None, started_as: str | None = None) -> None:
+    """This thread's default group (a simulated rank of ``spawn``), started under backend
+    ``started_as``; None clears it."""
     global _thread_groups
+    if group is not None and started_as is not None:
+        _started[group] = started_as
     with _lock:
         _thread_groups += (group is not None) - (getattr(_tls, "group", None) is not None)
     _tls.group = group
 
 
-def _wait_for_async_checkpoint(group: ProcessGroup | None) -> None:
-    """An ``async_save`` still writing runs collectives on this group's transport: let it commit
-    (every rank calls ``finalize``, so the save completes) before the transport goes."""
-    save = sys.modules.get("hpcdp.checkpoint._save")  # not imported: no save can be pending
-    if group is not None and save is not None:
-        save.wait_pending(group, warn=True)
+def on_finalize(fn: Callable[[ProcessGroup], None]) -> Callable[[ProcessGroup], None]:
+    """Run ``fn(group)`` in ``finalize`` before the transport goes (once per registration; e.g.
+    the checkpoint layer lets a pending async save commit). Returns ``fn`` (a decorator)."""
+    if fn not in _finalizers:
+        _finalizers.append(fn)
+    return fn
 
 
 def finalize() -> None:
     """Release the default group's transport; ``init`` may be called again afterwards.
 
-    A pending ``hpcdp.checkpoint.save(..., async_save=True)`` is waited for first.
+    A pending ``hpcdp.checkpoint.save(..., async_save=True)`` is waited for first. The group and
+    every group made from it raise ``HpcdpError`` when used afterwards. On MPI, operations still
+    in flight get a short grace period; what is still running then keeps its buffers alive
+    until ``MPI_Finalize`` and the other ranks are told that this rank left.
     """
     global _default, _thread_groups
-    _wait_for_async_checkpoint(getattr(_tls, "group", None) or _default)
+    current = getattr(_tls, "group", None) or _default
+    if current is not None:
+        for fn in list(_finalizers):
+            fn(current)
     with _lock:
         g = getattr(_tls, "group", None)
         if g is not None:

@@ -90,9 +90,14 @@ def send(x: Any, dst: int, tag: int = 0, *, group: Group = None, timeout: float 
     return (group or _default()).send(x, dst, tag, timeout=timeout)
 
 
-def recv(buf: Any, src: int, tag: int = 0, *, group: Group = None, timeout: float | None = None) -> Any:
-    """Receive into ``buf`` from ``src``; returns ``buf``."""
-    return (group or _default()).recv(buf, src, tag, timeout=timeout)
+def recv(buf: Any = None, src: int = -1, tag: int = 0, *, dtype: Any = None,
+         return_status: bool = False, group: Group = None, timeout: float | None = None) -> Any:
+    """Receive into ``buf`` from ``src`` (default ``ANY_SOURCE``); returns ``buf``.
+
+    ``buf=None`` allocates from the probed size; ``return_status=True`` returns ``(buf, Status)``.
+    """
+    return (group or _default()).recv(buf, src, tag, dtype=dtype, return_status=return_status,
+                                       timeout=timeout)
 
 
 def broadcast_object(obj: Any = None, root: int = 0, *, group: Group = None,

@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from . import _debug
-from ._arrays import _SUPPORTED, is_cupy, xp_of
-from ._validate import check_array, check_divisible, check_out, check_rank, check_tag
+from ._arrays import contiguous, is_cupy, overlaps, xp_of
+from ._group_objects import ObjectCollectives
+from ._group_p2p import PointToPoint
+from ._validate import check_array, check_divisible, check_out, check_rank, check_timeout
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError
 from .ops import ReduceOp, as_op, check_op_dtype
-from .work import CompletedWork, Work, annotate, timeout_error, wait_for, work_where
+from .work import CompletedWork, Work, annotate, timeout_error, work_where
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -29,7 +31,7 @@ DEFAULT_TIMEOUT = 1800.0
 
 
 def default_timeout() -> float:
-    """``HPCDP_TIMEOUT`` seconds if set, else 30 minutes."""
+    """``HPCDP_TIMEOUT`` seconds if set, else 30 minutes (nan, inf, 0 and negatives refused)."""
     raw = os.environ.get("HPCDP_TIMEOUT")
     if not raw:
         return DEFAULT_TIMEOUT
@@ -37,11 +39,10 @@ def default_timeout() -> float:
         t = float(raw)
     except ValueError:
         raise ValueError(f"HPCDP_TIMEOUT={raw!r} is not a number of seconds") from None
-    if t <= 0:
-        raise ValueError(f"HPCDP_TIMEOUT={raw!r} must be positive")
-    return t
+    return check_timeout(f"HPCDP_TIMEOUT={raw!r}", t, named=True)
 
 
+_ndarray = np.ndarray
 #: dtypes and ops for which the allreduce fast path needs no further checks
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -60,9 +61,9 @@ def _reduction_plan(x: Any, buf: Any, rop: ReduceOp, n: int, xp: Any,
     sum that overflows half precision still averages to what numpy's ``mean`` gives.
     """
     if rop is not ReduceOp.MEAN:
-        return (buf if inplace else _contig(x)), buf, rop, None
+        return (buf if inplace else contiguous(x)), buf, rop, None
     if x.dtype != np.float16:
-        return ((buf if inplace else _contig(x)), buf, ReduceOp.SUM,
+        return ((buf if inplace else contiguous(x)), buf, ReduceOp.SUM,
                 lambda b: xp.divide(b, n, out=b, casting="unsafe"))
     wide = xp.empty(buf.shape, np.float32) if buf is not None else None
 
@@ -73,22 +74,7 @@ def _reduction_plan(x: Any, buf: Any, rop: ReduceOp, n: int, xp: Any,
     return x.astype(np.float32), wide, ReduceOp.SUM, post
 
 
-def _overlaps(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return bool(np.may_share_memory(a, b))
-    ptr = lambda v: v.data.ptr  # noqa: E731 - cupy: compare device ranges
-    try:
-        return ptr(a) < ptr(b) + b.nbytes and ptr(b) < ptr(a) + a.nbytes
-    except AttributeError:
-        return False
-
-
-def _contig(x: Any) -> Any:
-    xp = xp_of(x)
-    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-
-
-class ProcessGroup:
+class ProcessGroup(PointToPoint, ObjectCollectives):
     """A set of ranks that run collectives together. Ranks in arguments are group ranks."""
 
     def __init__(
@@ -101,15 +87,17 @@ class ProcessGroup:
     ) -> None:
         self.backend = backend
         self.name = name
-        self.timeout = default_timeout() if timeout is None else float(timeout)
-        if self.timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self._timeout = default_timeout() if timeout is None else check_timeout(
+            f"group {name}", timeout)
         self._seq = itertools.count(1)
+        self._p2p_counts: dict[tuple[str, int, int], Any] = {}  # (op, peer, tag) -> counter
         self._lock = threading.Lock()
         self._groups = itertools.count(1)
         self._broken: str | None = None
+        self._closed: str | None = None
+        self._children: list[weakref.ref[ProcessGroup]] = []
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
-        self._max_tag = getattr(backend, "max_tag", 2**31 - 1)
+        self._max_tag = backend.max_tag if backend is not None else 0
         self._debug = _debug.debug_level()
         self._fast = False  # whether blocking allreduces may take the latency path
         self._refresh_fast()
@@ -127,7 +115,23 @@ class ProcessGroup:
         self._refresh_fast()
 
     def _refresh_fast(self) -> None:
-        self._fast = self._debug == "off" and self.backend is not None and self._broken is None
+        self._fast = (self._debug == "off" and self.backend is not None and self._broken is None
+                      and self._closed is None)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking call waits by default; settable (finite and > 0)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(f"group {self.name}", value)
+
+    def _timeout_of(self, op: str, timeout: Any) -> float:
+        """A call's ``timeout=``, checked, or the group's."""
+        if timeout is None:
+            return self._timeout
+        return check_timeout(self._where(op), timeout)
 
     # -- identity ---------------------------------------------------------------------------
     @property
@@ -152,23 +156,37 @@ class ProcessGroup:
         return f"<ProcessGroup {self.name} {kind} rank {self.rank} of {self.size} {list(self.ranks)}>"
 
     # -- machinery --------------------------------------------------------------------------
-    def _begin(self, opname: str, timeout: float | None = None, **call: Any) -> int:
+    def _usable(self, opname: str) -> None:
+        if self._closed:
+            raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._closed}")
         if self.backend is None:
             raise ValueError(
                 f"{opname}: this rank is not a member of group {self.name} (ranks {list(self.ranks)})"
             )
+
+    def _begin(self, opname: str, timeout: float, **call: Any) -> int:
+        self._usable(opname)
         if self._broken:
             raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
         seq = next(self._seq)  # itertools.count is atomic under the GIL
         if self.debug == "detail":
-            _debug.check_across(self, opname, seq, self.timeout if timeout is None else timeout, **call)
+            _debug.check_across(self, opname, seq, timeout, **call)
         return seq
 
-    def _note_timeout(self, op: str, seq: int) -> None:
-        """A timed-out collective leaves the transport out of step: later calls must not reuse it."""
-        if self.backend is not None and self.backend.name == "mpi":
-            self._broken = f"an earlier {op} #{seq} timed out; create a new group to continue"
+    def _note_failure(self, op: str, seq: int, what: str) -> None:
+        """A collective that timed out or failed leaves an MPI group out of step (MPI cannot
+        cancel it): later calls must not reuse the group. Point to point (seq 0) is unaffected."""
+        if seq and self.backend is not None and self.backend.timeout_poisons_group and not self._broken:
+            self._broken = f"an earlier {op} #{seq} {what}; create a new group to continue"
             self._refresh_fast()
+
+    def _post(self, op: str, seq: int, fn: Callable[..., Request], *args: Any) -> Request:
+        """``fn(*args)``: a transport error while posting names the call, like one while waiting."""
+        try:
+            return fn(*args)
+        except HpcdpError as exc:
+            self._note_failure(op, seq, f"failed ({type(exc).__name__})")
+            raise annotate(exc, work_where(self, op, seq)) from exc
 
     def _run(
         self,
@@ -177,12 +195,12 @@ class ProcessGroup:
         req: Request,
         finish: Callable[[], Any],
         async_op: bool,
-        timeout: float | None,
+        timeout: float,
     ) -> Any:
-        work = Work(self, op, seq, req, finish)
+        work = Work(self, op, seq, req, finish, timeout)
         if async_op:
             return work
-        return work.wait(timeout)
+        return work.wait()
 
     def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:
         return CompletedWork(self, op, seq, result) if async_op else result
@@ -206,7 +224,7 @@ class ProcessGroup:
             buf = xp.empty(shape, dtype)
             return buf, buf
         check_out(where, out, shape, dtype, xp)
-        aliased = x is not None and out is not x and _overlaps(out, x)
+        aliased = x is not None and out is not x and overlaps(out, x)
         return out, (out if out.flags.c_contiguous and not aliased else xp.empty(shape, dtype))
 
     @staticmethod
@@ -226,28 +244,35 @@ class ProcessGroup:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
         # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
         # checks as below, in fewer Python operations, because small allreduces are latency-bound.
+        # Two arrays that both own their memory cannot overlap (np.may_share_memory costs more
+        # than the rest of this path); views take the general path, which handles overlap.
         try:
             rop = _FAST_OPS.get(op)
         except TypeError:  # unhashable: the general path says what is wrong with it
             rop = None
-        if (rop is not None and self._fast and not async_op and type(x) is np.ndarray
-                and x.dtype in _FAST_DTYPES and x.flags.c_contiguous and (out is None or (
-                    type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
-                    and (out is x or not np.may_share_memory(out, x))
-                    and (f := out.flags).c_contiguous and f.writeable))):
-            if out is None:
-                out = np.empty_like(x)
-            seq = next(self._seq)
-            t = self.timeout if timeout is None else timeout
+        if (rop is not None and self._fast and not async_op and type(x) is _ndarray
+                and x.dtype in _FAST_DTYPES and (xf := x.flags).c_contiguous and (out is None or (
+                    type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
+                    and (out is x or (f.owndata and xf.owndata and out.dtype is x.dtype
+                                      and out.shape == x.shape))))):
+            t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
+            if out is None:  # small: a copy reduced in place is cheaper than empty + separate
+                out = x.copy() if x.nbytes <= 65536 else np.empty(x.shape, x.dtype)
+                send = out if x.nbytes <= 65536 else x
+            else:
+                send = x
             try:
                 if x.ndim == 1:
-                    req = self.backend.allreduce_blocking(x, out, rop, t)
+                    req = self.backend.allreduce_blocking(send, out, rop, t)
                 else:
                     rflat = out.reshape(-1)
-                    req = self.backend.allreduce_blocking(rflat if out is x else x.reshape(-1),
+                    req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
                                                           rflat, rop, t)
             except HpcdpError as exc:
+                seq = next(self._seq)
+                self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
                 raise annotate(exc, work_where(self, "allreduce", seq)) from exc
+            seq = next(self._seq)  # taken after posting: it only names the call in errors
             if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
                 raise err
             return out
@@ -258,11 +283,12 @@ class ProcessGroup:
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
-        seq = self._begin("allreduce", timeout, op=rop.value, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("allreduce", timeout)
+        seq = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
         rflat = rbuf.reshape(-1)
-        req = self.backend.allreduce(rflat if send is rbuf else send.reshape(-1), rflat, bop)
-        return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, timeout)
+        req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop)
+        return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, t)
 
     # torch spelling
     all_reduce = allreduce
@@ -281,12 +307,13 @@ class ProcessGroup:
             target = xp.array(x, copy=True)
         else:
             target = x
-        seq = self._begin("broadcast", timeout, root=root, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("broadcast", timeout)
+        seq = self._begin("broadcast", t, root=root, shape=x.shape, dtype=x.dtype)
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
-        req = self.backend.broadcast(buf.reshape(-1), root)
-        return self._run("broadcast", seq, req, self._finish_into(target, buf), async_op, timeout)
+        req = self._post("broadcast", seq, self.backend.broadcast, buf.reshape(-1), root)
+        return self._run("broadcast", seq, req, self._finish_into(target, buf), async_op, t)
 
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -305,14 +332,15 @@ class ProcessGroup:
             if out is not None:
                 check_out(where, out, x.shape, x.dtype, xp)
             result = buf = None
-        seq = self._begin("reduce", timeout, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("reduce", timeout)
+        seq = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp,
                                                 is_root and out is x and buf is x)
         rflat = None if rbuf is None else rbuf.reshape(-1)
         sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
-        req = self.backend.reduce(sflat, rflat, bop, root)
+        req = self._post("reduce", seq, self.backend.reduce, sflat, rflat, bop, root)
         finish = self._finish_into(result, buf, post) if is_root else (lambda: None)
-        return self._run("reduce", seq, req, finish, async_op, timeout)
+        return self._run("reduce", seq, req, finish, async_op, t)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -322,9 +350,10 @@ class ProcessGroup:
         self._check_module(where, x)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
-        seq = self._begin("all_gather", timeout, shape=x.shape, dtype=x.dtype)
-        req = self.backend.all_gather(_contig(x).reshape(-1), buf.reshape(self.size, -1))
-        return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, timeout)
+        t = self._timeout_of("all_gather", timeout)
+        seq = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
+        req = self._post("all_gather", seq, self.backend.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1))
+        return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, t)
 
     allgather = all_gather
 
@@ -343,11 +372,12 @@ class ProcessGroup:
             if out is not None:
                 check_out(where, out, (self.size, *x.shape), x.dtype, xp)
             result = buf = None
-        seq = self._begin("gather", timeout, root=root, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("gather", timeout)
+        seq = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
-        req = self.backend.gather(_contig(x).reshape(-1), rbuf, root)
+        req = self._post("gather", seq, self.backend.gather, contiguous(x).reshape(-1), rbuf, root)
         finish = self._finish_into(result, buf) if is_root else (lambda: None)
-        return self._run("gather", seq, req, finish, async_op, timeout)
+        return self._run("gather", seq, req, finish, async_op, t)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                 timeout: float | None = None) -> Any:
@@ -372,10 +402,11 @@ class ProcessGroup:
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
         result, buf = self._result_buffer(where, out, shape, dtype, xp, x)
-        seq = self._begin("scatter", timeout, root=root, shape=full, dtype=dtype)
-        send = _contig(x).reshape(self.size, -1) if is_root else None
-        req = self.backend.scatter(send, buf.reshape(-1), root)
-        return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, timeout)
+        t = self._timeout_of("scatter", timeout)
+        seq = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
+        send = contiguous(x).reshape(self.size, -1) if is_root else None
+        req = self._post("scatter", seq, self.backend.scatter, send, buf.reshape(-1), root)
+        return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, t)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -388,11 +419,12 @@ class ProcessGroup:
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
-        seq = self._begin("reduce_scatter", timeout, op=rop.value, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("reduce_scatter", timeout)
+        seq = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, n, xp, False)
-        req = self.backend.reduce_scatter(send.reshape(n, -1), rbuf.reshape(-1), bop)
-        return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, timeout)
+        req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop)
+        return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, t)
 
     def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -405,118 +437,20 @@ class ProcessGroup:
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
         if buf is x:  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
-        seq = self._begin("all_to_all", timeout, shape=x.shape, dtype=x.dtype)
+        t = self._timeout_of("all_to_all", timeout)
+        seq = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
         n = self.size
-        req = self.backend.all_to_all(_contig(x).reshape(n, -1), buf.reshape(n, -1))
-        return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, timeout)
+        req = self._post("all_to_all", seq, self.backend.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1))
+        return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, t)
 
     alltoall = all_to_all
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Return once every rank of the group has called ``barrier``."""
-        seq = self._begin("barrier", timeout)
-        return self._run("barrier", seq, self.backend.barrier(), lambda: None, async_op, timeout)
-
-    # -- point to point ---------------------------------------------------------------------
-    def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
-        where = self._where(op)
-        if self.backend is None:
-            self._begin(op)  # raises: not a member
-        peer = check_rank(where, peer_name, peer, self.size)
-        tag = check_tag(where, tag, self._max_tag)
-        check_array(where, x)
-        self._check_module(where, x)
-        return where, peer, tag
-
-    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
-        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
-        _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
-        buf = _contig(x)
-        req = self.backend.send(buf.reshape(-1), dst, tag)
-        return Work(self, f"send(dst={dst}, tag={tag})", 0, req, lambda: None)
-
-    def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
-        """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
-        where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
-        if isinstance(buf, np.ndarray) and not buf.flags.writeable:
-            raise ValueError(f"{where}: the receive buffer is read-only")
-        tmp = buf if buf.flags.c_contiguous else xp_of(buf).empty(buf.shape, buf.dtype)
-        req = self.backend.recv(tmp.reshape(-1), src, tag)
-        return Work(self, f"recv(src={src}, tag={tag})", 0, req, self._finish_into(buf, tmp))
-
-    def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
-        """Whether a blocking send/recv may skip ``Work``: the same checks as ``_check_p2p``
-        for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
-        return (self._fast and type(x) is np.ndarray and type(peer) is int and type(tag) is int
-                and 0 <= peer < self.size and peer != self.rank and 0 <= tag <= self._max_tag
-                and x.dtype in _SUPPORTED and x.flags.c_contiguous)
-
-    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        """Send ``x`` to ``dst`` and return once the buffer may be reused."""
-        if self._p2p_fast(x, dst, tag):
-            req = self.backend.send(x if x.ndim == 1 else x.reshape(-1), dst, tag)
-            return wait_for(self, f"send(dst={dst}, tag={tag})", 0, req,
-                            self.timeout if timeout is None else timeout)
-        if dst == self.rank:
-            raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
-        self.isend(x, dst, tag).wait(timeout)
-
-    def recv(self, buf: Any, src: int, tag: int = 0, *, timeout: float | None = None) -> Any:
-        """Receive into ``buf`` from ``src``; returns ``buf``."""
-        if self._p2p_fast(buf, src, tag) and buf.flags.writeable:
-            req = self.backend.recv(buf if buf.ndim == 1 else buf.reshape(-1), src, tag)
-            wait_for(self, f"recv(src={src}, tag={tag})", 0, req,
-                     self.timeout if timeout is None else timeout)
-            return buf
-        if src == self.rank:
-            raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
-        return self.irecv(buf, src, tag).wait(timeout)
-
-    # -- Python objects (pickled: only between authenticated peers of one job) -------------
-    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> Any:
-        """Every rank gets root's ``obj``."""
-        where = self._where("broadcast_object")
-        root = check_rank(where, "root", root, self.size)
-        failure: BaseException | None = None
-        if self.rank == root:
-            try:
-                data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-                n = np.array([data.size], np.int64)
-            except Exception as exc:  # noqa: BLE001 - told to every rank below
-                failure, data, n = exc, None, np.array([-1], np.int64)
-        else:
-            data, n = None, np.zeros(1, np.int64)
-        self.broadcast(n, root, timeout=timeout)
-        if n[0] < 0:
-            raise TypeError(f"{where}: root {root} could not pickle its object"
-                            + (f": {failure}" if failure else "")) from failure
-        if self.rank != root:
-            data = np.empty(int(n[0]), np.uint8)
-        self.broadcast(data, root, timeout=timeout)
-        return obj if self.rank == root else pickle.loads(data.tobytes())
-
-    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        """A list of every rank's ``obj``, in rank order."""
-        failure: BaseException | None = None
-        try:
-            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        except Exception as exc:  # noqa: BLE001 - told to every rank below
-            failure, data = exc, np.zeros(0, np.uint8)
-        mine = np.array([-1 if failure else data.size], np.int64)
-        sizes = self.all_gather(mine, timeout=timeout).reshape(-1)
-        if (sizes < 0).any():
-            bad = [int(i) for i in np.flatnonzero(sizes < 0)]
-            raise TypeError(f"{self._where('all_gather_object')}: rank(s) {bad} could not pickle "
-                            "their object" + (f": {failure}" if failure else "")) from failure
-        padded = np.zeros(int(sizes.max()), np.uint8)
-        padded[: data.size] = data
-        rows = self.all_gather(padded, timeout=timeout)
-        return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(self.size)]
-
-    def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
-        """Like ``all_gather_object`` but only ``root`` gets the list."""
-        objs = self.all_gather_object(obj, timeout=timeout)
-        return objs if self.rank == root else None
+        t = self._timeout_of("barrier", timeout)
+        seq = self._begin("barrier", t)
+        req = self._post("barrier", seq, self.backend.barrier)
+        return self._run("barrier", seq, req, lambda: None, async_op, t)
 
     # -- sub-groups -------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, name: str | None = None,
@@ -526,8 +460,7 @@ class ProcessGroup:
         Non-members get a group object too; its collectives raise ``ValueError``.
         """
         where = self._where("new_group")
-        if self.backend is None:
-            self._begin("new_group")
+        self._usable("new_group")
         try:
             mine: Any = [int(r) if isinstance(r, (int, np.integer)) and not isinstance(r, bool)
                          else repr(r) for r in ranks]
@@ -555,8 +488,19 @@ class ProcessGroup:
                              members=members)
         if self.debug == "detail":
             child.debug = "detail"
+        self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
         return child
 
     def shutdown(self) -> None:
+        """Release the transport, sub-groups first; later calls raise ``HpcdpError``."""
+        if self._closed:
+            return
+        for ref in self._children:
+            child = ref()
+            if child is not None:
+                child.shutdown()
+        self._closed = ("the group was shut down (hpcdp.finalize(), or its parent group's "
+                        "shutdown); after hpcdp.init() make the group again")
+        self._refresh_fast()
         if self.backend is not None:
             self.backend.shutdown()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from ._validate import check_timeout
 from .backends.base import Request
 from .errors import CommTimeoutError, HpcdpError, PeerFailureError
 
@@ -15,7 +16,8 @@ __all__ = ["Work"]
 class Work:
     """A collective in flight. ``wait()`` returns its result; buffers are the transport's until then."""
 
-    __slots__ = ("_group", "_op", "_seq", "_req", "_finish", "_done", "_result", "_error")
+    __slots__ = ("_group", "_op", "_seq", "_req", "_finish", "_done", "_result", "_error",
+                 "_timeout")
 
     def __init__(
         self,
@@ -24,8 +26,10 @@ class Work:
         seq: int,
         req: Request,
         finish: Callable[[], Any],
+        timeout: float | None = None,
     ) -> None:
         self._group, self._op, self._seq, self._req, self._finish = group, op, seq, req, finish
+        self._timeout = timeout  # the call's timeout=, else the group's at wait()
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -44,12 +48,15 @@ class Work:
         raise exc
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until done or ``timeout`` (default: the group's) and return the result."""
+        """Block until done or ``timeout`` (default: the call's, else the group's); the result."""
         if self._done:
             return self._result
         if self._error is not None:
             raise self._error
-        t = self._group.timeout if timeout is None else timeout
+        if timeout is not None:
+            t = check_timeout(f"{self._where()}: wait()", timeout)
+        else:
+            t = self._group.timeout if self._timeout is None else self._timeout
         try:
             wait_for(self._group, self._op, self._seq, self._req, t)
         except HpcdpError as exc:
@@ -66,7 +73,8 @@ class Work:
             if self._req.test():
                 self._complete()
         except HpcdpError as exc:
-            self._error = exc
+            self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
+            self._error = annotate(exc, self._where())
             return True
         return self._done
 
@@ -94,6 +102,7 @@ def wait_for(group: "ProcessGroup", op: str, seq: int, req: Request, timeout: fl
     try:
         done = req.wait(timeout)
     except HpcdpError as exc:
+        group._note_failure(op, seq, f"failed ({type(exc).__name__})")
         raise annotate(exc, work_where(group, op, seq)) from exc
     if not done and (err := timeout_error(group, op, seq, req, timeout)):
         raise err
@@ -115,8 +124,7 @@ def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request,
     pending = req.pending()
     if req.abandon():
         return None
-    if seq:  # a collective (point-to-point calls have no sequence number) leaves ranks out of step
-        group._note_timeout(op, seq)
+    group._note_failure(op, seq, "timed out")  # collectives only: p2p calls have no seq
     return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")
 
 

@@ -6,56 +6,11 @@ from typing import Any
 import numpy as np
 
 import hpcdp
-
-
-def body_out_and_inplace(rank: int) -> list[str]:
-    n = hpcdp.world_size()
-    fails: list[str] = []
-    x = np.arange(6, dtype=np.float64) + rank
-    want = sum(np.arange(6, dtype=np.float64) + r for r in range(n))
-    out = np.empty(6)
-    res = hpcdp.allreduce(x, out=out)
-    if res is not out or not np.allclose(out, want):
-        fails.append("allreduce out= not filled/returned")
-    y = x.copy()
-    res = hpcdp.allreduce(y, out=y)
-    if res is not y or not np.allclose(y, want):
-        fails.append("allreduce in place (out is x) wrong")
-    # non-contiguous out and in place on a strided view
-    big = np.zeros((6, 2))
-    res = hpcdp.allreduce(x, out=big[:, 0])
-    if not np.allclose(big[:, 0], want) or np.any(big[:, 1]):
-        fails.append("allreduce into a strided out= wrong")
-    z = np.stack([x, x], axis=1)[:, 0]
-    res = hpcdp.allreduce(z, out=z)
-    if not np.allclose(z, want):
-        fails.append("in place on a strided view wrong")
-    # broadcast fills x in place when writable, copies when read-only
-    b = np.full(3, float(rank))
-    res = hpcdp.broadcast(b, root=n - 1)
-    if res is not b or not np.all(b == n - 1):
-        fails.append("broadcast did not fill x in place")
-    ro = np.full(3, float(rank))
-    ro.flags.writeable = False
-    res = hpcdp.broadcast(ro, root=0)
-    if not np.all(res == 0) or (rank != 0 and np.all(ro == 0)):
-        fails.append("broadcast of a read-only array wrong")
-    g = np.empty((n, 2), np.int32)
-    res = hpcdp.all_gather(np.full(2, rank, np.int32), out=g)
-    if res is not g or not np.array_equal(g[:, 0], np.arange(n)):
-        fails.append("all_gather out= wrong")
-    r = hpcdp.reduce_scatter(np.ones((n, 3)), "mean")
-    if r.shape != (1, 3) or not np.allclose(r, 1.0):
-        fails.append(f"reduce_scatter mean wrong: {r}")
-    a = np.arange(2 * n).reshape(n, 2) + 100 * rank
-    res = hpcdp.all_to_all(a, out=a)
-    if not np.array_equal(a[:, 0], np.array([100 * j + 2 * rank for j in range(n)])):
-        fails.append(f"all_to_all in place wrong: {a}")
-    s = hpcdp.scatter(None if rank else np.arange(2 * n), root=0, out=np.empty(2, np.int64)) \
-        if rank else hpcdp.scatter(np.arange(2 * n), root=0)
-    if not np.array_equal(s, [2 * rank, 2 * rank + 1]):
-        fails.append(f"scatter with out= on non-roots wrong: {s}")
-    return fails
+from hpcdp.testing.collective import (  # noqa: F401 - the conformance bodies, re-exported
+    body_all_collectives_async_and_out, body_async, body_out_and_inplace, body_subgroups,
+)
+from hpcdp.testing.failure import body_finished_peer  # noqa: F401
+from hpcdp.testing.p2p import body_p2p  # noqa: F401
 
 
 def body_out_errors(rank: int) -> list[str]:
@@ -74,103 +29,6 @@ def body_out_errors(rank: int) -> list[str]:
         except err:
             pass
     hpcdp.barrier()
-    return fails
-
-
-def body_async(rank: int) -> list[str]:
-    n = hpcdp.world_size()
-    fails: list[str] = []
-    works = [hpcdp.allreduce(np.full(1000, float(i + rank)), async_op=True) for i in range(5)]
-    works.append(hpcdp.all_gather(np.array([rank]), async_op=True))
-    works.append(hpcdp.barrier(async_op=True))
-    for i, w in enumerate(works[:5]):
-        res = w.wait()
-        if not np.allclose(res, sum(i + r for r in range(n))):
-            fails.append(f"async allreduce {i} wrong")
-        if not w.is_completed():
-            fails.append("is_completed False after wait")
-        if w.result() is not res:
-            fails.append("result() differs from wait()")
-    if not np.array_equal(works[5].result(), np.arange(n)[:, None]):
-        fails.append("async all_gather wrong")
-    works[6].wait()
-    # is_completed eventually turns True without wait()
-    w = hpcdp.allreduce(np.ones(3), async_op=True)
-    for _ in range(100000):
-        if w.is_completed():
-            break
-    else:
-        w.wait()
-    if not np.allclose(w.result(), n):
-        fails.append("polling is_completed then result wrong")
-    return fails
-
-
-def body_p2p(rank: int) -> list[str]:
-    n = hpcdp.world_size()
-    fails: list[str] = []
-    if n == 1:
-        w = hpcdp.isend(np.arange(3.0), 0, tag=5)
-        got = hpcdp.irecv(np.empty(3), 0, tag=5).wait()
-        w.wait()
-        return [] if np.array_equal(got, np.arange(3.0)) else ["self send/recv wrong"]
-    right, left = (rank + 1) % n, (rank - 1) % n
-    # two tags in flight at once, received in the opposite order: tag matching, not arrival
-    sends = [hpcdp.isend(np.full(4, rank * 10 + t, np.int64), right, tag=t) for t in (1, 2)]
-    r2 = hpcdp.irecv(np.empty(4, np.int64), left, tag=2)
-    r1 = hpcdp.irecv(np.empty(4, np.int64), left, tag=1)
-    for w in sends:
-        w.wait()
-    if not np.all(r2.wait() == left * 10 + 2) or not np.all(r1.wait() == left * 10 + 1):
-        fails.append("tagged isend/irecv mismatched")
-    # blocking send/recv, large
-    big = np.arange(300_000, dtype=np.float32) + rank
-    if rank % 2 == 0:
-        hpcdp.send(big, right, tag=9)
-        got = hpcdp.recv(np.empty_like(big), left, tag=9)
-    else:
-        got = hpcdp.recv(np.empty_like(big), left, tag=9)
-        hpcdp.send(big, right, tag=9)
-    if not np.array_equal(got, np.arange(300_000, dtype=np.float32) + left):
-        fails.append("blocking send/recv wrong")
-    return fails
-
-
-def body_subgroups(rank: int) -> list[str]:
-    n = hpcdp.world_size()
-    fails: list[str] = []
-    evens = list(range(0, n, 2))
-    g = hpcdp.new_group(evens)
-    if rank in evens:
-        res = hpcdp.allreduce(np.array([rank]), group=g)
-        if res[0] != sum(evens) or g.rank != evens.index(rank) or g.size != len(evens):
-            fails.append(f"even group allreduce wrong: {res}")
-        if g.ranks != tuple(evens):
-            fails.append("group.ranks wrong")
-    else:
-        if g.is_member:
-            fails.append("non-member thinks it is a member")
-        try:
-            hpcdp.allreduce(np.ones(1), group=g)
-            fails.append("non-member collective accepted")
-        except ValueError:
-            pass
-    # overlapping groups in flight, and a reversed order group
-    rev = hpcdp.new_group(list(range(n - 1, -1, -1)))
-    w = hpcdp.allreduce(np.array([float(rank)]), async_op=True)
-    got = hpcdp.all_gather(np.array([rank]), group=rev)
-    if not np.array_equal(got[:, 0], np.arange(n - 1, -1, -1)):
-        fails.append(f"reversed group order wrong: {got[:, 0]}")
-    if w.wait()[0] != sum(range(n)):
-        fails.append("world allreduce overlapping a group op wrong")
-    # a group of a group: ranks are relative to the parent
-    if rank in evens and len(evens) >= 2:
-        sub = g.new_group([1, 0])
-        res = hpcdp.all_gather(np.array([rank]), group=sub)
-        if not np.array_equal(res[:, 0], [evens[1], evens[0]]):
-            fails.append(f"group of a group wrong: {res[:, 0]}")
-    elif rank in evens:
-        g.new_group([0])
     return fails
 
 
@@ -323,30 +181,16 @@ def body_sim_shape_mismatch(rank: int) -> str:
     return "no error"
 
 
-def body_finished_peer(rank: int) -> str:
-    """A rank that returned cannot join: a peer waiting on it fails fast, not at the timeout."""
-    import time
-
-    if rank == 0:
-        return "done"
-    time.sleep(0.2)
-    t0 = time.monotonic()
-    try:
-        hpcdp.allreduce(np.ones(2))
-    except hpcdp.PeerFailureError:
-        return f"peer failure after {time.monotonic() - t0:.1f}s"
-    except hpcdp.CommTimeoutError:
-        return "timeout"
-    return "no error"
-
-
 def body_timeout_then_late_peer(rank: int) -> str:
-    """MPI: after a timed-out collective the late peer completes it; nothing may crash after."""
+    """MPI: after a timed-out collective the late peer is told at once that rank 0 left (its
+    call raises PeerFailureError instead of waiting); nothing may crash after, though rank 0's
+    abandoned request still completes into its buffer once the late peer has joined."""
     import gc
     import time
 
     sub = hpcdp.new_group(list(range(hpcdp.world_size())))
     x = np.ones(4 << 20)  # 32 MiB: freed memory would be unmapped at once
+    result = "survived"
     if rank == 0:
         try:
             hpcdp.allreduce(x, group=sub, timeout=1.0)
@@ -354,83 +198,24 @@ def body_timeout_then_late_peer(rank: int) -> str:
         except hpcdp.CommTimeoutError:
             pass
         gc.collect()
-    elif rank == 1:
-        time.sleep(2.5)
-        hpcdp.allreduce(x, group=sub, timeout=30)
     else:
-        try:
-            hpcdp.allreduce(x, group=sub, timeout=5.0)  # other ranks join; the op completes late
-        except hpcdp.CommTimeoutError:
-            pass
+        if rank == 1:
+            time.sleep(2.5)
+        t0 = time.monotonic()
+        try:  # other ranks join in time; rank 1 joins after rank 0 gave up
+            hpcdp.allreduce(x, group=sub, timeout=30)
+            result = "late call succeeded"
+        except hpcdp.PeerFailureError as exc:
+            if "rank 0 left" not in str(exc) or "timed out" not in str(exc) or exc.peers != (0,):
+                result = f"unclear error: {exc}"
+            elif time.monotonic() - t0 > 10:
+                result = f"told only after {time.monotonic() - t0:.1f} s"
+        except hpcdp.CommTimeoutError as exc:
+            result = f"timed out instead of being told: {exc}"
     hpcdp.barrier(timeout=30)  # MPI progress on another communicator while sub's op completes
     time.sleep(0.5)
     hpcdp.barrier(timeout=30)
-    return "survived"
-
-
-def body_all_collectives_async_and_out(rank: int) -> list[str]:
-    """async_op=True and out= on every collective; object collectives' success paths."""
-    n = hpcdp.world_size()
-    fails: list[str] = []
-    x = np.arange(2 * n, dtype=np.float64) + rank
-    total = sum(np.arange(2 * n, dtype=np.float64) + r for r in range(n))
-    root = n - 1
-    works = {
-        "allreduce": hpcdp.allreduce(x, async_op=True),
-        "broadcast": hpcdp.broadcast(x.copy(), root=root, async_op=True),
-        "reduce": hpcdp.reduce(x, root=root, async_op=True),
-        "all_gather": hpcdp.all_gather(x, async_op=True),
-        "gather": hpcdp.gather(x, root=root, async_op=True),
-        "scatter": hpcdp.scatter(np.arange(2 * n, dtype=np.float64) * (rank == root), root=root,
-                                 async_op=True),
-        "reduce_scatter": hpcdp.reduce_scatter(x, async_op=True),
-        "all_to_all": hpcdp.all_to_all(x, async_op=True),
-    }
-    stacked = np.stack([np.arange(2 * n, dtype=np.float64) + r for r in range(n)])
-    want = {
-        "allreduce": total,
-        "broadcast": np.arange(2 * n, dtype=np.float64) + root,
-        "reduce": total if rank == root else None,
-        "all_gather": stacked,
-        "gather": stacked if rank == root else None,
-        "scatter": np.arange(2 * n, dtype=np.float64)[2 * rank: 2 * rank + 2],
-        "reduce_scatter": total[2 * rank: 2 * rank + 2],
-        "all_to_all": stacked[:, 2 * rank: 2 * rank + 2].reshape(-1),
-    }
-    for name in works:  # waited in the order they were started, after all are in flight
-        got = works[name].wait()
-        if want[name] is None:
-            if got is not None:
-                fails.append(f"async {name}: non-root got {got!r}")
-        elif got is None or not np.allclose(got, want[name]):
-            fails.append(f"async {name}: got {got!r}, want {want[name]!r}")
-    # out= on the rooted and reduce_scatter calls, a strided out= included
-    out = np.empty(2 * n)
-    res = hpcdp.reduce(x, root=root, out=out)
-    if rank == root and (res is not out or not np.allclose(out, total)):
-        fails.append("reduce out= wrong")
-    if rank != root and res is not None:
-        fails.append("reduce out= on a non-root returned something")
-    gout = np.empty((n, 2 * n))
-    res = hpcdp.gather(x, root=0, out=gout)
-    if rank == 0 and (res is not gout or not np.allclose(gout, stacked)):
-        fails.append("gather out= wrong")
-    strided = np.zeros((2, 2))
-    res = hpcdp.reduce_scatter(x, out=strided[:, 0])
-    if not np.allclose(strided[:, 0], total[2 * rank: 2 * rank + 2]) or strided[:, 1].any():
-        fails.append("reduce_scatter into a strided out= wrong")
-    # object collectives
-    if hpcdp.broadcast_object({"from": rank, "x": [1, 2]} if rank == root else None,
-                              root=root) != {"from": root, "x": [1, 2]}:
-        fails.append("broadcast_object wrong")
-    objs = hpcdp.gather_object(("r", rank), root=0)
-    if rank == 0 and objs != [("r", r) for r in range(n)]:
-        fails.append(f"gather_object wrong: {objs}")
-    if rank != 0 and objs is not None:
-        fails.append("gather_object on a non-root returned something")
-    if hpcdp.all_gather_object(rank * 2) != [2 * r for r in range(n)]:
-        fails.append("all_gather_object wrong")
-    return fails
+    return result
 
 
 def body_medium_all_gather(rank: int) -> list[str]:
@@ -481,4 +266,75 @@ def body_p2p_timeout(rank: int) -> list[str]:
         except ValueError:
             pass
     hpcdp.barrier()
+    return fails
+
+
+def body_bad_timeouts(rank: int) -> list[str]:
+    """nan, negative, zero and infinite timeouts are refused on every call, before anything moves."""
+    n = hpcdp.world_size()
+    fails: list[str] = []
+    x = np.ones(3)
+    g = hpcdp.get_default_group()
+    for bad in (float("nan"), -1, 0, -0.5, float("inf"), True, "5"):
+        want = TypeError if isinstance(bad, (bool, str)) else ValueError
+        cases: list[tuple[str, Any]] = [
+            ("allreduce", lambda: hpcdp.allreduce(x, timeout=bad)),
+            ("allreduce async", lambda: hpcdp.allreduce(x, async_op=True, timeout=bad)),
+            ("allreduce out=", lambda: hpcdp.allreduce(x, out=np.empty(3), timeout=bad)),
+            ("broadcast", lambda: hpcdp.broadcast(x.copy(), timeout=bad)),
+            ("all_gather", lambda: hpcdp.all_gather(x, timeout=bad)),
+            ("barrier", lambda: hpcdp.barrier(timeout=bad)),
+            ("new_group", lambda: hpcdp.new_group([0], timeout=bad)),
+            ("group.timeout", lambda: setattr(g, "timeout", bad)),
+        ]
+        if n > 1:
+            cases += [("send", lambda: hpcdp.send(x, (rank + 1) % n, timeout=bad)),
+                      ("recv", lambda: hpcdp.recv(np.empty(3), (rank - 1) % n, timeout=bad))]
+        for label, fn in cases:
+            try:
+                fn()
+                fails.append(f"{label}(timeout={bad!r}) accepted")
+            except want as exc:
+                if "timeout" not in str(exc) or (label != "group.timeout" and "rank" not in str(exc)):
+                    fails.append(f"{label}(timeout={bad!r}): unclear message: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                fails.append(f"{label}(timeout={bad!r}) raised {type(exc).__name__}: {exc}")
+        w = hpcdp.allreduce(x, async_op=True)
+        try:
+            w.wait(timeout=bad)
+            fails.append(f"Work.wait(timeout={bad!r}) accepted")
+        except want:
+            pass
+        if not np.array_equal(w.wait(), np.full(3, float(n))):  # still completes normally
+            fails.append("Work.wait after a refused timeout gave a wrong result")
+    if g.timeout <= 0 or g.timeout != g.timeout:
+        fails.append(f"group timeout changed to {g.timeout}")
+    if hpcdp.allreduce(np.ones(1), timeout=30)[0] != n:
+        fails.append("ranks out of step after the refused timeouts")
+    return fails
+
+
+def body_byte_order(rank: int) -> list[str]:
+    """A non-native byte order is refused with a message that says so (and how to convert)."""
+    n = hpcdp.world_size()
+    fails: list[str] = []
+    swapped = np.dtype(np.float64).newbyteorder("S")  # big-endian on this little-endian machine
+    x = np.ones(4, dtype=swapped)
+    for label, fn in [("allreduce", lambda: hpcdp.allreduce(x)),
+                      ("broadcast", lambda: hpcdp.broadcast(x)),
+                      ("all_gather", lambda: hpcdp.all_gather(x)),
+                      ("out=", lambda: hpcdp.allreduce(np.ones(4), out=np.empty(4, swapped))),
+                      ("isend", lambda: hpcdp.isend(x, 0))]:
+        try:
+            fn()
+            fails.append(f"{label}: accepted byte order {swapped.str}")
+        except TypeError as exc:
+            msg = str(exc)
+            if "endian" not in msg or "byte order" not in msg or f"rank {rank}" not in msg:
+                fails.append(f"{label}: message does not say byte order: {msg}")
+            if "float16/32/64" in msg:
+                fails.append(f"{label}: blames the dtype, not the byte order: {msg}")
+    native = hpcdp.allreduce(x.astype(x.dtype.newbyteorder("=")))
+    if not np.array_equal(native, np.full(4, float(n))):
+        fails.append(f"converted array reduced wrong: {native}")
     return fails

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import hpcdp
+from hpcdp.testing import shared_dir  # noqa: F401 - the MPI-safe temporary directory, used by the tests
 from hpcdp.checkpoint import Shard, latest, load, save
 from hpcdp.checkpoint._format import BF16_META, FORMAT, MANIFEST, type_note
 from hpcdp.checkpoint._plan import row_bounds
@@ -117,14 +118,6 @@ def expected_full(n_saved: int) -> dict:
     st = make_state(0, n_saved)
     st["sharded"] = global_arrays()
     return st
-
-
-def shared_dir(base: str | None = None) -> str:
-    """A fresh directory, chosen by rank 0 and broadcast (MPI) or returned as is (sim)."""
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="hpcdp-ckpt-", dir=base) if hpcdp.rank() == 0 else None
-    return hpcdp.broadcast_object(d, root=0)
 
 
 def body_save(rank: int, path: str, mode: str | None = None, shards: str = "uneven",

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
-
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -14,30 +12,10 @@ if HERE not in sys.path:  # test bodies are imported by reference in spawned pro
 import hpcdp  # noqa: E402
 
 
-SPAWN_BACKENDS = ["sim", "tcp"]
+from hpcdp.testing import run_mpi, run_ranks, spawn_backends  # noqa: E402,F401 - used by tests
+from hpcdp.testing.fixtures import mpi_world, shared_tmp_path  # noqa: E402,F401 - fixtures
 
-
-def run_ranks(backend: str, world_size: int, fn: Callable[..., Any], *args: Any,
-              timeout: float = 30.0, join_timeout: float = 180.0) -> list[Any]:
-    """``fn(rank, *args)`` on ``world_size`` ranks of ``backend``; each rank's return value."""
-    return hpcdp.spawn(fn, world_size, backend=backend, args=args, timeout=timeout,
-                       join_timeout=join_timeout)
-
-
-@pytest.fixture(scope="session")
-def mpi_world() -> hpcdp.ProcessGroup:
-    """The MPI world group (tests marked ``mpi`` run under mpirun with --with-mpi)."""
-    if not hpcdp.is_initialized():
-        hpcdp.init("mpi")
-    g = hpcdp.get_default_group()
-    assert g.backend.name == "mpi"
-    return g
-
-
-def run_mpi(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run a body on the MPI world; every rank gets every rank's return value."""
-    mine = fn(hpcdp.rank(), *args)
-    return hpcdp.all_gather_object(mine)
+SPAWN_BACKENDS = spawn_backends()
 
 
 @pytest.fixture

@@ -277,9 +277,9 @@ def body_unused(rank: int, find_unused: bool) -> list[str]:
             if err > 1e-12:
                 fails.append(f"iteration {it}: {k} grad differs by {err:.3g}")
         ddp.zero_grad()
-    if not find_unused and not ddp._warned_unused:
+    if not find_unused and not ddp._reducer.warned_unused:
         fails.append("no warning about unused parameters with find_unused_parameters=False")
-    if find_unused and ddp._warned_unused:
+    if find_unused and ddp._reducer.warned_unused:
         fails.append("warned although find_unused_parameters=True")
     return fails
 
@@ -537,24 +537,23 @@ def body_rewrap(rank: int) -> list[str]:
 def body_progress_thread(rank: int, thread_multiple: bool) -> list[str]:
     """The MPI progress thread runs only with MPI_THREAD_MULTIPLE and stops on ``close()``;
     with it, find_unused_parameters and join (collectives beside the buckets') still match."""
-    import hpcdp.ddp.ddp as ddp_mod
-
-    real = ddp_mod._mpi_thread_multiple
+    backend = hpcdp.get_default_group().backend
+    real = backend.thread_level
     old_env = os.environ.get("HPCDP_DDP_PROGRESS_THREAD")
-    ddp_mod._mpi_thread_multiple = lambda: thread_multiple
+    backend.thread_level = "multiple" if thread_multiple else "serialized"
     os.environ["HPCDP_DDP_PROGRESS_THREAD"] = "1"
     try:
         m = make_mlp(60 + rank)
         m.register_buffer("stamp", np.zeros(2))
         ddp = hpcdp.DDP(m, bucket_cap_mb=SMALL_CAP, find_unused_parameters=True)
     finally:
-        ddp_mod._mpi_thread_multiple = real
+        backend.thread_level = real
         if old_env is None:
             os.environ.pop("HPCDP_DDP_PROGRESS_THREAD", None)
         else:
             os.environ["HPCDP_DDP_PROGRESS_THREAD"] = old_env
     fails: list[str] = []
-    progress = ddp._progress
+    progress = ddp._reducer.progress
     if thread_multiple != (progress is not None):
         fails.append(f"thread_multiple={thread_multiple} but progress thread {progress}")
     n = hpcdp.get_default_group().size

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 import hpcdp
-from hpcdp.backends._tcp_spawn import spawn_processes
+from hpcdp.launch._processes import spawn_processes
 
 
 class LogCollector(logging.Handler):

@@ -12,7 +12,7 @@ import pytest
 
 import hpcdp
 from hpcdp.backends import _algorithms as algo
-from conftest import run_ranks
+from hpcdp.testing import run_ranks
 
 SIZES = [1, 5, 13, 100]
 DTYPES = ["float64", "float16", "int32", "bool", "complex64"]

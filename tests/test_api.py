@@ -11,14 +11,14 @@ from bodies import (
     body_async, body_bad_inputs, body_finished_peer, body_out_and_inplace, body_out_errors,
     body_p2p, body_review_regressions, body_sim_shape_mismatch, body_split_messages,
     body_subgroups, body_timeout_then_late_peer, body_all_collectives_async_and_out,
-    body_medium_all_gather, body_p2p_timeout,
+    body_medium_all_gather, body_p2p_timeout, body_bad_timeouts, body_byte_order,
 )
 from cases import body_mismatch, body_sleepy_timeout
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 
 BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
           body_bad_inputs, body_review_regressions, body_all_collectives_async_and_out,
-          body_medium_all_gather, body_p2p_timeout]
+          body_medium_all_gather, body_p2p_timeout, body_bad_timeouts, body_byte_order]
 
 
 def _check(per_rank: list[list[str]]) -> None:
@@ -140,9 +140,52 @@ def test_hpcdp_timeout_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("HPCDP_TIMEOUT", "12.5")
     assert default_timeout() == 12.5
-    monkeypatch.setenv("HPCDP_TIMEOUT", "soon")
-    with pytest.raises(ValueError):
-        default_timeout()
+    # nan would never expire, 0 and negatives expire at once, inf never ends a hung job
+    for raw in ("soon", "nan", "NaN", "-1", "0", "inf", "-inf", "1e400"):
+        monkeypatch.setenv("HPCDP_TIMEOUT", raw)
+        with pytest.raises(ValueError, match="HPCDP_TIMEOUT"):
+            default_timeout()
+        with pytest.raises(ValueError, match="HPCDP_TIMEOUT"):
+            hpcdp.init("sim")
+        assert not hpcdp.is_initialized()
+
+
+def test_init_again_with_another_timeout_raises() -> None:
+    """init() on an initialised world returns it, but never silently keeps another timeout."""
+    g = hpcdp.init("sim", timeout=7)
+    try:
+        assert hpcdp.init("sim") is g and hpcdp.init("sim", timeout=7.0) is g
+        with pytest.raises(hpcdp.HpcdpError, match="timeout 7 s"):
+            hpcdp.init("sim", timeout=5)
+        assert g.timeout == 7
+        g.timeout = 5  # the documented way to change it
+        assert hpcdp.init("sim", timeout=5) is g
+        for bad in (float("nan"), -1, float("inf")):
+            with pytest.raises(ValueError, match="timeout"):
+                hpcdp.init("sim", timeout=bad)
+    finally:
+        hpcdp.finalize()
+    with pytest.raises(ValueError, match="nan"):
+        hpcdp.init("sim", timeout=float("nan"))
+    assert not hpcdp.is_initialized()
+
+
+def test_group_used_after_finalize_raises() -> None:
+    world = hpcdp.init("sim")
+    sub = world.new_group([0])
+    hpcdp.finalize()
+    calls = [lambda: world.allreduce(np.ones(2)), lambda: world.allreduce(np.ones(2), async_op=True),
+             lambda: world.barrier(), lambda: world.isend(np.ones(2), 0),
+             lambda: world.new_group([0]), lambda: sub.all_gather(np.ones(2)),
+             lambda: hpcdp.allreduce(np.ones(2), group=sub)]
+    for call in calls:
+        with pytest.raises(hpcdp.HpcdpError, match="shut down"):
+            call()
+    again = hpcdp.init("sim")
+    try:
+        assert again is not world and np.array_equal(again.allreduce(np.ones(2)), np.ones(2))
+    finally:
+        hpcdp.finalize()
 
 
 def test_available_backends() -> None:
@@ -153,7 +196,7 @@ def test_available_backends() -> None:
 def test_sim_refuses_mismatched_calls_without_debug() -> None:
     msgs = run_ranks("sim", 2, body_sim_shape_mismatch)
     for m in msgs:
-        assert "different calls" in m and "(3,)" in m and "(4,)" in m, m
+        assert "different c" in m and "(3,)" in m and "(4,)" in m, m
 
 
 @pytest.mark.parametrize("backend", SPAWN_BACKENDS)
@@ -165,7 +208,8 @@ def test_returned_peer_fails_fast(backend: str) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_timeout_then_late_peer_mpi(mpi_world) -> None:
-    assert run_mpi(body_timeout_then_late_peer) == ["survived"] * mpi_world.size
+    out = run_mpi(body_timeout_then_late_peer)
+    assert out == ["survived"] * mpi_world.size, out
 
 
 @pytest.mark.parametrize("backend", SPAWN_BACKENDS)

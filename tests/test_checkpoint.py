@@ -13,9 +13,11 @@ from ckpt_bodies import (
     body_async, body_load_check, body_load_error, body_reshard_subgroups, body_roundtrip,
     body_save, make_state, shared_dir,
 )
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks, spawn_backends
 from hpcdp.checkpoint import Shard, _commit, latest, list_checkpoints, load, save
 from hpcdp.checkpoint._format import MANIFEST
+
+SPAWN_BACKENDS = spawn_backends()
 
 
 def _check(per_rank: list[list[str]]) -> None:

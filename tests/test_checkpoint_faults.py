@@ -12,7 +12,7 @@ import pytest
 
 import hpcdp
 from ckpt_bodies import body_load_check, body_save, make_state
-from conftest import run_ranks
+from hpcdp.testing import run_ranks
 from hpcdp.checkpoint import Shard, latest, load, save
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -183,7 +183,7 @@ def test_write_failure_on_one_rank_mpi(mpi_world, where: str, monkeypatch) -> No
     import h5py
 
     from ckpt_bodies import shared_dir
-    from conftest import run_mpi
+    from hpcdp.testing import run_mpi
     from hpcdp.checkpoint import _writer_mpio
 
     if not h5py.get_config().mpi:

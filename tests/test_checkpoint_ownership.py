@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks
 from hpcdp.checkpoint import _commit, latest, list_checkpoints, load, save
 from hpcdp.checkpoint._format import MANIFEST
 

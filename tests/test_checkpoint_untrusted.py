@@ -24,7 +24,7 @@ import hpcdp
 from ckpt_bodies import (
     DATA, RAW_ERRORS, forge, good_manifest, load_error, manifest, meta, plain_w, slab, tree,
 )
-from conftest import run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks
 from hpcdp.checkpoint import Shard, load, save
 from hpcdp.checkpoint._format import FORMAT, MANIFEST
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks, spawn_backends
 from ddp_bodies import (
     SMALL_CAP, body_comm_hook, body_fp16_large, body_hooks_see_local, body_join,
     body_join_frozen, body_join_no_sync, body_many_buckets, body_overlap, body_parity,
@@ -14,6 +14,8 @@ from ddp_bodies import (
 )
 from hpcdp.ddp._buckets import assign_buckets
 from hpcdp.ddp.comm_hooks import from_bf16, to_bf16
+
+SPAWN_BACKENDS = spawn_backends()
 
 
 def _check(per_rank: list[list[str]]) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "02_ddp_train.py")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcdp.run import node_layout, parse_nodelist
+from hpcdp.launch._slurm import node_layout, parse_nodelist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -210,7 +210,7 @@ def test_spawn_collect_sentinel_before_eof(monkeypatch) -> None:
     import multiprocessing as mp
     import threading
 
-    from hpcdp.backends import _tcp_spawn
+    from hpcdp.launch import _processes as _tcp_spawn
     from hpcdp.errors import HpcdpError
 
     class Proc:
@@ -295,7 +295,7 @@ def _slurm_env(node: int) -> dict[str, str]:
 def _run_nodes(tmp_path, mode: str, extra: dict[str, str],
                within: float = 60) -> tuple[list[subprocess.CompletedProcess], float]:
     """Start one launcher per node (2 nodes x 2 ranks) on this machine; wait for both."""
-    from hpcdp.backends._tcp_spawn import free_port
+    from hpcdp.launch._processes import free_port
 
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(NODE_JOB))
@@ -392,7 +392,7 @@ def test_node_layout_rejects_bad_slurm_environment(env, message) -> None:
 
 
 def test_main_launches_with_the_slurm_layout(monkeypatch) -> None:
-    import hpcdp.run as run
+    import hpcdp.launch._cli as run
 
     calls = []
     monkeypatch.setattr(run, "launch", lambda cmd, nproc, **kw: calls.append((cmd, nproc, kw)) or 0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_ranks
+from hpcdp.testing import run_ranks
 from hpcdp import nn
 
 F64 = np.float64

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from conftest import run_ranks
+from hpcdp.testing import run_ranks
 from hpcdp.progress import NullBar, get_logger, progress
 
 

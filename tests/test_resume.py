@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import run_mpi, run_ranks, spawn_backends
+
+SPAWN_BACKENDS = spawn_backends()
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "examples", "02_ddp_train.py")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -159,3 +160,160 @@ def test_bench_smoke_sim() -> None:
                          env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode == 0, out.stderr
     assert "# R1 sim: rpc_sync no-op" in out.stdout and "# R2 sim: 4 rpc_async" in out.stdout
+
+
+# -- review fixes: each of these failed before ---------------------------------------------------
+def test_array_headers_cannot_preallocate() -> None:
+    """msgpack reserves room for each array header's announced items (up to 80 KiB each): a
+    body of nested headers announcing a million items that never come must be refused before
+    it reserves thousands of times its own size."""
+    import tracemalloc
+
+    header = b"\xdd" + (1_000_000).to_bytes(4, "big")  # an array of a million items, announced
+    body = (header + b"\xc0" * 4) * 200  # 1.8 KB: each array holds a few nils and the next one
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError):
+            C.decode(body, [], C.Limits())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding {len(body)} bytes reserved {peak} bytes"
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [2**40, 0], [0] + [2**16] * 31])
+def test_shapes_larger_than_any_message(shape) -> None:
+    """With a zero in the shape the size matches an empty buffer, but numpy cannot build the
+    rest (or would have to reserve it): a ProtocolError, never numpy's ValueError."""
+    body = msgpack.packb([C.NDARRAY, "float64", shape, 0])
+    with pytest.raises(ProtocolError, match="larger than any message"):
+        C.decode(body, [bytearray(0)], C.Limits())
+
+
+def test_bool_bytes_must_be_0_or_1() -> None:
+    with pytest.raises(ProtocolError, match="bool"):
+        C.decode(msgpack.packb([C.NDARRAY, "bool", [3], 0]), [bytearray(b"\x00\x01\x02")],
+                 C.Limits())
+    with pytest.raises(ProtocolError, match="numpy scalar"):
+        C.decode(msgpack.packb([C.NPSCALAR, "bool", b"\x07"]), [], C.Limits())
+    ok = C.decode(msgpack.packb([C.NDARRAY, "bool", [2], 0]), [bytearray(b"\x01\x00")],
+                  C.Limits())
+    assert ok.tolist() == [True, False]
+
+
+def test_rrefs_in_a_value_that_fails_are_still_taken_in() -> None:
+    """A value that fails to decode after (or before) an RRef: each RRef in it still reaches
+    the hook, so the worker can confirm and release the fork its sender recorded."""
+    seen: list[list] = []
+    ref = [C.RREF, 1, 0, 5, 0, 6, 0]
+    body = msgpack.packb([C.TUPLE, [C.DATACLASS, "not.registered", "x", 1], [C.LIST, ref],
+                          [C.DICT, "r", ref]])
+    with pytest.raises(ProtocolError, match="not a registered dataclass"):
+        C.decode(body, [], C.Limits(), lambda w: seen.append(w))
+    assert seen == [ref[1:], ref[1:]]
+
+
+def test_stream_reader_resumes_at_every_byte() -> None:
+    """Frames fed one byte at a time (and all at once) come out whole and in order; a refused
+    frame is consumed and reported; an absurd announced size drops the stream."""
+    import select
+    import socket
+
+    from hpcdp.rpc._stream import FrameReader
+    from hpcdp.rpc._wire import pack_envelope, pack_prefix
+
+    lim = C.Limits(max_message_bytes=1 << 20, max_body_bytes=1 << 10)
+    arrays = [np.arange(5_000, dtype=np.float64), np.zeros(0, np.uint8), np.ones(3, np.int8)]
+    frames = []
+    for i, (body, bufs) in enumerate([(b"b" * 10, []), (b"x" * 2_000, []),
+                                      (b"", [a.view(np.uint8) for a in arrays])]):
+        env = pack_envelope([1, i])
+        frames.append(pack_prefix(env, body, [b.nbytes for b in bufs]) + env + body +
+                      b"".join(b.tobytes() for b in bufs))
+    stream = b"".join(frames)
+    for step in (1, 7, 65_536, len(stream)):
+        a, b = socket.socketpair()
+        writer = threading.Thread(target=lambda: [a.sendall(stream[k:k + step])
+                                                  for k in range(0, len(stream), step)])
+        writer.start()
+        try:
+            reader, got = FrameReader(lim), []
+            b.settimeout(30)
+            while len(got) < 3:
+                if not reader.recv(b):
+                    select.select([b], [], [], 30)
+                while (f := reader.next_frame()) is not None:
+                    got.append(f)
+        finally:
+            writer.join(30)
+            a.close()
+            b.close()
+        assert [f.refused for f in got] == [None, "message body of 2000 bytes exceeds the "
+                                                  "limit of 1024", None], step
+        assert got[0].body == b"b" * 10 and got[1].body is None
+        assert [np.asarray(x).tobytes() for x in got[2].buffers] == \
+            [a.view(np.uint8).tobytes() for a in arrays]
+    huge = pack_prefix(b"\x92\x01\x01", b"", [1 << 62]) + b"\x92\x01\x01"
+    a, b = socket.socketpair()
+    try:
+        a.sendall(huge)
+        reader = FrameReader(lim)
+        reader.recv(b)
+        with pytest.raises(ProtocolError, match="announces"):
+            reader.next_frame()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_long_inline_callee_releases_the_rest_of_its_batch() -> None:
+    """The MPI leader runs the short callees one poll found, in turn; when one runs long and
+    its duty is handed off (by the agent's timer), the others go to the pool at once instead
+    of waiting behind it."""
+    from hpcdp.rpc._duty import Lent
+    from hpcdp.rpc._pool import Pool
+
+    blocked, release, quick = threading.Event(), threading.Event(), threading.Event()
+
+    class Progress:
+        pumpers = 0
+        batches: list = []
+
+        def parked(self) -> bool:
+            return False
+
+        def poll(self, tasks: list | None = None) -> bool:
+            if self.batches and tasks is not None:
+                tasks.extend(self.batches.pop())
+                return True
+            return False
+
+    class Agent:
+        rank = 0
+        current = None
+
+        def lent_started(self, lent) -> None:
+            self.current = lent
+
+        def lent_ended(self, lent, seconds: float) -> None:
+            pool.end_inline()
+
+        def requeue(self, lent) -> None:
+            pool.end_inline()
+            pool.submit(lent.fn, force=True)
+
+    def slow() -> None:
+        blocked.set()
+        release.wait(20)
+
+    agent, progress = Agent(), Progress()
+    pool = Pool("test-pool", 4, 16, agent, progress)
+    try:
+        assert pool.try_inline() and pool.try_inline()
+        progress.batches.append([Lent(agent, slow, "slow"), Lent(agent, quick.set, "quick")])
+        assert blocked.wait(20)
+        agent.current.hand_off()  # what the agent's timer does to a callee past its grace
+        assert quick.wait(20), "the rest of the batch waited for the long callee"
+    finally:
+        release.set()
+        pool.close(5.0)

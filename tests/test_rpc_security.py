@@ -80,7 +80,7 @@ def forge_replies(target: int, mid: int) -> list[str]:
 def forge_rref_protocol(owner: int, rid: list, fid: list) -> list[str]:
     """Runs on a worker that holds no fork of ``rid``: every protocol message must be refused."""
     fails: list[str] = []
-    me = hpcdp.rank()
+    me = rpc.get_worker_info().id  # this worker (hpcdp.rank() is not set on RPC threads)
     other = [1 - (me % 2), 99]
     for label, kind, fields, match in [
         ("DELETE of another's fork", P.DELETE, [rid, fid], "does not hold"),
@@ -89,6 +89,9 @@ def forge_rref_protocol(owner: int, rid: list, fid: list) -> list[str]:
         ("ACCEPT of an unknown child", P.ACCEPT, [[owner, 424242]], "unknown child"),
         ("REMOTE with a foreign id", P.REMOTE, ["add", [owner, 5], [owner, 6], None, None],
          "foreign ids"),
+        # refused before anything is recorded (an RRef that would never get its value)
+        ("REMOTE with a malformed target", P.REMOTE,
+         ["size", [me, 50], [me, 51], [owner, "x"], "size"], "malformed"),
         ("FETCH without a reference", P.FETCH, [rid], "holds no reference"),
         ("RCALL without a reference", P.RCALL, [rid, "size"], "holds no reference"),
         ("malformed id", P.FETCH, [[1, "x"]], "malformed"),

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hpcdp._world import detect_backend
-from hpcdp.backends._tcp_spawn import free_port
+from hpcdp.launch._processes import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI", "MPI_", "SLURM", "HPCDP_", "MASTER_")

@@ -14,8 +14,8 @@ import pytest
 
 import hpcdp
 from cases import body_sleepy_timeout
-from conftest import run_ranks
-from hpcdp.backends._tcp_spawn import spawn_processes
+from hpcdp.testing import run_ranks
+from hpcdp.launch._processes import spawn_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

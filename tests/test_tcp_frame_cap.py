@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import spawn_processes
+from hpcdp.backends.tcp import _wire as wire
+from hpcdp.launch._processes import spawn_processes
 
 CAP = 1000
 SIZES = [0, 1, CAP - 1, CAP, CAP + 1, 5000, 70_000, 300_000]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.backends import _tcp_accept as accept
-from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import free_port
-from hpcdp.backends._tcp_store import StoreClient
-from hpcdp.backends._tcp_transport import COLL, Transport
+from hpcdp.backends.tcp import _accept as accept
+from hpcdp.backends.tcp import _wire as wire
+from hpcdp.launch._processes import free_port
+from hpcdp.backends.tcp._store import StoreClient
+from hpcdp.backends.tcp._transport import COLL, Transport
 from hpcdp.backends.tcp import TCPBackend, _World
 from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
 

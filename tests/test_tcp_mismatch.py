@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_ranks
+from hpcdp.testing import run_ranks
 
 R = hpcdp.CollectiveMismatchError
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_ranks
-from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import free_port
-from hpcdp.backends._tcp_store import StoreClient, StoreServer
+from hpcdp.testing import run_ranks
+from hpcdp.backends.tcp import _wire as wire
+from hpcdp.launch._processes import free_port
+from hpcdp.backends.tcp._store import StoreClient, StoreServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCHER_PREFIXES = ("OMPI_", "PMI", "MPI_", "SLURM", "HPCDP_", "MASTER_")

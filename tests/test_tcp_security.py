@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_spawn import free_port
+from hpcdp.backends.tcp import _wire as wire
+from hpcdp.launch._processes import free_port
 from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
 
 SECRET = secrets.token_hex(32)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_mpi
+from hpcdp.testing import run_mpi
 from hpcdp.errors import HpcdpError
 
 MID = 16 << 20  # several times what the socket buffers hold
@@ -21,7 +21,7 @@ MID = 16 << 20  # several times what the socket buffers hold
 def _stop_half_way() -> None:
     """Make this rank's next send of ``MID`` bytes stop itself (SIGSTOP) after half the payload:
     deterministic, unlike a timer racing the transfer. SIGCONT from a peer resumes it."""
-    from hpcdp.backends import _tcp_wire as wire
+    from hpcdp.backends.tcp import _wire as wire
 
     tr = hpcdp.get_default_group().backend.transport
     whole = tr._write

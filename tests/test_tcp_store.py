@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from hpcdp.backends import _tcp_accept as accept
-from hpcdp.backends import _tcp_store as store
-from hpcdp.backends import _tcp_wire as wire
-from hpcdp.backends._tcp_store import StoreClient, StoreServer
+from hpcdp.backends.tcp import _accept as accept
+from hpcdp.backends.tcp import _store as store
+from hpcdp.backends.tcp import _wire as wire
+from hpcdp.backends.tcp._store import StoreClient, StoreServer
 from hpcdp.errors import CommTimeoutError, PeerFailureError
 from tcp_helpers import closed_by_server
 
@@ -177,7 +177,7 @@ def test_rejections_are_rate_limited(server, log) -> None:
 
 EMFILE = """
     import logging, os, resource, socket, time
-    from hpcdp.backends._tcp_store import StoreClient, StoreServer
+    from hpcdp.backends.tcp._store import StoreClient, StoreServer
     srv = StoreServer("127.0.0.1", 0, b"k" * 32)
     port = srv.address[1]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -1,17 +1,23 @@
 """Transports behind the ``Backend`` interface: ``mpi``, ``tcp`` and ``sim``.
 
-Backends register themselves by name (like h5py's drivers); the heavy libraries they need are
-imported only when a backend is actually created.
+Backends register themselves by name (like h5py's drivers) with what they need to start:
+``register_backend(name, factory, available=..., spawn=...)``; ``available_backends()``,
+``hpcdp.spawn`` and the conformance suite's matrix (``hpcdp.testing``) all read the registry.
+The heavy libraries a backend needs are imported only when one is actually created.
 """
 from __future__ import annotations
 
 import importlib.util
 from typing import Any
 
-from .base import Backend, Request, available_backends, backend_factory, register_backend
+from .base import (
+    ANY_SOURCE, ANY_TAG, Backend, Request, available_backends, backend_factory, backend_spawner,
+    register_backend, spawnable_backends,
+)
 from . import sim as _sim  # registers "sim"
 
-__all__ = ["Backend", "Request", "register_backend", "available_backends", "backend_factory"]
+__all__ = ["Backend", "Request", "register_backend", "available_backends", "backend_factory",
+           "backend_spawner", "spawnable_backends", "ANY_SOURCE", "ANY_TAG"]
 
 
 def _mpi_factory(**options: Any) -> Backend:
@@ -26,13 +32,17 @@ def _tcp_factory(**options: Any) -> Backend:
     return create_world(**options)
 
 
-register_backend("mpi", _mpi_factory)
-register_backend("tcp", _tcp_factory)
+def _mpi_available() -> bool:
+    return importlib.util.find_spec("mpi4py") is not None
 
 
-def _probe_available(name: str) -> bool:
-    if name == "mpi":
-        return importlib.util.find_spec("mpi4py") is not None
-    if name == "tcp":
-        return importlib.util.find_spec("hpcdp.backends.tcp") is not None
-    return True
+def _tcp_spawn(*args: Any, **kwargs: Any) -> list[Any]:
+    """Local TCP ranks as processes (the launcher's machinery; imported when used)."""
+    from ..launch._processes import spawn_processes
+
+    return spawn_processes(*args, **kwargs)
+
+
+# MPI ranks are started by mpirun/srun, never by hpcdp: no spawn
+register_backend("mpi", _mpi_factory, available=_mpi_available)
+register_backend("tcp", _tcp_factory, spawn=_tcp_spawn)

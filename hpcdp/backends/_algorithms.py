@@ -1,37 +1,31 @@
 """Ring and tree collectives written once over a tiny point-to-point interface.
 
 A backend that can move bytes between ranks (TCP, or the simulated backend with
-``HPCDP_SIM_ALGORITHMS=p2p``, see ``sim._P2P``) gets every collective from here. The interface is duck-typed::
+``HPCDP_SIM_ALGORITHMS=p2p``, see ``sim.SimP2PBackend``) gets every collective from here. The interface is duck-typed::
 
     comm.rank, comm.size
     comm.isend(buf, dst, tag) -> request      # buf: contiguous 1-D array, unmodified until waited
     comm.irecv(buf, src, tag) -> request      # matched per (src, tag), non-overtaking
     comm.wait(reqs)                           # block until all complete; raises on peer failure
 
-Every algorithm is a plain function that blocks in ``comm.wait``; ``Runner`` runs them in a
-worker thread per group, in submission order, so the backend methods return a ``Request`` at once.
-Around each it calls ``comm.begin(seq, call)`` and ``comm.end(ok)``: ``seq`` numbers the group's
-collectives (1, 2, ...) and ``call`` is ``(name, dtype, count, op, root)``, what a transport
-needs to tell mismatched calls apart (the TCP backend puts both in every frame header).
+Every algorithm is a plain, blocking function of ``comm`` and buffers (no threads, no requests);
+``_runner.P2PBackend`` runs them on a worker thread per group and is the base class of every
+backend that gets its collectives from here.
 Reductions use numpy ufuncs with ``out=`` into preallocated buffers; float16 is reduced in float32
 and rounded once, as the simulated and MPI backends do.
 """
 from __future__ import annotations
 
-import collections
-import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import HpcdpError
+from .._arrays import shard_bounds
 from ..ops import ReduceOp
-from .base import Request
 
 __all__ = [
     "allreduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
-    "all_to_all", "barrier", "Runner", "FutureRequest", "P2PCollectives",
-    "SMALL_BYTES", "PIECE_BYTES",
+    "all_to_all", "barrier", "SMALL_BYTES", "PIECE_BYTES",
 ]
 
 #: below this many bytes allreduce uses recursive doubling (latency) instead of the ring (bandwidth)
@@ -62,7 +56,7 @@ def allreduce(c: Any, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
             and wdt == recv.dtype == send.dtype and send.size == recv.size
             and (send is recv or not np.may_share_memory(send, recv))):
         # ring without the initial copy: reductions read ``send`` and write ``recv``
-        bounds = _split_bounds(recv.size, c.size)
+        bounds = shard_bounds(recv.size, c.size)
         _ring_reduce_scatter(c, recv, bounds, op, src=send.reshape(-1))
         _ring_all_gather(c, recv, bounds)
         return
@@ -73,21 +67,11 @@ def allreduce(c: Any, send: np.ndarray, recv: np.ndarray, op: ReduceOp) -> None:
         if work.nbytes <= SMALL_BYTES or work.size < c.size:
             _recursive_doubling(c, work, op)
         else:
-            bounds = _split_bounds(work.size, c.size)
+            bounds = shard_bounds(work.size, c.size)
             _ring_reduce_scatter(c, work, bounds, op)
             _ring_all_gather(c, work, bounds)
     if work is not recv:
         np.copyto(recv, work, casting="unsafe")
-
-
-def _split_bounds(length: int, n: int) -> list[tuple[int, int]]:
-    q, rem = divmod(length, n)
-    out, a = [], 0
-    for i in range(n):
-        b = a + q + (1 if i < rem else 0)
-        out.append((a, b))
-        a = b
-    return out
 
 
 def _recursive_doubling(c: Any, work: np.ndarray, op: ReduceOp) -> None:
@@ -310,155 +294,3 @@ def barrier(c: Any) -> None:
         sq = c.isend(token, (r + k) % n, TAG)
         c.wait([rq, sq])
         k <<= 1
-
-
-# -- running algorithms asynchronously ------------------------------------------------------
-class FutureRequest(Request):
-    """Completed by the worker thread; waiting blocks on a lock, not a poll loop."""
-
-    def __init__(self, runner: "Runner", what: str) -> None:
-        self._runner = runner
-        self.what = what
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._done = False
-        self._error: BaseException | None = None
-
-    def _set(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done = True
-        self._lock.release()
-
-    def _check(self) -> bool:
-        if self._done and self._error is not None:
-            raise self._error
-        return self._done
-
-    def test(self) -> bool:
-        return self._check()
-
-    def wait(self, timeout: float | None) -> bool:
-        if self._done:
-            return self._check()
-        got = self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
-        if got:
-            self._lock.release()
-        return self._check()
-
-    def pending(self) -> str:
-        return self._runner.pending_text(self)
-
-    def abandon(self) -> None:
-        self._runner.abort(f"{self.what} was abandoned after a timeout")
-
-
-class Runner:
-    """One worker thread per group runs queued collectives in order (started lazily)."""
-
-    def __init__(self, comm: Any, name: str) -> None:
-        self.comm = comm
-        self.name = name
-        self._q: collections.deque[tuple[Callable[[], None], FutureRequest, int, tuple]] = (
-            collections.deque())
-        self._seq = 0
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-        self.current: FutureRequest | None = None
-
-    def submit(self, what: str, fn: Callable[[], None], call: tuple = ()) -> FutureRequest:
-        """Queue ``fn``; ``call`` describes it for ``comm.begin`` (see the module docstring)."""
-        req = FutureRequest(self, what)
-        with self._cv:
-            if self._stopped:
-                raise HpcdpError(f"{what}: the backend has been shut down")
-            self._seq += 1  # under the lock: sequence numbers follow the queue order
-            self._q.append((fn, req, self._seq, call or (what, None, 0, None, 0)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"hpcdp-{self.name}",
-                                                daemon=True)
-                self._thread.start()
-            self._cv.notify()
-        return req
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._q:
-                    if self._stopped or not self._cv.wait(timeout=30.0):
-                        if not self._q:
-                            self._thread = None
-                            return
-                fn, req, seq, call = self._q.popleft()
-                self.current = req
-            err: BaseException | None = None
-            comm, running = self.comm, False
-            try:
-                comm.begin(seq, call)
-                running = True
-                fn()
-                running = False
-                comm.end(True)  # may find the call mismatched after all (messages left over)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                err = exc
-                if running:
-                    comm.end(False)
-            self.current = None
-            req._set(err)
-
-    def pending_text(self, req: FutureRequest) -> str:
-        if self.current is req:
-            return f"{req.what} is running; {self.comm.pending()}"
-        return f"{req.what} is queued behind another collective of this group"
-
-    def abort(self, why: str) -> None:
-        self.comm.abort(why)
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-
-
-class P2PCollectives:
-    """Backend methods for every collective, over ``self._p2p`` and ``self._runner``."""
-
-    _p2p: Any
-    _runner: Runner
-
-    def _go(self, name: str, fn: Callable[..., None], like: Any, op: Any, root: int,
-            *args: Any) -> Request:
-        """Queue ``fn(comm, *args)``; ``like`` (the buffer every rank holds alike: the send
-        buffer, or the receive buffer of scatter), ``op`` and ``root`` describe the call."""
-        c = self._p2p
-        c.check_usable(name)
-        call = (name, like.dtype, like.size, op, root) if like is not None else (name, None, 0,
-                                                                                 None, 0)
-        return self._runner.submit(name, lambda: fn(c, *args), call)
-
-    def allreduce(self, sendbuf, recvbuf, op):
-        return self._go("allreduce", allreduce, sendbuf, op, 0, sendbuf, recvbuf, op)
-
-    def broadcast(self, buf, root):
-        return self._go("broadcast", broadcast, buf, None, root, buf, root)
-
-    def reduce(self, sendbuf, recvbuf, op, root):
-        return self._go("reduce", reduce, sendbuf, op, root, sendbuf, recvbuf, op, root)
-
-    def all_gather(self, sendbuf, recvbuf):
-        return self._go("all_gather", all_gather, sendbuf, None, 0, sendbuf, recvbuf)
-
-    def gather(self, sendbuf, recvbuf, root):
-        return self._go("gather", gather, sendbuf, None, root, sendbuf, recvbuf, root)
-
-    def scatter(self, sendbuf, recvbuf, root):
-        return self._go("scatter", scatter, recvbuf, None, root, sendbuf, recvbuf, root)
-
-    def reduce_scatter(self, sendbuf, recvbuf, op):
-        return self._go("reduce_scatter", reduce_scatter, sendbuf, op, 0, sendbuf, recvbuf, op)
-
-    def all_to_all(self, sendbuf, recvbuf):
-        return self._go("all_to_all", all_to_all, sendbuf, None, 0, sendbuf, recvbuf)
-
-    def barrier(self):
-        return self._go("barrier", barrier, None, None, 0)

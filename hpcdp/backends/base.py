@@ -16,7 +16,15 @@ __all__ = [
     "register_backend",
     "available_backends",
     "backend_factory",
+    "backend_spawner",
+    "spawnable_backends",
+    "ANY_SOURCE",
+    "ANY_TAG",
 ]
+
+#: ``probe``'s ``src`` and ``tag`` that match any source / any tag (``hpcdp.ANY_SOURCE``)
+ANY_SOURCE = -1
+ANY_TAG = -1
 
 
 class Request(abc.ABC):
@@ -54,22 +62,26 @@ class CompletedRequest(Request):
         return True
 
 
-def poll_until(test: Callable[[], bool], deadline: float | None) -> bool:
+def poll_until(test: Callable[[], bool], deadline: float | None,
+               idle: Callable[[], None] | None = None) -> bool:
     """Spin on ``test`` briefly for latency, then yield the CPU between polls.
 
     MPI and sockets progress only while polled, so the loop never sleeps long; oversubscribed
-    ranks (4 ranks on 2 cores) need the yields to let their peers run.
+    ranks (4 ranks on 2 cores) need the yields to let their peers run. ``idle`` runs after every
+    64 tests (it may raise, to stop waiting: a peer said it left).
     """
     if test():
         return True
-    spins = 0
     now = time.monotonic
     start = now()
     while True:
-        for _ in range(64):
+        n = 64  # (a while loop measured faster than for/range between MPI tests)
+        while n:
             if test():
                 return True
-        spins += 1
+            n -= 1
+        if idle is not None:
+            idle()
         t = now()
         if deadline is not None and t >= deadline:
             return test()
@@ -101,6 +113,23 @@ class Backend(abc.ABC):
        freely with collectives on this and other groups, from several threads.
     6. A peer that is known to be dead makes pending and later requests raise
        ``PeerFailureError`` naming it, instead of waiting for the timeout.
+    7. ``probe(src, tag)`` never blocks: it reports a message that a ``recv`` from ``src``
+       with ``tag`` would take now (``ANY_SOURCE``/``ANY_TAG`` match any), or None.
+
+    Capabilities: what callers may ask a backend instead of its name. A new backend sets the
+    class attributes that differ from these defaults.
+
+    - ``max_tag``: the largest tag ``send``/``recv``/``probe`` accept.
+    - ``timeout_poisons_group``: a collective that timed out cannot be cancelled and leaves
+      the group out of step; the API then refuses further collectives on that group (MPI).
+    - ``needs_progress_thread``: nonblocking operations advance only while the caller is
+      inside the transport, so overlapping them with computation (DDP's buckets during
+      backward) needs a thread that tests them (MPI); others progress on their own threads.
+    - ``thread_level``: ``"single"``, ``"serialized"`` or ``"multiple"``: whether several
+      threads may call into the transport at once (``"multiple"``), or one at a time.
+    - ``accepts_cupy``: cupy arrays may be handed in directly (CUDA-aware MPI).
+    - ``native_comm()``: the mpi4py communicator of this group, for libraries that need one
+      (parallel HDF5, baselines); None on transports without one.
     """
 
     name: str = "?"
@@ -109,8 +138,22 @@ class Backend(abc.ABC):
     size: int
     #: global (world) rank of each group rank
     ranks: tuple[int, ...]
-    #: whether cupy arrays may be passed in directly
+    #: capabilities (see the class docstring)
+    max_tag: int = 2**31 - 1
+    timeout_poisons_group: bool = False
+    needs_progress_thread: bool = False
+    thread_level: str = "multiple"
     accepts_cupy: bool = False
+
+    def native_comm(self) -> Any:
+        """The mpi4py communicator of this group, or None (not an MPI transport)."""
+        return None
+
+    def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
+        """``(source, tag, nbytes)`` of a message ``recv(src, tag)`` would take now, or None."""
+        from ..errors import HpcdpError
+
+        raise HpcdpError(f"probe (rank {self.rank}): the {self.name} backend cannot probe")
 
     @abc.abstractmethod
     def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Request: ...
@@ -169,23 +212,58 @@ class Backend(abc.ABC):
         return f"{self.name}(rank {self.rank} of {self.size})"
 
 
-_REGISTRY: dict[str, Callable[..., Backend]] = {}
+class _Entry:
+    __slots__ = ("factory", "available", "spawn")
+
+    def __init__(self, factory: Callable[..., Backend], available: Callable[[], bool] | None,
+                 spawn: Callable[..., list[Any]] | None) -> None:
+        self.factory, self.available, self.spawn = factory, available, spawn
 
 
-def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-    """Make ``hpcdp.init(backend=name)`` call ``factory(timeout=..., **options)``."""
-    _REGISTRY[name] = factory
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def register_backend(name: str, factory: Callable[..., Backend], *,
+                     available: Callable[[], bool] | None = None,
+                     spawn: Callable[..., list[Any]] | None = None) -> None:
+    """Make ``hpcdp.init(backend=name)`` call ``factory(timeout=..., **options)``.
+
+    Args:
+        available: whether the backend can start here (its libraries import); default: always.
+        spawn: ``spawn(fn, world_size, *, args, kwargs, timeout, join_timeout)`` runs ``fn`` on
+            fresh ranks of this backend and returns their results: what ``hpcdp.spawn`` and the
+            conformance suite (``hpcdp.testing``) use. None: the backend cannot start ranks itself.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_backend: name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"register_backend({name!r}): factory must be callable")
+    _REGISTRY[name] = _Entry(factory, available, spawn)
 
 
 def backend_factory(name: str) -> Callable[..., Backend] | None:
-    return _REGISTRY.get(name)
+    e = _REGISTRY.get(name)
+    return e.factory if e is not None else None
+
+
+def _is_available(e: _Entry) -> bool:
+    return e.available is None or bool(e.available())
 
 
 def available_backends() -> list[str]:
     """Names of the registered backends whose libraries import here."""
-    from . import _probe_available  # late: probing imports optional libraries
+    return [n for n, e in _REGISTRY.items() if _is_available(e)]
 
-    return [n for n in _REGISTRY if _probe_available(n)]
+
+def backend_spawner(name: str) -> Callable[..., list[Any]] | None:
+    """The ``spawn`` registered for ``name`` (None: none, or not registered)."""
+    e = _REGISTRY.get(name)
+    return e.spawn if e is not None else None
+
+
+def spawnable_backends() -> list[str]:
+    """Available backends that can start ranks of their own (``hpcdp.spawn``, test matrices)."""
+    return [n for n, e in _REGISTRY.items() if e.spawn is not None and _is_available(e)]
 
 
 def payload(x: Any) -> str:

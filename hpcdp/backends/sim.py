@@ -18,7 +18,8 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError, PeerFailureError
 from ..ops import ReduceOp
-from .base import Backend, Request, register_backend
+from ._runner import P2PBackend, Runner
+from .base import ANY_SOURCE, ANY_TAG, Backend, Request, register_backend
 
 __all__ = ["SimWorld", "SimBackend"]
 
@@ -242,9 +243,6 @@ class SimBackend(Backend):
         self.size = len(comm.ranks)
         self.ranks = comm.ranks
         self._calls = itertools.count()
-        if os.environ.get("HPCDP_SIM_ALGORITHMS") == "p2p":
-            # opt-in: run the shared ring/tree algorithms over send/recv, to test them here
-            _attach_algorithms(self)
 
     # -- the rendezvous every collective goes through --------------------------------------
     def _collective(
@@ -382,6 +380,21 @@ class SimBackend(Backend):
     def recv(self, buf, src, tag):
         return _RecvRequest(self, buf, src, tag)
 
+    def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
+        """(source, tag, nbytes) of a queued message for this rank, else None."""
+        world, me = self.comm.world, self.rank
+        with world.cond:
+            for (s, d, t), box in self.comm.mail.items():
+                if box and d == me and src in (ANY_SOURCE, s) and (
+                        t == tag or tag == ANY_TAG and t < _P2P.TAG_BASE):
+                    return s, t, box[0].nbytes
+            peers = [g for r, g in enumerate(self.ranks) if r != me and src in (ANY_SOURCE, r)]
+            if peers and all(g in world.dead for g in peers):
+                raise PeerFailureError(
+                    f"probe(src={src}, tag={tag}) on rank {self.ranks[me]}: rank(s) {peers} "
+                    f"died and nothing from them is queued", peers=peers)
+        return None
+
     # -- groups -----------------------------------------------------------------------------
     def new_group(self, ranks):
         members = tuple(self.ranks[r] for r in ranks)
@@ -395,7 +408,7 @@ class SimBackend(Backend):
             raise RuntimeError("unreachable")
         if self.rank not in ranks:
             return None
-        return SimBackend(box[0], list(ranks).index(self.rank))
+        return type(self)(box[0], list(ranks).index(self.rank))
 
 
 class _P2P:
@@ -442,17 +455,19 @@ class _P2P:
         self._aborted = why
 
 
-def _attach_algorithms(backend: SimBackend) -> None:
-    """Route ``backend``'s collectives through ``_algorithms`` (instance attributes win)."""
-    from . import _algorithms
+class SimP2PBackend(P2PBackend, SimBackend):
+    """The opt-in ``HPCDP_SIM_ALGORITHMS=p2p``: collectives from the shared ring/tree algorithms
+    over this backend's own ``send``/``recv``, so they are tested without sockets."""
 
-    runner = _algorithms.Runner(_P2P(backend), f"sim-rank{backend.ranks[backend.rank]}")
-    shim = _algorithms.P2PCollectives()
-    shim._p2p, shim._runner = runner.comm, runner
-    for name in ("allreduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-                 "reduce_scatter", "all_to_all", "barrier"):
-        setattr(backend, name, getattr(shim, name))
-    backend._p2p_runner = runner
+    def __init__(self, comm: _Comm, rank: int) -> None:
+        SimBackend.__init__(self, comm, rank)
+        self._p2p = _P2P(self)
+        self._runner = Runner(self._p2p, f"sim-rank{self.ranks[rank]}")
+
+
+def _backend(comm: _Comm, rank: int) -> SimBackend:
+    cls = SimP2PBackend if os.environ.get("HPCDP_SIM_ALGORITHMS") == "p2p" else SimBackend
+    return cls(comm, rank)
 
 
 def _sim_factory(*, world: SimWorld | None = None, rank: int = 0,
@@ -463,13 +478,20 @@ def _sim_factory(*, world: SimWorld | None = None, rank: int = 0,
             f"run several with hpcdp.spawn(fn, world_size={world_size}, backend='sim')")
     if world is None:
         world = SimWorld(1)
-    return SimBackend(_Comm(world, tuple(range(world.size))), rank)
+    return _backend(_Comm(world, tuple(range(world.size))), rank)
 
 
 def _sim_world_factory(world: SimWorld) -> Callable[[int], SimBackend]:
     """One shared world comm for all ranks of a spawn."""
     comm = _Comm(world, tuple(range(world.size)))
-    return lambda rank: SimBackend(comm, rank)
+    return lambda rank: _backend(comm, rank)
 
 
-register_backend("sim", _sim_factory)
+def _sim_spawn(*args: Any, **kwargs: Any) -> list[Any]:
+    """Simulated ranks as threads of this process (``hpcdp.launch``; imported when used)."""
+    from ..launch._spawn import spawn_threads
+
+    return spawn_threads(*args, **kwargs)
+
+
+register_backend("sim", _sim_factory, spawn=_sim_spawn)

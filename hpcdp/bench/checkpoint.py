@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcdp.checkpoint._plan import row_bounds
 
     g = hpcdp.init("mpi")
-    comm = g.backend.comm
+    comm = g.backend.native_comm()
     rank, n = g.rank, g.size
     root = os.path.abspath(args.dir or ".bench-ckpt")
     if rank == 0:

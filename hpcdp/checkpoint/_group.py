@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["Solo", "resolve", "ckpt_group", "pending", "set_pending"]
+__all__ = ["Solo", "resolve", "ckpt_group", "native_comm", "backend_label", "pending", "set_pending"]
 
 
 class Solo:
@@ -43,14 +43,22 @@ def resolve(group: Any) -> Any:
     return hpcdp.get_default_group() if hpcdp.is_initialized() else _SOLO
 
 
-def backend_name(group: Any) -> str:
-    be = getattr(group, "backend", None)
+def native_comm(group: Any) -> Any:
+    """The MPI communicator under ``group`` (``Backend.native_comm``), None for other transports."""
+    be = group.backend
+    return be.native_comm() if be is not None else None
+
+
+def backend_label(group: Any) -> str:
+    """The backend's name, for messages only (behaviour follows its capabilities)."""
+    be = group.backend
     return be.name if be is not None else "solo"
 
 
 def ckpt_group(group: Any) -> Any:
     """The caller's group's private duplicate (collective the first time)."""
-    if isinstance(group, Solo) or group.size == 1 and backend_name(group) != "mpi":
+    # one rank needs no private group, unless MPI-IO will run collectively on its communicator
+    if isinstance(group, Solo) or group.size == 1 and native_comm(group) is None:
         return group
     with _lock:
         g = _ckpt.get(group)

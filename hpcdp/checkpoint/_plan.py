@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._arrays import shard_bounds
 from ..errors import CheckpointError
 from ._format import Leaf
 
@@ -56,14 +57,8 @@ class DatasetPlan:
 
 
 def row_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` near-equal [lo, hi) row ranges (numpy.array_split's rule)."""
-    q, r = divmod(rows, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
+    """``parts`` near-equal [lo, hi) row ranges (numpy.array_split's rule, ``_arrays.shard_bounds``)."""
+    return shard_bounds(rows, parts)
 
 
 def check_tiling(path: str, shape: tuple[int, ...], blocks: Sequence[tuple[tuple, tuple]]) -> None:

@@ -26,10 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
+from .. import _world
 from ..errors import CheckpointError
 from . import _commit
 from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
-from ._group import backend_name, ckpt_group, pending, resolve, set_pending
+from ._group import backend_label, ckpt_group, native_comm, pending, resolve, set_pending
 from ._plan import make_plan, slab_data
 
 __all__ = ["save", "AsyncSave", "choose_mode"]
@@ -46,10 +47,10 @@ def choose_mode(group: Any, mode: str | None) -> str:
         return "vds"
     import h5py
 
-    mpi_ok = backend_name(group) == "mpi" and bool(h5py.get_config().mpi)
+    mpi_ok = native_comm(group) is not None and bool(h5py.get_config().mpi)
     if want == "mpio" and not mpi_ok:
         raise CheckpointError(f"save: mode 'mpio' needs the MPI backend and MPI-enabled h5py "
-                              f"(backend {backend_name(group)!r}, h5py mpi={h5py.get_config().mpi})")
+                              f"(backend {backend_label(group)!r}, h5py mpi={h5py.get_config().mpi})")
     return "mpio" if mpi_ok else "vds"
 
 
@@ -162,7 +163,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     if mode == "mpio":
         from ._writer_mpio import MpioWriter
 
-        writer: Any = MpioWriter(tmp, group.backend.comm, rank)
+        writer: Any = MpioWriter(tmp, native_comm(group), rank)
     else:
         from ._writer_vds import VdsWriter
 
@@ -288,6 +289,13 @@ class AsyncSave:
             self._exc = exc
         finally:
             self._done.set()
+
+
+@_world.on_finalize
+def _finalize_hook(group: Any) -> None:
+    """``hpcdp.finalize``: an async save still writing runs collectives on this group's transport;
+    let it commit (every rank calls ``finalize``, so the save completes) before the transport goes."""
+    wait_pending(group, warn=True)
 
 
 def wait_pending(group: Any, *, warn: bool = False) -> None:

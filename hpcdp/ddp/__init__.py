@@ -2,8 +2,9 @@
 
 Buckets are filled in reverse parameter order (first bucket capped at 1 MiB, then
 ``bucket_cap_mb``) and each starts its allreduce as soon as its last gradient is ready. See
-``ddp.py`` for the iteration protocol, ``join.py`` for uneven inputs and ``comm_hooks.py`` for
-fp16/bf16 compression.
+``ddp.py`` for the iteration protocol (the user-facing facade), ``_reducer.py`` for the buckets
+and gradient hooks behind it, ``join.py`` for uneven inputs and ``comm_hooks.py`` for fp16/bf16
+compression.
 """
 from __future__ import annotations
 

@@ -35,108 +35,18 @@ Design choices (see also ``hpcdp/ddp/__init__.py``):
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
-import time
-import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from .._arrays import xp_of
 from ..errors import HpcdpError
 from ..nn.module import Module
-from ._buckets import Bucket, build_buckets
-from .comm_hooks import GradBucket, allreduce_hook
+from ._buckets import Bucket
+from ._reducer import CommHook, Reducer
 
 __all__ = ["DDP"]
-
-
-class _Progress:
-    """A daemon thread that tests in-flight bucket reductions while backward computes.
-
-    MPI advances nonblocking collectives only inside MPI calls, and numpy's matmuls (which release
-    the GIL) give no such calls, so without this a bucket launched early would mostly move only
-    when backward ends. The thread tests the oldest in-flight bucket every ~50 us; ``lock``
-    keeps it and the training thread from touching the same request at once.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.cond = threading.Condition()
-        self.queue: list[Any] = []
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="hpcdp-ddp-progress", daemon=True)
-        self.thread.start()
-
-    def add(self, work: Any) -> None:
-        with self.cond:
-            self.queue.append(work)
-            self.cond.notify()
-
-    def clear(self) -> None:
-        with self.cond:
-            self.queue.clear()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.queue.clear()
-            self.cond.notify()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and not self.stopped:
-                    self.cond.wait()
-                if self.stopped:
-                    return
-                work = self.queue[0]
-            with self.lock:
-                done = work.is_completed()
-            with self.cond:
-                if done and self.queue and self.queue[0] is work:
-                    self.queue.pop(0)
-            if not done:
-                time.sleep(5e-5)
-
-
-def _mpi_thread_multiple() -> bool:
-    """Whether MPI runs with MPI_THREAD_MULTIPLE: only then may a second thread call MPI."""
-    from ..backends.mpi import get_mpi
-
-    MPI = get_mpi()
-    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
-
-
-def _use_progress_thread(group: Any) -> bool:
-    """A progress thread for ``group``: MPI only (other transports progress on their own), more
-    than one rank, a spare core (or the override), and a thread-safe MPI library."""
-    backend = group.backend
-    if getattr(backend, "name", "") != "mpi" or group.size <= 1 or not _want_progress_thread():
-        return False
-    safe = getattr(backend, "thread_safe", None)
-    return bool(safe) if safe is not None else _mpi_thread_multiple()
-
-
-def _want_progress_thread() -> bool:
-    """A progress thread pays only with a spare core: on a rank bound to one core it competes
-    with backward for that core and the GIL (measured: D4 efficiency 0.76 with it, 0.80 without,
-    2 ranks bound to cores). ``HPCDP_DDP_PROGRESS_THREAD=0/1`` overrides (1 still needs
-    MPI_THREAD_MULTIPLE)."""
-    env = os.environ.get("HPCDP_DDP_PROGRESS_THREAD")
-    if env is not None:
-        return env.strip() not in ("0", "false", "no", "")
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except (AttributeError, OSError):
-        return (os.cpu_count() or 1) > 1
-
-
-CommHook = Callable[[Any, GradBucket], Any]
 
 
 def _default_group(group: Any) -> Any:
@@ -197,29 +107,13 @@ class DDP:
         self._named = named  # trainable: these get buckets and hooks
         self._all_named = every  # frozen ones too: broadcast with the others
         self._handles: list[Any] = []
-        self._progress: _Progress | None = None
+        self._reducer: Reducer | None = None
         self._closed = False
         self._sync_module_state()
-        self.buckets: list[Bucket] = build_buckets(named, self.bucket_cap_bytes) if named else []
-        self._where: dict[int, tuple[Bucket, int]] = {}
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-        self._param_index = {id(p): k for k, (_, p) in enumerate(named)}
-        self._expected: list[list[int]] | None = None  # per bucket, per slot: hooks per pass
-        self._used = np.zeros(len(named), dtype=np.int32)
+        self._reducer = Reducer(named, self.group, bucket_cap_bytes=self.bucket_cap_bytes,
+                                find_unused_parameters=self.find_unused_parameters,
+                                gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
-        self._in_backward = False
-        self._pass_sync = False
-        self._next_launch = 0
-        self._inflight: list[Bucket] = []
-        self._divisor = self.group.size
-        self._comm_hook: CommHook | None = None
-        self._comm_state: Any = None
-        self._warned_unused = False
-        self._join: Any = None  # the active join context, if any
-        if _use_progress_thread(self.group):
-            self._progress = _Progress()
         # A weak reference: the model's parameters must not keep a dropped DDP alive (and
         # reducing), so that ``DDP(model)`` twice leaves only the new one attached.
         ref = weakref.ref(self)
@@ -227,7 +121,7 @@ class DDP:
         def on_grad(p: Any) -> None:
             ddp = ref()
             if ddp is not None:
-                ddp._on_grad(p)
+                ddp._reducer.on_grad(p)
 
         self._handles = [p.register_hook(on_grad) for _, p in named]
 
@@ -240,9 +134,9 @@ class DDP:
         for h in getattr(self, "_handles", ()):
             h.remove()
         self._handles = []
-        progress, self._progress = getattr(self, "_progress", None), None
-        if progress is not None:
-            progress.stop()
+        reducer = getattr(self, "_reducer", None)
+        if reducer is not None:
+            reducer.close()
         self._closed = True
 
     def __del__(self) -> None:
@@ -257,7 +151,13 @@ class DDP:
 
     def _comm_lock(self) -> Any:
         """The lock to hold while calling into the transport when a progress thread tests requests."""
-        return self._progress.lock if self._progress is not None else contextlib.nullcontext()
+        r = self._reducer
+        return r.comm_lock() if r is not None else contextlib.nullcontext()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The gradient buckets, in launch order."""
+        return self._reducer.buckets if self._reducer is not None else []
 
     # -- construction-time state sync ----------------------------------------------------------
     def _buffers(self) -> list[tuple[str, Any]]:
@@ -301,9 +201,10 @@ class DDP:
         training = bool(getattr(self.module, "training", True))
         if training:
             if self.gradient_as_bucket_view:
-                self._point_grads_at_buckets()
-            if self._join is not None:  # every training forward, so joined ranks stay in step
-                self._join.notify_active(self._require_sync)
+                self._reducer.point_grads_at_buckets()
+            join = self._reducer.join
+            if join is not None:  # every training forward, so joined ranks stay in step
+                join.notify_active(self._require_sync)
             self._sync_buffers()
         # An hpcdp.nn module's __call__ fires its forward hooks; a foreign object may offer only forward.
         if isinstance(self.module, Module) or getattr(self.module, "forward", None) is None:
@@ -314,17 +215,18 @@ class DDP:
         """Run the module's backward; return its result once all gradients are averaged."""
         self._check_open("backward")
         sync = self._require_sync
-        self._begin_pass(sync)
+        reducer = self._reducer
+        reducer.begin_pass(sync)
         try:
             # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
             run = getattr(self.module, "run_backward", None)
             out = run(grad_output) if run is not None else self.module.backward(grad_output)
         except BaseException:
-            self._in_backward = False
+            reducer.in_backward = False
             raise
         if sync:
-            self._finish_sync_pass()
-        self._in_backward = False
+            reducer.finish_sync_pass()
+        reducer.in_backward = False
         return out
 
     def parameters(self) -> Iterator[Any]:
@@ -432,9 +334,11 @@ class DDP:
         """Use ``hook(state, bucket) -> future`` to reduce each bucket (see ``hpcdp.ddp.comm_hooks``)."""
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-        if self._comm_hook is not None:
-            raise HpcdpError("register_comm_hook: a communication hook is already registered")
-        self._comm_state, self._comm_hook = state, hook
+        r = self._reducer
+        if r.comm_hook is not None:
+            raise HpcdpError(f"register_comm_hook (rank {self.group.rank}): a communication hook "
+                             "is already registered")
+        r.comm_state, r.comm_hook = state, hook
 
     def join(self, *, divide_by_initial_world_size: bool = True, enable: bool = True) -> Any:
         """Context manager for uneven inputs: ranks that finish early shadow the others' allreduces.
@@ -448,178 +352,6 @@ class DDP:
         from .join import Join
 
         return Join(self, divide_by_initial_world_size=divide_by_initial_world_size, enable=enable)
-
-    # -- gradients into buckets --------------------------------------------------------------
-    def _point_grads_at_buckets(self) -> None:
-        for b in self.buckets:
-            ps = b.params
-            if all(p.grad is None for p in ps):
-                b.flat.fill(0)
-                for p, v in zip(ps, b.views):
-                    p.grad = v
-                continue
-            for p, v in zip(ps, b.views):
-                if p.grad is None:
-                    v.fill(0)
-                    p.grad = v
-                elif p.grad is not v:
-                    v[...] = p.grad
-                    p.grad = v
-
-    def _begin_pass(self, sync: bool) -> None:
-        if self._in_backward:
-            raise HpcdpError("DDP.backward: called again before the previous backward finished")
-        self._in_backward = True
-        self._pass_sync = sync
-        if not sync:
-            return
-        self._next_launch = 0
-        self._inflight = []
-        exp = self._expected
-        for bi, b in enumerate(self.buckets):
-            b.seen = [0] * len(b.params)
-            b.launched = False
-            b.work = None
-            b.pending = len(b.params) if exp is None else sum(1 for e in exp[bi] if e > 0)
-
-    def _on_grad(self, p: Any) -> None:
-        b, i = self._where[id(p)]
-        if self.gradient_as_bucket_view and p.grad is not b.views[i]:
-            b.views[i][...] = p.grad
-            p.grad = b.views[i]
-        self._used[self._param_index[id(p)]] = 1
-        if not (self._in_backward and self._pass_sync):
-            return
-        if b.launched:
-            raise HpcdpError(
-                f"DDP (rank {self.group.rank}): parameter {b.names[i]!r} produced a gradient after its "
-                f"bucket {b.index} was already being reduced: it fired more gradient hooks in this "
-                f"backward than in the first one (a shared parameter used a varying number of times?)"
-            )
-        b.seen[i] += 1
-        if self._expected is None:
-            return  # first synced pass: counting hooks, buckets launch at the end
-        if b.seen[i] == self._expected[b.index][i]:
-            b.pending -= 1
-            if b.pending == 0:
-                self._launch_ready()
-        if self._inflight and self._progress is None:
-            self._poll()
-
-    def _poll(self) -> None:
-        # MPI progresses nonblocking collectives only inside MPI calls: test the oldest one.
-        head = self._inflight[0]
-        if head.work is not None and head.work.is_completed():
-            self._inflight.pop(0)
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if b.pending > 0:
-                return
-            self._launch(b)
-
-    def _launch(self, b: Bucket) -> None:
-        if not self.gradient_as_bucket_view:
-            for p, v in zip(b.params, b.views):
-                if p.grad is None:
-                    v.fill(0)
-                else:
-                    v[...] = p.grad
-        b.launched = True
-        self._next_launch = b.index + 1
-        gb = GradBucket(b.index, b.flat, b.params, b.views, self.group, self._divisor,
-                        b.index == len(self.buckets) - 1)
-        hook = self._comm_hook or allreduce_hook
-        state = self._comm_state if self._comm_hook is not None else None
-        if self._progress is not None:
-            with self._progress.lock:
-                b.work = hook(state, gb)
-            self._progress.add(b.work)
-        else:
-            b.work = hook(state, gb)
-        self._inflight.append(b)
-
-    def _finish_sync_pass(self) -> None:
-        if self._expected is None:
-            self._expected = [[max(1, s) for s in b.seen] for b in self.buckets]
-        missing: list[str] = []
-        for b in self.buckets[self._next_launch:]:
-            for i, p in enumerate(b.params):
-                if b.seen[i] == 0 and p.grad is None:
-                    missing.append(b.names[i])
-                    b.views[i].fill(0)
-                    if self.gradient_as_bucket_view:
-                        p.grad = b.views[i]
-                elif b.seen[i] == 0 and not self._used[self._param_index[id(p)]]:
-                    missing.append(b.names[i])  # e.g. zeros set up by forward, never written
-            self._launch(b)
-        used = None
-        if self.find_unused_parameters:
-            with self._comm_lock():
-                used = self.group.allreduce(self._used, "sum", async_op=True)
-        self._wait_all()
-        if used is not None:
-            with self._comm_lock():
-                counts = used.wait()
-            for k, (_, p) in enumerate(self._named):
-                if counts[k] == 0:
-                    p.grad = None
-        elif missing and not self._warned_unused:
-            self._warned_unused = True
-            warnings.warn(
-                f"DDP (rank {self.group.rank}): parameters {missing} got no gradient in this backward; "
-                "they were averaged as zeros so every rank stays in step. Pass "
-                "find_unused_parameters=True to detect unused parameters across ranks and leave "
-                "their .grad as None.", stacklevel=3)
-        self._used[...] = 0
-        if self._join is not None:
-            self._join.after_sync_pass()
-
-    def _wait_all(self) -> None:
-        for b in self.buckets:
-            if self._progress is not None:
-                with self._progress.lock:
-                    res = b.work.wait()
-            else:
-                res = b.work.wait()
-            if res is not None and res is not b.flat:
-                b.flat[...] = res.reshape(-1)
-            b.work = None
-            if not self.gradient_as_bucket_view:
-                for p, v in zip(b.params, b.views):
-                    if p.grad is None:
-                        p.grad = v.copy()
-                    else:
-                        p.grad[...] = v
-        self._inflight = []
-        if self._progress is not None:
-            self._progress.clear()
-
-    # -- used by Join to shadow an iteration with zero gradients ------------------------------
-    def _shadow_sync_pass(self) -> None:
-        for b in self.buckets:
-            b.flat.fill(0)
-            b.launched = False
-        self._next_launch = 0
-        self._inflight = []
-        if not self.gradient_as_bucket_view:
-            saved = [p.grad for _, p in self._named]
-            for _, p in self._named:
-                p.grad = None
-        for b in self.buckets:
-            self._launch(b)
-        used = None
-        if self.find_unused_parameters:
-            with self._comm_lock():
-                used = self.group.allreduce(np.zeros_like(self._used), "sum", async_op=True)
-        self._wait_all()
-        if used is not None:
-            with self._comm_lock():
-                used.wait()
-        if not self.gradient_as_bucket_view:
-            for (_, p), g in zip(self._named, saved):
-                p.grad = g
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{b.nbytes / (1 << 20):.2f}" for b in self.buckets)

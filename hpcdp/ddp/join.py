@@ -46,9 +46,9 @@ class Join:
 
     def __enter__(self) -> Join:
         if self.enable:
-            if self.ddp._join is not None:
+            if self.ddp._reducer.join is not None:
                 raise RuntimeError("DDP.join: already inside a join context")
-            self.ddp._join = self
+            self.ddp._reducer.join = self
             self.iterations = 0
         return self
 
@@ -67,7 +67,7 @@ class Join:
 
     def _set_divisor(self, active: int) -> None:
         n = self.ddp.group.size
-        self.ddp._divisor = n if self.divide_by_initial_world_size else max(1, active)
+        self.ddp._reducer.divisor = n if self.divide_by_initial_world_size else max(1, active)
 
     def notify_active(self, sync: bool) -> None:
         """Called by every training ``DDP.forward`` on a rank that still has data."""
@@ -77,7 +77,7 @@ class Join:
             self.iterations += 1
 
     def after_sync_pass(self) -> None:
-        self.ddp._divisor = self.ddp.group.size
+        self.ddp._reducer.divisor = self.ddp.group.size
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enable:
@@ -93,12 +93,12 @@ class Join:
                 ddp._sync_buffers()
                 if syncing:
                     self._set_divisor(active)
-                    ddp._shadow_sync_pass()
+                    ddp._reducer.shadow_sync_pass()
                     self.shadowed += 1
             self._sync_final_model()
         finally:
-            ddp._join = None
-            ddp._divisor = ddp.group.size
+            ddp._reducer.join = None
+            ddp._reducer.divisor = ddp.group.size
 
     def _sync_final_model(self) -> None:
         ddp = self.ddp

@@ -1,33 +1,15 @@
-"""numpy/cupy dispatch for hpcdp.nn and hpcdp.optim (kept local so nn imports nothing else of hpcdp)."""
+"""numpy/cupy dispatch for hpcdp.nn and hpcdp.optim (nn imports only the leaf ``hpcdp._arrays``)."""
 from __future__ import annotations
 
 import math
-import sys
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from .._arrays import is_cupy, xp_of  # one definition for every layer (a leaf module)
+
 __all__ = ["xp_of", "is_cupy", "to_module", "copy_into", "scatter_add", "resolve_xp", "is_float_dtype", "erf"]
-
-
-def _cupy() -> ModuleType | None:
-    # Never import cupy ourselves: a cupy array can only exist if the user already imported it.
-    return sys.modules.get("cupy")
-
-
-def is_cupy(x: Any) -> bool:
-    """Tell whether ``x`` is a cupy array without importing cupy."""
-    cp = _cupy()
-    return cp is not None and isinstance(x, cp.ndarray)
-
-
-def xp_of(*arrays: Any) -> ModuleType:
-    """Return cupy if any argument is a cupy array, else numpy (one code path for both)."""
-    for a in arrays:
-        if is_cupy(a):
-            return _cupy()  # type: ignore[return-value]
-    return np
 
 
 def resolve_xp(xp_or_device: Any) -> ModuleType:

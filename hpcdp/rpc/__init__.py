@@ -20,10 +20,13 @@ public methods through RRefs), and values travel as msgpack plus raw array buffe
 which check before sending), and a malformed or forged message is answered with an error
 while the worker keeps serving. TCP uses its own HMAC-authenticated connections.
 
-Semantics: callee functions run on a bounded pool (``num_worker_threads``), so they may run
-concurrently. A callee's exception is raised on the caller as ``RemoteError`` (also an instance
-of the original builtin type) with the remote traceback; every call has a deadline
-(``CommTimeoutError``); a peer that disconnects fails the calls pending on it with
+Semantics: callee functions run concurrently, at most ``num_worker_threads`` at once: a short
+callee on the thread that read its request (no hand-off: most of a small call's cost), others
+on a pool; a callee that blocks or runs long never stops its worker serving (``_duty``), and a
+waiting caller reads its own reply where the transport allows. A callee's exception is raised
+on the caller as ``RemoteError`` (also an instance of the original builtin type) with the
+remote traceback; every call has a deadline (``CommTimeoutError``), enforced by the waiting
+caller itself too; a peer that disconnects fails the calls pending on it with
 ``PeerFailureError`` (on MPI only a peer that leaves can be noticed; a killed one shows as a
 timeout). Arrays are sent zero-copy from the caller's buffers, and results from the arrays a
 callee returns: do not change them until the call completes, and return copies of state that

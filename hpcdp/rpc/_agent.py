@@ -3,18 +3,19 @@
 Threads and what they may do:
 
 * transport threads call ``_deliver``: they decode replies and complete futures, update RRef
-  state, and hand everything else to the pool or the control thread. They never send (on TCP a
-  reader blocked in a send to a peer whose reader is blocked the same way would deadlock).
-* the pool (``num_worker_threads``) runs callee functions and sends their replies;
-* the control thread sends protocol messages and small replies, expires deadlines and runs the
-  shutdown coordination's handlers. ``RRef.__del__`` only queues work for it.
+  state, and hand everything else to the pool or the control thread, except that a thread
+  holding a serving duty runs short callees itself (``_duty``: no hand-off on a small call's
+  path). They never block in a send while holding their duty.
+* the pool (``num_worker_threads``) runs the other callee functions and sends their replies;
+* the control thread sends protocol messages and small replies, in order; the timer expires
+  deadlines and watches inline callees (``_housekeeping``). ``RRef.__del__`` only queues work.
+* a caller waiting for a reply reads it itself where the transport allows (``Future``).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -24,25 +25,24 @@ import msgpack
 import numpy as np
 
 from ..errors import (
-    BackendUnavailableError, CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
+    BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
 )
 from . import _protocol as P
 from ._calls import Calls
 from ._codec import Limits, decode, encode
-from ._context import using
 from ._errors import remote_error
 from ._future import Future
+from ._housekeeping import Housekeeping
 from ._pool import Pool
 from ._rref import RRefManager
 from ._serve import Serving
 from ._shutdown import Coordinator
 from ._transport_base import exchange_bytes
-from ._wire import Frame, pack_envelope, unpack_envelope
+from ._wire import MAX_ENVELOPE, Frame, pack_envelope, unpack_envelope
 
 __all__ = ["Agent", "WorkerInfo"]
 
 LOG = logging.getLogger("hpcdp.rpc")
-_STOP = object()
 
 
 class WorkerInfo(NamedTuple):
@@ -59,7 +59,7 @@ class _Pending:
         self.fut, self.dst, self.what, self.timeout, self.control = fut, dst, what, timeout, control
 
 
-class Agent(Serving, Calls):
+class Agent(Serving, Calls, Housekeeping):
     """One worker's RPC endpoint; see the module docstring for its threads."""
 
     def __init__(self, name: str, group: Any, *, timeout: float, num_worker_threads: int,
@@ -88,9 +88,9 @@ class Agent(Serving, Calls):
         self.lost: dict[int, str] = {}
         self.state = "running"  # running -> closing (GO seen) -> closed
         self.rrefs = RRefManager(self)
-        self._control_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._control_busy = False
-        self._handlers: dict[int, Callable[[int, int, list, Frame], None]] = {
+        self._enc_hooks = [self.rrefs.encode_hook(r) for r in range(self.size)]
+        self._dec_hooks = [self.rrefs.decode_hook(r) for r in range(self.size)]
+        self._handlers: dict[int, Callable[[int, int, list, Frame, bool], Any]] = {
             P.RESULT: self._on_reply, P.ERROR: self._on_reply, P.CRESULT: self._on_reply,
             P.CALL: self._on_call, P.REMOTE: self._on_remote, P.RCALL: self._on_rcall,
             P.FETCH: self._on_fetch, P.FORK: self._on_fork, P.ACCEPT: self._on_accept,
@@ -98,9 +98,8 @@ class Agent(Serving, Calls):
             P.GO: self._on_coord,
         }
         self.coord = Coordinator(self)  # graceful shutdown
+        self._start_housekeeping()
         self.transport = self._make_transport(group, init_timeout)
-        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
-                                                name=f"hpcdp-rpc{self.rank}-control")
         try:
             group.barrier(timeout=init_timeout)  # every peer's transport exists before traffic
         except BaseException:
@@ -108,9 +107,13 @@ class Agent(Serving, Calls):
             raise
         polled = self.transport if hasattr(self.transport, "poll") else None
         self._polled = polled
+        # how a caller waiting for a reply from each peer reads it itself (None: it does not)
+        self._directs = [None if r == self.rank else self.transport.direct(r)
+                         for r in range(self.size)]
         self.pool = Pool(f"hpcdp-rpc{self.rank}-pool", num_worker_threads,
                          max(1024, 64 * num_worker_threads), self, progress=polled)
         self._control_thread.start()
+        self._timer_thread.start()
         self.transport.start()
 
     def _make_transport(self, group: Any, init_timeout: float) -> Any:
@@ -164,36 +167,44 @@ class Agent(Serving, Calls):
     def request(self, dst: int, kind: int, fields: Sequence[Any], body: Any, what: str,
                 timeout: float, control: bool = False) -> Future:
         """Send a request; its ``Future`` completes with the reply, an error or the deadline."""
-        if self.state == "closed" or (self.state == "closing" and not control):
+        state = self.state
+        if state != "running" and (state == "closed" or not control):
             raise HpcdpError(f"{what}: RPC has shut down on this worker")
         fut = Future(what, self)
-        fut._progress = self._polled
         if dst in self.lost:
             fut.set_exception(PeerFailureError(f"{what}: {self.names[dst]} is gone "
                                                f"({self.lost[dst]})", peers=[dst]))
             return fut
         try:
-            enc = encode(body, self.peer_limits[dst], self.rrefs.encode_hook(dst))
+            enc = encode(body, self.peer_limits[dst], self._enc_hooks[dst])
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{what}: {exc}") from None
         mid = next(self._ids)
         env = pack_envelope([kind, mid, *fields])
+        if len(env) > MAX_ENVELOPE:
+            raise ValueError(f"{what}: its names take {len(env)} bytes; at most {MAX_ENVELOPE} "
+                             "fit in a request (a function or method name too long)")
+        deadline = time.monotonic() + timeout
+        fut._deadline, fut._mid = deadline, mid
+        fut._direct = self._directs[dst]
         with self._lock:
             self._pending[mid] = _Pending(fut, dst, what, timeout, control)
-            heapq.heappush(self._deadlines, (time.monotonic() + timeout, mid))
-        self.rrefs.commit(enc.rrefs)
+            heapq.heappush(self._deadlines, (deadline, mid))
+        if enc.rrefs:
+            self.rrefs.commit(enc.rrefs)
         try:
             self._send(dst, kind, env, enc.body, enc.buffers)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             with self._lock:
                 self._pending.pop(mid, None)
-            self.rrefs.rollback(enc.rrefs)
+            if enc.rrefs:
+                self.rrefs.rollback(enc.rrefs)
             if not isinstance(exc, HpcdpError):
                 exc = PeerFailureError(f"{what}: send failed ({type(exc).__name__}: {exc})",
                                        peers=[dst])
             elif what not in str(exc):
                 exc = type(exc)(f"{what}: {exc}")
-            fut.set_exception(exc)
+            fut.set_exception(exc.with_traceback(None))  # no frame (with fut) in its traceback
         return fut
 
     def internal(self, dst: int, kind_name: str, fields: Sequence[Any], body: Any = None,
@@ -218,7 +229,7 @@ class Agent(Serving, Calls):
             if counted:
                 with self._lock:
                     self.sent[dst] += 1
-            self._deliver(dst, frame)
+            self._deliver(dst, frame, False)
             return
         self.transport.send(dst, env, body, buffers)
         if counted:
@@ -228,47 +239,58 @@ class Agent(Serving, Calls):
     def reply(self, dst: int, mid: int, value: Any, kind: int = P.RESULT) -> None:
         """Send a result (from the pool or the control thread); an unsendable one becomes an error."""
         try:
-            enc = encode(value, self.peer_limits[dst], self.rrefs.encode_hook(dst))
+            enc = encode(value, self.peer_limits[dst], self._enc_hooks[dst])
         except (TypeError, ValueError) as exc:
             return self.reply_error(dst, mid, type(exc)(f"the result cannot be sent back: {exc}"))
-        self.rrefs.commit(enc.rrefs)
+        if enc.rrefs:
+            self.rrefs.commit(enc.rrefs)
         try:
             self._send(dst, kind, pack_envelope([kind, mid]), enc.body, enc.buffers)
         except Exception as exc:  # noqa: BLE001 - the caller is gone; nothing else to tell
-            self.rrefs.rollback(enc.rrefs)
+            if enc.rrefs:
+                self.rrefs.rollback(enc.rrefs)
             LOG.debug("hpcdp.rpc: rank %d could not reply to rank %d: %s", self.rank, dst, exc)
 
     def reply_error(self, dst: int, mid: int, exc: BaseException, tb: str | None = None) -> None:
         if tb is None:
             tb = "".join(traceback.format_exception(exc)) if exc.__traceback__ else ""
         name = getattr(exc, "remote_type", None) or type(exc).__name__  # nested: the origin's
-        body = (name[:200], str(exc)[:P.MAX_ERROR_TEXT], tb[-P.MAX_ERROR_TEXT:])
-        try:
-            enc = encode(body, self.peer_limits[dst])
-            self._send(dst, P.ERROR, pack_envelope([P.ERROR, mid]), enc.body, enc.buffers)
-        except Exception as err:  # noqa: BLE001 - the caller is gone
-            LOG.debug("hpcdp.rpc: rank %d could not send an error to rank %d: %s", self.rank,
-                      dst, err)
+        # the texts must fit the caller's limits, or the caller would only see its timeout
+        cap = max(0, min(P.MAX_ERROR_TEXT, self.peer_limits[dst].max_body_bytes // 4 - 64))
+        msg = str(exc)
+        for body in ((name[:200], msg[:cap], tb[-cap:] if cap else ""),
+                     (name[:40], msg[:40], "")):
+            try:
+                enc = encode(body, self.peer_limits[dst])
+                self._send(dst, P.ERROR, pack_envelope([P.ERROR, mid]), enc.body, enc.buffers)
+                return
+            except ValueError:
+                continue  # still too large for the caller: the short form
+            except Exception as err:  # noqa: BLE001 - the caller is gone
+                LOG.debug("hpcdp.rpc: rank %d could not send an error to rank %d: %s",
+                          self.rank, dst, err)
+                return
 
     def error_from(self, err: tuple[str, str, str], what: str) -> BaseException:
         name, msg, tb = err
         return remote_error(f"{what}: remote {name}: {msg}", name, tb)
 
     # -- receiving --------------------------------------------------------------------------
-    def _deliver(self, src: int, frame: Frame) -> None:
+    def _deliver(self, src: int, frame: Frame, may_inline: bool = False) -> Any:
         try:
-            self._dispatch(src, frame)
+            return self._dispatch(src, frame, may_inline)
         except Exception:  # noqa: BLE001 - a bug must not stop a transport thread
             LOG.exception("hpcdp.rpc: rank %d: failed to handle a message from rank %d",
                           self.rank, src)
+            return None
 
-    def _dispatch(self, src: int, frame: Frame) -> None:
+    def _dispatch(self, src: int, frame: Frame, may_inline: bool) -> Any:
         try:
             fields = unpack_envelope(frame.env)
         except ProtocolError as exc:
             LOG.warning("hpcdp.rpc: rank %d dropped a message from rank %d: %s", self.rank, src,
                         exc)
-            return
+            return None
         kind, mid = fields[0], fields[1]
         if kind in P.COUNTED:
             with self._lock:
@@ -277,23 +299,39 @@ class Agent(Serving, Calls):
         if handler is None:
             LOG.warning("hpcdp.rpc: rank %d: unknown message kind %d from rank %d", self.rank,
                         kind, src)
-            return
+            return None
         if frame.refused is not None and kind in P.REQUESTS:
             self.control(lambda: self.reply_error(src, mid, ProtocolError(
                 f"rank {self.rank} refused the request: {frame.refused}"), ""))
-            return
+            return None
         try:
-            handler(src, mid, fields, frame)
-        except ProtocolError as exc:
-            LOG.warning("hpcdp.rpc: rank %d refused a %s from rank %d: %s", self.rank,
-                        P.NAMES.get(kind, kind), src, exc)
+            return handler(src, mid, fields, frame, may_inline)
+        except Exception as exc:  # noqa: BLE001 - answered, and the worker serves on
+            if isinstance(exc, ProtocolError):
+                LOG.warning("hpcdp.rpc: rank %d refused a %s from rank %d: %s", self.rank,
+                            P.NAMES.get(kind, kind), src, exc)
+            else:
+                LOG.exception("hpcdp.rpc: rank %d: failed to handle a %s from rank %d",
+                              self.rank, P.NAMES.get(kind, kind), src)
             if kind in P.REQUESTS:
+                self.discard(src, frame)
                 self.control(lambda e=exc: self.reply_error(src, mid, e, ""))
+            return None
 
-    def _on_reply(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def discard(self, src: int, frame: Frame) -> None:
+        """A message that will not be used: its RRefs are still taken in and let go, so their
+        owners can free what they refer to."""
+        if frame.body is not None and len(frame.body):
+            try:
+                decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
+            except Exception:  # noqa: BLE001 - whatever could be salvaged was
+                pass
+
+    def _on_reply(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         with self._lock:
             p = self._pending.get(mid)
-            if p is None or p.dst != src or p.control != (fields[0] == P.CRESULT):
+            if p is None or p.dst != src or \
+                    p.control != (fields[0] == P.CRESULT) and fields[0] != P.ERROR:
                 forged = p is not None
                 p = None
             else:
@@ -305,13 +343,14 @@ class Agent(Serving, Calls):
             else:
                 LOG.debug("hpcdp.rpc: rank %d: late or unknown reply %d from rank %d", self.rank,
                           mid, src)
+            self.discard(src, frame)  # a late result may hold RRefs to let go of
             return
         if frame.refused is not None:
             p.fut.set_exception(ProtocolError(f"{p.what}: the reply was refused here: "
                                               f"{frame.refused}"))
             return
         try:
-            value = decode(frame.body, frame.buffers, self.limits, self.rrefs.decode_hook(src))
+            value = decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
             if fields[0] == P.ERROR:
                 if type(value) is not tuple or len(value) != 3 or \
                         any(type(v) is not str for v in value):
@@ -319,79 +358,29 @@ class Agent(Serving, Calls):
                 p.fut.set_exception(self.error_from(value, p.what))
             else:
                 p.fut.set_result(value)
-        except ProtocolError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the caller hears of it
             p.fut.set_exception(ProtocolError(f"{p.what}: bad reply: {exc}"))
 
-    def _on_fork(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_fork(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 5:
             raise ProtocolError("malformed FORK")
         self.rrefs.on_fork(src, fields[2], fields[3], fields[4])
         self.control(lambda: self.reply(src, mid, None))
 
-    def _on_accept(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_accept(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 3:
             raise ProtocolError("malformed ACCEPT")
         self.rrefs.on_accept(src, fields[2])
         self.control(lambda: self.reply(src, mid, None))
 
-    def _on_delete(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_delete(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 4:
             raise ProtocolError("malformed DELETE")
         self.rrefs.on_delete(src, fields[2], fields[3])
         self.control(lambda: self.reply(src, mid, None))
 
-    def _on_coord(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_coord(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         self.control(lambda: self.coord.handle(src, mid, fields[0]))
-
-    # -- the control thread -----------------------------------------------------------------
-    def control(self, fn: Callable[[], None], quiet: bool = False) -> None:
-        """Run ``fn`` on the control thread (lock-free: safe from ``__del__``)."""
-        self._control_q.put(fn)
-
-    def _control_loop(self) -> None:
-        with using(self):
-            while True:
-                wait = 0.1 if self._polled is None else 0.005  # a polled transport: a backstop
-                with self._lock:
-                    if self._deadlines:
-                        wait = min(wait, max(0.0, self._deadlines[0][0] - time.monotonic()))
-                try:
-                    fn = self._control_q.get(timeout=wait)
-                except queue.Empty:
-                    fn = None
-                if fn is _STOP:
-                    return
-                if self._polled is not None:
-                    self._polled.poll()  # progress even while every pool thread is busy
-                if fn is not None:
-                    self._control_busy = True
-                    try:
-                        fn()
-                    except Exception:  # noqa: BLE001 - one failed task never stops the thread
-                        LOG.exception("hpcdp.rpc: rank %d: control task failed", self.rank)
-                    finally:
-                        self._control_busy = False
-                self._expire()
-
-    def _expire(self) -> None:
-        now, expired = time.monotonic(), []
-        with self._lock:
-            heap = self._deadlines
-            while heap and heap[0][0] <= now:
-                p = self._pending.pop(heapq.heappop(heap)[1], None)
-                if p is not None:
-                    expired.append(p)
-            if len(heap) > 2 * len(self._pending) + 4096:  # drop entries of answered requests
-                self._deadlines = [(d, m) for d, m in heap if m in self._pending]
-                heapq.heapify(self._deadlines)
-        for p in expired:
-            p.fut.set_exception(CommTimeoutError(
-                f"{p.what} did not complete within {p.timeout:g} s"))
-        if int(now) % 5 == 0:
-            self.rrefs.expire_placeholders(self.default_timeout)
-
-    def control_idle(self) -> bool:
-        return self._control_q.empty() and not self._control_busy
 
     # -- failures and shutdown ---------------------------------------------------------------
     def _lost(self, peer: int, why: str, graceful: bool) -> None:
@@ -429,7 +418,7 @@ class Agent(Serving, Calls):
                                            f"({why}) before the reply came"))
         self.rrefs.fail_all(f"RPC was shut down on rank {self.rank}")
         self.pool.close(0.0)
-        self._control_q.put(_STOP)
+        self._stop_housekeeping()
 
 
 def _log_failure(fut: Future) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 from ..errors import HpcdpError, PeerFailureError
 from . import _protocol as P
 from . import _registry
+from ._duty import before_blocking
 from ._future import Future
 from ._rref import RRef
 
@@ -48,7 +49,12 @@ class Calls:
         what = self.what(mode, repr(name), dst)
         body = self._args(args, kwargs, what)
         fut = self.request(dst, P.CALL, [name], body, what, self.timeout_of(timeout))
-        return fut.wait() if mode == "rpc_sync" else fut
+        if mode != "rpc_sync":
+            return fut
+        try:
+            return fut.wait()
+        finally:
+            fut = body = None  # not kept alive by the traceback of a failed call
 
     def remote(self, to: Any, func: Any, args: Any, kwargs: Any, timeout: float | None) -> RRef:
         dst = self.resolve(to, "remote")
@@ -84,6 +90,8 @@ class Calls:
     def _wait_fork_sent(self, rref: RRef, what: str, timeout: float) -> None:
         """A fork from a third worker is announced to the owner before we use it there."""
         st = rref._state
+        if st is not None and not st.fork_sent.is_set():
+            before_blocking()
         if st is not None and not st.fork_sent.wait(timeout):
             raise HpcdpError(f"{what}: this RRef's fork was not announced to its owner within "
                              f"{timeout:g} s")
@@ -111,7 +119,12 @@ class Calls:
         if mode == "remote":
             return self._remote(rref._owner, method, rref, method, body, what, timeout)
         fut = self._method_request(rref, method, body, what, self.timeout_of(timeout))
-        return fut.wait() if mode == "rpc_sync" else fut
+        if mode != "rpc_sync":
+            return fut
+        try:
+            return fut.wait()
+        finally:
+            fut = body = None  # not kept alive by the traceback of a failed call
 
 
 class _Failed:

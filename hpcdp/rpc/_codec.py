@@ -10,8 +10,14 @@ scalars of ``hpcdp``'s dtypes (cupy arrays are staged to host and arrive as nump
 dataclasses registered with ``@rpc.register``. Anything else is a ``TypeError`` on the sender.
 
 The decoder trusts nothing: dtypes come from a fixed table, a class to build must be a
-registered dataclass, shapes must match their buffer exactly, every buffer is used once, and
-depth, element count and sizes are capped (``Limits``) before anything is allocated.
+registered dataclass, shapes must match their buffer exactly (and never describe more than a
+message may hold, even with no elements), bool bytes must be 0 or 1, every buffer is used
+once, and depth, element count and sizes are capped (``Limits``) before anything is allocated:
+msgpack reserves room for each array from its announced length (up to 80 KiB a header), so a
+body of nested headers announcing what never comes could reserve thousands of times its size:
+a C-speed pass over the body (``skip``, which reserves nothing) first proves every announced
+item is there. When a
+value fails to decode, the RRefs in it are still taken in (``salvage``) so their owners can free.
 """
 from __future__ import annotations
 
@@ -95,9 +101,9 @@ class Encoded:
     """An encoded value: the body and the buffers that follow it."""
 
     body: bytes
-    buffers: list[memoryview]
+    buffers: Sequence[memoryview]
     #: what encoding RRefs produced (forks to register once the message is sure to go)
-    rrefs: list[Any]
+    rrefs: Sequence[Any]
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +215,11 @@ def encode(obj: Any, limits: Limits, rref_hook: Callable[[Any], tuple[list, Any]
     ``rref_hook(rref)`` returns the wire form of an RRef and what the agent must record once
     the message goes (the RRef is forked for the receiver).
     """
+    if obj is None:
+        return _NONE
+    if type(obj) is tuple and len(obj) == 2 and type(obj[0]) is tuple and not obj[0] and \
+            type(obj[1]) is dict and not obj[1]:
+        return _NO_ARGS  # a call without arguments
     e = _Encoder(limits, rref_hook)
     body = _packer().pack(e.enc(obj, 0))
     if len(body) > limits.max_body_bytes:
@@ -220,6 +231,13 @@ def encode(obj: Any, limits: Limits, rref_hook: Callable[[Any], tuple[list, Any]
             raise ValueError(f"message of {total} bytes exceeds Limits.max_message_bytes "
                              f"({limits.max_message_bytes})")
     return Encoded(body, e.buffers, e.rrefs)
+
+
+_BOOL = np.dtype(np.bool_)
+_SMALL_BODY = 1024  # msgpack reserves at most 80 KiB per array header; a body this short
+#                     cannot nest enough of them to matter, so it skips the pre-check
+_NONE = Encoded(msgpack.packb(None), (), ())
+_NO_ARGS = Encoded(msgpack.packb([TUPLE, [TUPLE], [DICT]]), (), ())
 
 
 def _tname(t: type) -> str:
@@ -240,7 +258,7 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 class _Decoder:
-    __slots__ = ("limits", "buffers", "hook", "used", "count", "seen")
+    __slots__ = ("limits", "buffers", "hook", "used", "count", "seen", "rrefs_seen")
 
     def __init__(self, limits: Limits, buffers: Sequence[Any],
                  hook: Callable[[list], Any] | None) -> None:
@@ -248,6 +266,25 @@ class _Decoder:
         self.used = [False] * len(buffers)
         self.count = 0
         self.seen = 0
+        self.rrefs_seen: set[int] = set()
+
+    def salvage(self, tree: Any) -> None:
+        """After a failure: take in (and drop) every RRef the value holds that ``dec`` did not
+        reach, so that each one's fork is confirmed and deleted as usual."""
+        stack, n = [tree], 0
+        while stack and n < 2 * self.limits.max_elements:
+            x = stack.pop()
+            n += 1
+            if type(x) is not list or not x:
+                continue
+            if type(x[0]) is int and x[0] == RREF and id(x) not in self.rrefs_seen:
+                self.rrefs_seen.add(id(x))
+                try:
+                    self.hook(x[1:])
+                except Exception:  # noqa: BLE001 - a malformed one is simply not an RRef
+                    pass
+                continue
+            stack.extend(v for v in x if type(v) is list)
 
     def count_list(self, lst: list) -> list:
         # msgpack calls this as each array completes, so a flood of items stops early
@@ -296,7 +333,7 @@ class _Decoder:
             return complex(x[1], x[2])
         if tag == NPSCALAR and n == 2 and type(x[1]) is str and type(x[2]) is bytes:
             dt = _DTYPES.get(x[1])
-            if dt is None or len(x[2]) != dt.itemsize:
+            if dt is None or len(x[2]) != dt.itemsize or (dt == _BOOL and x[2][0] > 1):
                 raise ProtocolError(f"bad numpy scalar ({x[1][:40]!r}, {len(x[2])} bytes)")
             return np.frombuffer(x[2], dt)[0]
         if tag == BIGINT and n == 1 and type(x[1]) is bytes and len(x[1]) <= MAX_BIGINT_BYTES:
@@ -306,6 +343,7 @@ class _Decoder:
         if tag == RREF:
             if self.hook is None:
                 raise ProtocolError("an RRef cannot appear here")
+            self.rrefs_seen.add(id(x))
             return self.hook(x[1:])
         raise ProtocolError(f"unknown or malformed value tag {tag} in message body")
 
@@ -322,11 +360,19 @@ class _Decoder:
         if not 0 <= i < len(self.buffers) or self.used[i]:
             raise ProtocolError(f"array refers to buffer {i} (missing or used twice)")
         buf = self.buffers[i]
+        # with a zero in the shape the product says nothing: the other sides still must not
+        # describe more than a message may hold (numpy refuses, or allocates for, huge ones)
+        if math.prod(s for s in shape if s) * dt.itemsize > self.limits.max_message_bytes:
+            raise ProtocolError(f"array of shape {tuple(shape)[:8]} is larger than any "
+                                "message may be")
         if math.prod(shape) * dt.itemsize != len(buf):
             raise ProtocolError(f"array of shape {tuple(shape)} {dt} does not match its "
                                 f"{len(buf)}-byte buffer")
+        a = np.frombuffer(buf, dt)
+        if dt == _BOOL and a.size and a.view(np.uint8).max() > 1:
+            raise ProtocolError("bool array with bytes other than 0 and 1")
         self.used[i] = True
-        return np.frombuffer(buf, dt).reshape(shape)
+        return a.reshape(shape)
 
     def dataclass(self, x: list, d: int) -> Any:
         entry = _registry.lookup(x[1])
@@ -356,11 +402,18 @@ def decode(body: Any, buffers: Sequence[Any], limits: Limits,
                             f"{limits.max_body_bytes}")
     if len(buffers) > limits.max_buffers:
         raise ProtocolError(f"{len(buffers)} arrays exceed the limit of {limits.max_buffers}")
+    nb = len(body)
+    if nb == 1 and not buffers and body[0] == 0xC0:
+        return None
+    if nb == len(_NO_ARGS.body) and not buffers and body == _NO_ARGS.body:
+        return ((), {})
     d = _Decoder(limits, buffers, rref_hook)
     try:
+        if nb > _SMALL_BODY:
+            _check_lengths(body)
         tree = msgpack.unpackb(body, use_list=True, raw=False, strict_map_key=True,
                                list_hook=d.count_list, ext_hook=_reject_ext, max_map_len=0,
-                               max_array_len=limits.max_elements + 2, max_ext_len=0)
+                               max_array_len=min(limits.max_elements + 2, nb), max_ext_len=0)
     except ProtocolError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -374,7 +427,24 @@ def decode(body: Any, buffers: Sequence[Any], limits: Limits,
             if key in text:
                 raise ProtocolError(f"message body has {why}") from None
         raise ProtocolError(f"malformed message body ({type(exc).__name__}: {exc})") from None
-    value = d.dec(tree, 0)
-    if not all(d.used):
-        raise ProtocolError(f"{d.used.count(False)} array buffer(s) not referenced by the body")
+    try:
+        value = d.dec(tree, 0)
+        if not all(d.used):
+            raise ProtocolError(f"{d.used.count(False)} array buffer(s) not referenced by the "
+                                "body")
+    except BaseException:
+        if rref_hook is not None:
+            d.salvage(tree)
+        raise
     return value
+
+
+def _check_lengths(body: Any) -> None:
+    """Walk the body once in C without building anything (``Unpacker.skip`` allocates nothing
+    for an array header): it succeeds only if every announced array length is really there,
+    so building the value afterwards preallocates no more than the body holds."""
+    u = msgpack.Unpacker(None, max_buffer_size=len(body), max_map_len=0, max_ext_len=0)
+    u.feed(body)
+    u.skip()
+    if u.tell() != len(body):
+        raise ProtocolError(f"message body has {len(body) - u.tell()} bytes after its value")

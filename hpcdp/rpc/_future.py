@@ -13,10 +13,14 @@ import time
 from typing import Any, Callable
 
 from ..errors import CommTimeoutError
+from ._duty import before_blocking
 
 __all__ = ["Future", "callbacks_idle"]
 
 _PENDING = object()
+#: at most this long a waiting thread reads its reply itself; then the transport's own
+#: threads deliver it (a long wait should not keep them from serving requests)
+DIRECT_BUDGET = 0.02
 
 
 class _CallbackRunner:
@@ -61,7 +65,7 @@ class Future:
     """A value that arrives later: ``wait()``, ``done()``, ``then(cb)``, ``value()``."""
 
     __slots__ = ("_gate", "_value", "_error", "_callbacks", "_internal", "what", "_context",
-                 "_progress")
+                 "_direct", "_deadline", "_mid")
 
     def __init__(self, what: str = "rpc", context: Any = None) -> None:
         # held until the outcome is in: waiters block on it, then pass it on
@@ -73,7 +77,13 @@ class Future:
         self._internal: list[Callable[["Future"], Any]] | None = None
         self.what = what
         self._context = context  # the agent whose calls user callbacks may make
-        self._progress: Any = None  # a polled transport: the waiting thread polls it
+        #: ``direct(fut, until)``: make the transport's progress on the waiting thread (our
+        #: reply is then read here, with no hand-off) until the future completes or ``until``
+        self._direct: Callable[["Future", float], None] | None = None
+        #: the call's deadline (monotonic) and id: a waiter expires the call itself at the
+        #: deadline, so a timeout fires even while the agent's timer thread is held up
+        self._deadline: float | None = None
+        self._mid = 0
 
     def done(self) -> bool:
         """Whether the result (or error) is in."""
@@ -87,14 +97,14 @@ class Future:
                 running out raises ``CommTimeoutError`` and leaves the call running.
         """
         if self._value is _PENDING:
-            if self._progress is not None:
-                self._wait_polling(timeout)
-            elif not self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                self._timed_out(timeout)
-            else:
-                self._gate.release()  # the next waiter passes too
+            self._block(timeout)
         if self._error is not None:
-            raise self._error
+            try:
+                raise self._error
+            finally:
+                # the traceback will hold this frame: it must not hold the future (whose
+                # error holds the traceback), or the call's arguments live until a GC cycle
+                self = None  # noqa: PLW0642
         return self._value
 
     result = wait
@@ -103,35 +113,44 @@ class Future:
         raise CommTimeoutError(f"{self.what}: not complete after waiting {timeout:g} s (the "
                                "call goes on)")
 
-    def _wait_polling(self, timeout: float | None) -> None:
-        """Make the transport's progress ourselves while waiting (our reply is then delivered
-        on this thread, with no handoff); if another thread holds the progress token, block
-        on the gate briefly instead."""
-        from ._pool import idle_pause
-
-        progress = self._progress
+    def _block(self, timeout: float | None) -> None:
+        before_blocking()  # a serving duty this thread holds goes to another thread first
         now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        last = now
-        progress.waiting(1)
-        try:
-            while self._value is _PENDING:
-                busy = progress.poll()
-                if self._value is not _PENDING:
-                    break
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    self._timed_out(timeout)
-                if busy:
-                    last = now
-                elif busy is None or now - last > 0.05:  # someone else polls / a long wait
-                    if self._gate.acquire(timeout=1e-3):
-                        self._gate.release()
-                        break
-                else:
-                    idle_pause(now - last)
-        finally:
-            progress.waiting(-1)
+        until = None if timeout is None else now + max(0.0, timeout)
+        deadline = self._deadline
+        direct = self._direct
+        if direct is not None:
+            stop = now + DIRECT_BUDGET
+            if until is not None and until < stop:
+                stop = until
+            if deadline is not None and deadline < stop:
+                stop = deadline
+            direct(self, stop)
+        while self._value is _PENDING:
+            limit = until
+            if deadline is not None and (limit is None or deadline < limit):
+                limit = deadline
+            left = -1 if limit is None else max(0.0, limit - time.monotonic())
+            if self._gate.acquire(timeout=left):
+                self._gate.release()  # the next waiter passes too
+                return
+            if self._value is not _PENDING:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                if self._context is not None:
+                    self._context.expire_call(self._mid)  # fails this future, unless whoever
+                deadline = None  # took the call off the books is completing it right now
+                continue
+            if until is not None and now >= until:
+                self._timed_out(timeout)
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the outcome (a polling transport's pause); True if in."""
+        if self._gate.acquire(timeout=seconds):
+            self._gate.release()
+            return True
+        return self._value is not _PENDING
 
     def value(self) -> Any:
         """The result of a completed future (raises its error; ``ValueError`` if not done)."""

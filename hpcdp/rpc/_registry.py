@@ -74,15 +74,15 @@ def _same_definition(a: Any, b: Any) -> bool:
 
 
 def lookup(name: str) -> Entry | None:
-    with _lock:
-        return _by_name.get(name)
+    return _by_name.get(name)  # one dict read: atomic, no lock on a call's path
 
 
 def name_of(obj: Any) -> str | None:
     """The registered name of ``obj`` (the very object), or None."""
-    with _lock:
-        key = _by_obj.get(id(obj))
-        if key is not None and _by_name[key].obj is obj:
+    key = _by_obj.get(id(obj))
+    if key is not None:
+        entry = _by_name.get(key)
+        if entry is not None and entry.obj is obj:
             return key
     return None
 

@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CommTimeoutError, HpcdpError, ProtocolError
+from ._duty import before_blocking
 
 __all__ = ["RRef", "RRefManager", "OwnerRecord"]
 
@@ -240,8 +241,10 @@ class RRefManager:
         for w in waiters:
             w(rec)
 
-    def when_ready(self, src: int, rid_w: Any, fn: Callable[[OwnerRecord], None]) -> None:
-        """Run ``fn(record)`` once the value of ``rid`` is computed; checks ``src`` may use it."""
+    def when_ready(self, src: int, rid_w: Any, fn: Callable[[OwnerRecord], None]
+                   ) -> OwnerRecord | None:
+        """The record of ``rid`` if its value is computed, else None and ``fn(record)`` runs
+        once it is; checks that ``src`` may use it."""
         rid = _id(rid_w)
         with self.lock:
             rec = self._record(rid, src, create=True)
@@ -249,8 +252,13 @@ class RRefManager:
                 raise ProtocolError(f"rank {src} holds no reference to RRef {rid}")
             if rec.state in ("pending", "placeholder"):
                 rec.waiters.append(fn)
-                return
-        fn(rec)
+                return None
+        return rec
+
+    @staticmethod
+    def check_id(x: Any) -> None:
+        """``ProtocolError`` unless ``x`` is a well-formed RRef or fork id."""
+        _id(x)
 
     def local_value(self, rid: Id, timeout: float | None, op: str) -> Any:
         with self.lock:
@@ -263,6 +271,8 @@ class RRefManager:
                 pending = rec.state in ("pending", "placeholder")
                 if pending:
                     rec.waiters.append(lambda r: done.set())
+            if pending:
+                before_blocking()
             if pending and not done.wait(self.agent.timeout_of(timeout)):
                 raise CommTimeoutError(f"RRef.{op} on rank {self.rank}: the value of RRef {rid} "
                                        f"was not computed within {self.agent.timeout_of(timeout):g} s")

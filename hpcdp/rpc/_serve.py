@@ -1,11 +1,14 @@
 """Serving requests: registered functions, RRef creation, method calls on RRefs, fetches.
 
 A handler runs on a transport thread and must not block or send: it checks the request, records
-RRef state, and queues the work on the pool (callee code) or the control thread (small replies).
-A malformed request raises ``ProtocolError``; the agent answers it with an error and serves on.
+RRef state, and either returns the callee as a task for a serving thread to run inline
+(``_duty``) or queues it on the pool; small replies go to the control thread. A malformed
+request raises ``ProtocolError``; the agent answers it with an error and serves on. Arguments
+are decoded before anything else can fail, so RRefs in them are always taken in (and let go).
 """
 from __future__ import annotations
 
+import inspect
 import traceback
 from typing import Any, Callable
 
@@ -23,22 +26,28 @@ class Serving:
     """Mixin of ``Agent``: the request handlers."""
 
     def args_of(self, src: int, frame: Frame) -> tuple[tuple, dict]:
-        value = decode(frame.body, frame.buffers, self.limits, self.rrefs.decode_hook(src))
+        value = decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
         if type(value) is not tuple or len(value) != 2 or type(value[0]) is not tuple or \
                 type(value[1]) is not dict or any(type(k) is not str for k in value[1]):
             raise ProtocolError("malformed arguments (expected (tuple, dict of str))")
         return value
 
-    def submit(self, src: int, mid: int, task: Callable[[], None], *, force: bool = False) -> None:
+    def submit(self, src: int, mid: int, task: Callable[[], None], *, force: bool = False,
+               frame: Frame | None = None) -> None:
         if not self.pool.submit(task, force=force):
+            if frame is not None:
+                self.discard(src, frame)
             self.control(lambda: self.reply_error(src, mid, HpcdpError(
                 f"{self.names[self.rank]} (rank {self.rank}) is overloaded or shutting down: "
                 f"its RPC queue is full"), ""))
 
-    def _on_call(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_call(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 3 or type(fields[2]) is not str:
             raise ProtocolError("malformed CALL")
-        self.submit(src, mid, lambda: self._serve(src, mid, frame, lambda: self.target(fields[2])))
+        name = fields[2]
+        return self.inline_or_pool(
+            src, mid, lambda: self._serve(src, mid, frame, lambda: self.target(name)), name,
+            may_inline, frame=frame)
 
     def target(self, name: str) -> Callable[..., Any]:
         entry = _registry.lookup(name)
@@ -49,18 +58,20 @@ class Serving:
 
     def _serve(self, src: int, mid: int, frame: Frame, get: Callable[[], Callable]) -> None:
         try:
+            args, kwargs = self.args_of(src, frame)  # first: RRefs in them are taken in
             fn = get()
-            args, kwargs = self.args_of(src, frame)
             result = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - goes back to the caller
             self.reply_error(src, mid, exc)
             return
         self.reply(src, mid, result)
 
-    def _on_remote(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_remote(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 7 or type(fields[2]) is not str or \
                 (fields[5] is not None and type(fields[6]) is not str):
             raise ProtocolError("malformed REMOTE")
+        if fields[5] is not None:
+            self.rrefs.check_id(fields[5])  # before anything is recorded for it
         rec = self.rrefs.remote_created(src, fields[3], fields[4])
         self.control(lambda: self.reply(src, mid, None))
         self.compute_into(rec, src, fields[2], fields[5], fields[6],
@@ -72,8 +83,8 @@ class Serving:
 
         def compute(get: Callable[[], Callable]) -> None:
             try:
+                a, kw = args()  # first: RRefs in them are taken in
                 fn = get()
-                a, kw = args()
                 value, err = fn(*a, **kw), None
             except BaseException as exc:  # noqa: BLE001 - kept for to_here()
                 value = None
@@ -88,9 +99,14 @@ class Serving:
 
         if target is None:
             start(lambda: self.target(name))
-        else:
-            self.rrefs.when_ready(src, target, lambda trec: start(
-                lambda: self.bound_method(trec, str(method))))
+            return
+
+        def start_method(trec: Any) -> None:
+            start(lambda: self.bound_method(trec, str(method)))
+
+        trec = self.rrefs.when_ready(src, target, start_method)
+        if trec is not None:
+            start_method(trec)
 
     def bound_method(self, rec: Any, method: str) -> Callable[..., Any]:
         if rec.error is not None:
@@ -101,20 +117,37 @@ class Serving:
             raise PermissionError(f"{self.names[self.rank]}: method {method[:200]!r} of "
                                   f"{cls.__qualname__} cannot be called remotely (only public "
                                   "methods of @rpc.register-ed classes can)")
-        fn = getattr(cls, method, None)
-        if not callable(fn) or isinstance(getattr(cls, method, None), (staticmethod, property)):
+        # the class's own definition, never the instance's attributes or __getattr__: a peer
+        # can call what the class declares, not a callable the object happens to hold
+        if method in getattr(value, "__dict__", ()):
+            raise PermissionError(f"{self.names[self.rank]}: an attribute of the "
+                                  f"{cls.__qualname__} object shadows its method "
+                                  f"{method[:200]!r}; refusing to call either")
+        try:
+            raw = inspect.getattr_static(cls, method)
+        except AttributeError:
+            raw = None
+        if not (isinstance(raw, (staticmethod, classmethod)) or callable(raw)):
             raise AttributeError(f"{cls.__qualname__} has no method {method[:200]!r}")
-        return getattr(value, method)
+        get = getattr(type(raw), "__get__", None)  # functions and other method descriptors
+        return get(raw, value, cls) if get is not None else raw
 
-    def _on_rcall(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+    def _on_rcall(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 4 or type(fields[3]) is not str:
             raise ProtocolError("malformed RCALL")
         method = fields[3]
-        self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
-            src, mid, lambda: self._serve(src, mid, frame, lambda: self.bound_method(rec, method)),
-            force=True))
 
-    def _on_fetch(self, src: int, mid: int, fields: list, frame: Frame) -> None:
+        def job(rec: Any) -> Callable[[], None]:
+            return lambda: self._serve(src, mid, frame, lambda: self.bound_method(rec, method))
+
+        rec = self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+            src, mid, job(rec), force=True, frame=frame))
+        if rec is None:
+            return None  # runs once the value is computed
+        return self.inline_or_pool(src, mid, job(rec), (type(rec.value), method), may_inline,
+                                   force=True, frame=frame)
+
+    def _on_fetch(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 3:
             raise ProtocolError("malformed FETCH")
 
@@ -125,5 +158,9 @@ class Serving:
             else:
                 self.reply(src, mid, rec.value)
 
-        self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+        rec = self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
             src, mid, lambda: answer(rec), force=True))
+        if rec is None:
+            return None
+        return self.inline_or_pool(src, mid, lambda: answer(rec), "RRef.to_here", may_inline,
+                                   force=True)

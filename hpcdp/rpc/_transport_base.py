@@ -4,15 +4,22 @@ Contract (one transport per agent, over the ranks of one process group):
 
 1. ``__init__`` is collective over the group (all ranks, same order); it builds the channel but
    delivers nothing until ``start``.
-2. ``send(dst, env, body, buffers)`` may be called from any thread, never blocks on the peer's
+2. ``send(dst, env, body, buffers)`` may be called from any thread, never waits for the peer's
    agent (a peer's transport always reads), and keeps each message whole and in order per
    (sender, receiver). It raises ``PeerFailureError`` when ``dst`` is known to be gone. Arrays
    are sent from the given views (zero-copy where the transport can); the caller must not
-   change them until the call's reply arrives.
-3. ``deliver(src, frame)`` is called on a transport thread, in order per source; it must not
-   block. Frames over this rank's ``Limits`` arrive with ``refused`` set and no payload.
+   change them until the call's reply arrives. A send that would block first calls
+   ``_duty.before_blocking`` (a serving thread must not block holding its duty).
+3. ``deliver(src, frame, may_inline)`` is called in order per source and must not block. A
+   thread that holds a serving duty passes ``may_inline=True`` and may get back a ``Lent``
+   task: it runs it (``Lent.run(handoff)``) with no lock held once the frame is consumed, and
+   ``handoff()`` must give the duty to another thread. Frames over this rank's ``Limits``
+   arrive with ``refused`` set and no payload.
 4. ``lost(src, why, graceful)`` is called once per peer that disconnects (graceful: it said BYE).
-5. ``close(graceful, timeout)``: graceful flushes what was sent and says BYE; otherwise drops all.
+5. ``direct(dst)``: None, or ``fn(future, until)`` that makes progress on the calling thread
+   while it waits for a reply from ``dst`` (so the reply needs no hand-off), returning when the
+   future completes, at ``until`` (monotonic), or when it cannot help (another thread reads).
+6. ``close(graceful, timeout)``: graceful flushes what was sent and says BYE; otherwise drops all.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from ._wire import Frame
 
 __all__ = ["Transport", "Deliver", "Lost", "exchange_bytes", "BYE"]
 
-Deliver = Callable[[int, Frame], None]
+Deliver = Callable[[int, Frame, bool], Any]
 Lost = Callable[[int, str, bool], None]
 
 #: envelope kind of the transport-level goodbye (the agent never sees it)
@@ -45,6 +52,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview]) -> None: ...
+
+    def direct(self, dst: int) -> Callable[[Any, float], None] | None:
+        return None
 
     @abc.abstractmethod
     def close(self, graceful: bool, timeout: float) -> None: ...

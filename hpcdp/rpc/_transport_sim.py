@@ -6,6 +6,7 @@ down gracefully leaves the hub first, so its later exit is not a failure.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
@@ -50,11 +51,25 @@ class SimTransport(Transport):
         with self.hub.lock:
             self.hub.left.discard(self.rank)
             self.hub.members[self.rank] = self
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"hpcdp-rpc-sim{self.rank}")
+        self.gen = 0  # which dispatcher serves the inbox (a new one after a hand-off)
+        self._glock = threading.Lock()
+        self.thread = self._dispatcher()
+
+    def _dispatcher(self) -> threading.Thread:
+        return threading.Thread(target=self._run, args=(self.gen,), daemon=True,
+                                name=f"hpcdp-rpc-sim{self.rank}.{self.gen}")
 
     def start(self) -> None:
         self.thread.start()
+
+    def _replace(self, gen: int) -> None:
+        """Hand the inbox to a new dispatcher (this one's inline callee runs long)."""
+        with self._glock:
+            if self.gen != gen or self.closed:
+                return
+            self.gen += 1
+            t = self.thread = self._dispatcher()
+        t.start()
 
     def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview]) -> None:
         if self.closed:
@@ -71,8 +86,10 @@ class SimTransport(Transport):
         frame = Frame(bytes(env), bytes(body), [np.frombuffer(b, np.uint8).copy() for b in buffers])
         peer.inbox.put((self.rank, frame))
 
-    def _run(self) -> None:
-        while True:
+    def _run(self, gen: int) -> None:
+        """The dispatcher (the inbox's serving duty): delivers in order, runs short callees."""
+        handoff = functools.partial(self._replace, gen)
+        while self.gen == gen:
             try:
                 item = self.inbox.get(timeout=_TICK)
             except queue.Empty:
@@ -87,7 +104,9 @@ class SimTransport(Transport):
                                  self.limits)
             if reason is not None:
                 frame = Frame(frame.env if len(frame.env) <= 4096 else None, None, [], reason)
-            self.deliver(src, frame)
+            task = self.deliver(src, frame, True)
+            if task is not None:
+                task.run(handoff)
 
     def _check_peers(self) -> None:
         dead = self.world.dead
@@ -116,5 +135,6 @@ class SimTransport(Transport):
         for p in peers:
             p.inbox.put(None)  # wake them: they look at the hub on their next tick
         self.inbox.put(None)
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+        t = self.thread
+        if threading.current_thread() is not t:
+            t.join(timeout)

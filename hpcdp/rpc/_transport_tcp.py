@@ -1,34 +1,43 @@
-"""TCP ranks: RPC's own full mesh of authenticated connections, one reader thread per peer.
+"""TCP ranks: RPC's own full mesh of authenticated connections.
 
 Built collectively after the TCP world exists: each rank listens (the same HMAC gate as the
 world's listener, ``_tcp_accept.AuthListener``, for a role of its own so a handshake cannot be
 replayed across roles), publishes ``host:port`` through the group, connects to every higher
-rank and accepts every lower one. Senders write whole frames with ``sendmsg`` straight from the
-array buffers (zero-copy) under a per-peer lock; a peer that stops reading for ``send_timeout``
-seconds is failed instead of blocking the sender forever. Readers allocate only what the prefix
-announced and the limits allow; an over-limit frame is drained in fixed chunks.
+rank and accepts every lower one.
+
+Sending: a frame's small parts go out as one buffer and its arrays straight from their memory
+(``sendmsg``, zero-copy), under a per-peer lock, first without blocking; a send that would block
+hands a serving duty off first (``_duty``), and a peer that stops reading for ``send_timeout``
+seconds is failed instead of blocking the sender forever.
+
+Reading (``_stream.FrameReader``, resumable at any byte) is done by whichever thread holds the
+peer's read token: a caller waiting for a reply from that peer reads the socket itself (its
+reply then needs no hand-off between threads), otherwise the peer's background reader, which
+stays parked while a caller reads and for a short linger after (so a ping-pong does not wake
+it). The background reader holds the peer's serving duty: it runs short callees itself and,
+when one runs long or blocks, a new reader thread takes over the socket.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import select
 import socket
 import struct
 import threading
 import time
-from typing import Any, Sequence
-
-import numpy as np
+from typing import Any, Callable, Sequence
 
 from ..backends import _tcp_wire as tcpwire
 from ..backends._tcp_accept import AuthListener, connect
 from ..backends.tcp import bind_address
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError
 from ._codec import Limits
+from ._duty import before_blocking
+from ._stream import FrameReader
 from ._transport_base import BYE, Deliver, Lost, Transport, exchange_bytes
-from ._wire import (
-    MAX_ENVELOPE, PREFIX, Frame, check_sizes, pack_envelope, pack_prefix, parse_prefix,
-)
+from ._wire import pack_envelope, pack_prefix
 
 __all__ = ["TCPTransport", "ROLE_RPC"]
 
@@ -37,25 +46,40 @@ LOG = logging.getLogger("hpcdp.rpc")
 #: handshake role of RPC connections (the store is 1, the world's mesh 2)
 ROLE_RPC = 3
 _IOV = 512
-_DRAIN = 1 << 20
+#: frame parts up to this size are joined into one buffer (one copy, one iovec)
+_JOIN = 64 << 10
+#: after a caller's read the background reader stays parked this long unless kicked
+LINGER = 0.002
 _BYE_ENV = pack_envelope([BYE, 0])
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    tcpwire.recv_into_exact(sock, memoryview(buf))
-    return buf
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
+_POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
+_monotonic = time.monotonic
 
 
 class _Peer:
-    __slots__ = ("rank", "sock", "lock", "thread", "said_bye", "dead")
+    __slots__ = ("rank", "sock", "wlock", "rlock", "reader", "bgcv", "gen", "thread", "parked",
+                 "linger_until", "said_bye", "dead", "stopped", "bg_poll", "direct_poll",
+                 "direct")
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, rank: int, sock: socket.socket, limits: Limits) -> None:
         self.rank, self.sock = rank, sock
-        self.lock = threading.Lock()
+        self.wlock = threading.Lock()
+        self.rlock = threading.Lock()  # the read token: whoever holds it advances ``reader``
+        self.reader = FrameReader(limits)
+        self.bgcv = threading.Condition()
+        self.gen = 0  # which background reader serves the peer (a new one after a hand-off)
         self.thread: threading.Thread | None = None
+        self.parked = False
+        self.linger_until = 0.0
         self.said_bye = False
         self.dead: str | None = None
+        self.stopped = False
+        # one poll object per role: a poll object must not be used by two threads at once
+        self.bg_poll = select.poll()
+        self.bg_poll.register(sock, _POLLIN)
+        self.direct_poll = select.poll()
+        self.direct_poll.register(sock, _POLLIN)
+        self.direct: Callable[[Any, float], None] | None = None
 
 
 class TCPTransport(Transport):
@@ -116,21 +140,30 @@ class TCPTransport(Transport):
 
     def _add(self, rank: int, sock: socket.socket) -> None:
         tcpwire.set_nodelay(sock)
+        sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", int(self.send_timeout),
                                     int((self.send_timeout % 1) * 1e6)))
-        peer = _Peer(rank, sock)
-        peer.thread = threading.Thread(target=self._read, args=(peer,), daemon=True,
-                                       name=f"hpcdp-rpc-tcp{self.rank}<-{rank}")
+        peer = _Peer(rank, sock, self.limits)
+        peer.direct = functools.partial(self._direct_wait, peer)
+        peer.thread = self._reader_thread(peer)
         self.peers[rank] = peer
         if self.started:
             peer.thread.start()
+
+    def _reader_thread(self, peer: _Peer) -> threading.Thread:
+        return threading.Thread(target=self._serve, args=(peer, peer.gen), daemon=True,
+                                name=f"hpcdp-rpc-tcp{self.rank}<-{peer.rank}.{peer.gen}")
 
     def start(self) -> None:
         with self._cv:
             self.started = True
             for p in self.peers.values():
                 p.thread.start()
+
+    def direct(self, dst: int) -> Callable[[Any, float], None] | None:
+        peer = self.peers.get(dst)
+        return None if peer is None else peer.direct
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview]) -> None:
@@ -139,16 +172,18 @@ class TCPTransport(Transport):
             why = peer.dead if peer is not None else "not connected"
             raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: {why}",
                                    peers=[dst])
-        lens = [b.nbytes for b in buffers]
-        parts: list[memoryview] = [memoryview(pack_prefix(env, body, lens)), memoryview(env),
-                                   memoryview(body)]
+        prefix = pack_prefix(env, body, [b.nbytes for b in buffers])
+        if len(body) <= _JOIN:
+            parts: list[Any] = [prefix + env + body]
+        else:
+            parts = [prefix + env, memoryview(body)]
         parts.extend(b for b in buffers if b.nbytes)
-        with peer.lock:
+        with peer.wlock:
             if peer.dead is not None:
                 raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: "
                                        f"{peer.dead}", peers=[dst])
             try:
-                _sendmsg_all(peer.sock, parts)
+                _send_parts(peer.sock, parts)
             except OSError as exc:
                 why = ("it stopped reading for "
                        f"{self.send_timeout:g} s" if isinstance(exc, BlockingIOError) else
@@ -165,56 +200,137 @@ class TCPTransport(Transport):
             except OSError:
                 pass
 
-    # -- receiving -------------------------------------------------------------------------
-    def _read(self, peer: _Peer) -> None:
-        sock, limits = peer.sock, self.limits
-        why, graceful = "connection closed", False
+    # -- reading ---------------------------------------------------------------------------
+    def _frames(self, peer: _Peer, may_inline: bool, more: Callable[[], bool]) -> Any:
+        """Deliver the frames that have arrived (the caller holds ``peer.rlock``); stop at an
+        inline task (returned, to be run once the token is released) or when ``more()`` says."""
+        reader, sock = peer.reader, peer.sock
         try:
-            while True:
-                try:
-                    raw = _recv_exact(sock, PREFIX.size)
-                except ConnectionError:
-                    graceful = peer.said_bye
-                    why = "it shut down" if graceful else "connection closed by the peer"
-                    return
-                env_len, body_len, nbuf = parse_prefix(raw, limits)
-                lens = struct.unpack(f"<{nbuf}Q", _recv_exact(sock, 8 * nbuf)) if nbuf else ()
-                refused = check_sizes(env_len, body_len, lens, limits)
-                if refused is not None:
-                    env = bytes(_recv_exact(sock, env_len)) if env_len <= MAX_ENVELOPE else None
-                    if env is None:
-                        _drain(sock, env_len)
-                    _drain(sock, body_len + sum(lens))
-                    LOG.warning("hpcdp.rpc: rank %d refused a frame from rank %d: %s",
-                                self.rank, peer.rank, refused)
-                    self.deliver(peer.rank, Frame(env, None, [], refused))
+            while not peer.stopped:
+                frame = reader.next_frame()
+                if frame is None:
+                    # the background reader waits for the rest of a large part in recv()
+                    if not more() or not reader.recv(sock, may_inline):
+                        return None
                     continue
-                env = bytes(_recv_exact(sock, env_len))
-                if env == _BYE_ENV and body_len == 0 and nbuf == 0:
+                if frame.env == _BYE_ENV and frame.body == b"" and not frame.buffers:
                     peer.said_bye = True
                     continue
-                body = _recv_exact(sock, body_len)
-                bufs = []
-                for n in lens:
-                    a = np.empty(n, np.uint8)
-                    if n:
-                        tcpwire.recv_into_exact(sock, memoryview(a))
-                    bufs.append(a)
-                self.deliver(peer.rank, Frame(env, body, bufs))
-        except (OSError, HpcdpError, struct.error) as exc:
+                task = self.deliver(peer.rank, frame, may_inline)
+                if task is not None:
+                    return task
+        except Exception as exc:  # noqa: BLE001 - the stream cannot be followed any further
+            if not isinstance(exc, (OSError, HpcdpError, struct.error)):
+                LOG.exception("hpcdp.rpc: rank %d: reading from rank %d failed", self.rank,
+                              peer.rank)
+            self._ended(peer, exc)
+        return None
+
+    def _ended(self, peer: _Peer, exc: BaseException) -> None:
+        """The stream from ``peer`` ended or broke (the caller holds ``peer.rlock``)."""
+        if peer.stopped:
+            return
+        peer.stopped = True
+        graceful = isinstance(exc, ConnectionError) and peer.said_bye
+        if graceful:
+            why = "it shut down"
+        elif isinstance(exc, ConnectionError):
+            why = "connection closed by the peer"
+        else:
             why = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, ProtocolError):
                 LOG.warning("hpcdp.rpc: rank %d dropped its connection from rank %d: %s",
                             self.rank, peer.rank, exc)
+        if peer.dead is None:
+            peer.dead = why
+        try:
+            peer.sock.shutdown(socket.SHUT_RDWR)  # closed in close(): no fd reuse under a sender
+        except OSError:
+            pass
+        with peer.bgcv:
+            peer.bgcv.notify_all()
+        if not self.closing:
+            self.lost(peer.rank, why, graceful)
+
+    def _serve(self, peer: _Peer, gen: int) -> None:
+        """A peer's background reader (its serving duty): reads while no caller does."""
+        rlock, bgcv, poll = peer.rlock, peer.bgcv, peer.bg_poll.poll
+        backoff = LINGER
+        handoff = functools.partial(self._replace, peer, gen)
+
+        def more() -> bool:
+            return peer.gen == gen and peer.linger_until <= _monotonic()
+
+        try:
+            while not peer.stopped and peer.gen == gen:
+                with bgcv:
+                    left = peer.linger_until - _monotonic()
+                    if left > 0 or rlock.locked():
+                        # a caller reads (or just did): stay out of its way, waking rarely
+                        peer.parked = True
+                        bgcv.wait(max(left, backoff))
+                        peer.parked = False
+                        backoff = min(2 * backoff, 0.01)
+                        continue
+                backoff = LINGER
+                if not peer.reader.buffered() and not poll(200):
+                    continue
+                if not rlock.acquire(False):
+                    continue
+                try:
+                    task = self._frames(peer, True, more)
+                finally:
+                    rlock.release()
+                if task is not None:
+                    task.run(handoff)
+        except Exception:  # noqa: BLE001 - a bug must not end the reading silently
+            LOG.exception("hpcdp.rpc: rank %d: reader of rank %d failed", self.rank, peer.rank)
+
+    def _replace(self, peer: _Peer, gen: int) -> None:
+        """Hand the serving duty to a new reader thread (this one's callee runs long)."""
+        with peer.bgcv:
+            if peer.gen != gen or peer.stopped or self.closing:
+                return
+            peer.gen += 1
+            t = peer.thread = self._reader_thread(peer)
+        t.start()
+
+    def _kick(self, peer: _Peer) -> None:
+        with peer.bgcv:
+            peer.linger_until = 0.0
+            if peer.parked:
+                peer.bgcv.notify_all()
+
+    def _direct_wait(self, peer: _Peer, fut: Any, until: float) -> None:
+        """Read ``peer``'s socket on this thread until ``fut`` completes or ``until``."""
+        if peer.stopped or not peer.rlock.acquire(False):
+            return  # another thread reads: it delivers our reply
+        t0 = _monotonic()
+        poll = peer.direct_poll.poll
+
+        def more() -> bool:
+            return not fut.done()
+
+        try:
+            while not fut.done() and not peer.stopped:
+                self._frames(peer, False, more)
+                if fut.done() or peer.stopped:
+                    break
+                left = until - _monotonic()
+                if left <= 0:
+                    break
+                poll(max(1, int(left * 1000)))
         finally:
-            if peer.dead is None:
-                peer.dead = why
-            try:
-                sock.close()
-            except OSError:
-                pass
-            if not self.closing:
-                self.lost(peer.rank, why, graceful)
+            t1 = _monotonic()
+            # a long wait (not a ping-pong), or more from the peer than our reply: the
+            # background reader takes over now rather than after its linger
+            more_came = peer.reader.buffered() or bool(poll(0))
+            if more_came or t1 - t0 > LINGER:
+                peer.rlock.release()
+                self._kick(peer)
+            else:
+                peer.linger_until = t1 + LINGER
+                peer.rlock.release()
 
     # -- closing ---------------------------------------------------------------------------
     def close(self, graceful: bool, timeout: float) -> None:
@@ -227,7 +343,7 @@ class TCPTransport(Transport):
         if graceful:
             for p in peers:
                 try:
-                    with p.lock:
+                    with p.wlock:
                         if p.dead is None:
                             p.sock.sendall(pack_prefix(_BYE_ENV, b"", []) + _BYE_ENV)
                             p.sock.shutdown(socket.SHUT_WR)  # the peer reads to our EOF
@@ -235,40 +351,50 @@ class TCPTransport(Transport):
                     pass
             deadline = time.monotonic() + timeout
             for p in peers:  # each reader ends at the peer's EOF (it closes after BYE too)
-                if p.thread is not None and p.thread.ident is not None:
-                    p.thread.join(max(0.0, deadline - time.monotonic()))
+                t = p.thread
+                if t is not None and t.ident is not None and t is not threading.current_thread():
+                    t.join(max(0.0, deadline - time.monotonic()))
         for p in peers:
+            p.stopped = True
             try:
                 p.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            with p.bgcv:
+                p.bgcv.notify_all()
+        for p in peers:
+            t = p.thread
+            if t is not None and t.ident is not None and t is not threading.current_thread():
+                t.join(0.5)  # out of poll() before its descriptor goes
             try:
                 p.sock.close()
             except OSError:
                 pass
 
 
-def _sendmsg_all(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Write every part, resuming after partial writes (at most ``_IOV`` buffers per call)."""
+def _send_parts(sock: socket.socket, parts: list[Any]) -> None:
+    """Write every part: first without blocking; if the socket is full, hand a serving duty
+    off (``before_blocking``) and go on blocking (bounded by ``SO_SNDTIMEO``)."""
+    flags = _DONTWAIT
     i = 0
     while i < len(parts):
-        n = sock.sendmsg(parts[i:i + _IOV])
+        try:
+            if flags and len(parts) - i == 1:
+                n = sock.send(parts[i], flags)
+            else:
+                n = sock.sendmsg(parts[i:i + _IOV], [], flags)
+        except (BlockingIOError, InterruptedError):
+            if not flags:
+                raise
+            n = 0
         while n and i < len(parts):
-            k = parts[i].nbytes
+            k = len(parts[i]) if isinstance(parts[i], bytes) else parts[i].nbytes
             if n >= k:
                 n -= k
                 i += 1
             else:
-                parts[i] = parts[i][n:]
+                parts[i] = memoryview(parts[i])[n:]
                 n = 0
-        while i < len(parts) and parts[i].nbytes == 0:
-            i += 1
-
-
-def _drain(sock: socket.socket, n: int) -> None:
-    scratch = memoryview(bytearray(min(n, _DRAIN) or 1))
-    while n > 0:
-        k = sock.recv_into(scratch, min(n, len(scratch)))
-        if k == 0:
-            raise ConnectionError("connection closed while draining a refused frame")
-        n -= k
+        if i < len(parts) and flags:
+            flags = 0
+            before_blocking()

@@ -21,12 +21,13 @@ from typing import Any, Sequence
 import msgpack
 
 from ..errors import ProtocolError
-from ._codec import Limits
+from ._codec import Limits, _packer
 
 __all__ = ["PREFIX", "MAX_ENVELOPE", "Frame", "pack_prefix", "parse_prefix", "check_sizes",
            "pack_envelope", "unpack_envelope"]
 
 PREFIX = struct.Struct("<2sBBIII")
+_pack, _unpack_from = PREFIX.pack, PREFIX.unpack_from
 MAGIC = b"HR"
 VERSION = 1
 #: envelopes hold ids, names and routing fields only
@@ -49,13 +50,15 @@ class Frame:
 
 
 def pack_prefix(env: bytes, body: bytes, lengths: Sequence[int]) -> bytes:
-    return PREFIX.pack(MAGIC, VERSION, 0, len(env), len(body), len(lengths)) + \
+    if not lengths:
+        return _pack(MAGIC, VERSION, 0, len(env), len(body), 0)
+    return _pack(MAGIC, VERSION, 0, len(env), len(body), len(lengths)) + \
         struct.pack(f"<{len(lengths)}Q", *lengths)
 
 
-def parse_prefix(raw: bytes | bytearray, limits: Limits) -> tuple[int, int, int]:
+def parse_prefix(raw: Any, limits: Limits, pos: int = 0) -> tuple[int, int, int]:
     """(envelope, body, buffer count); ``ProtocolError`` when the stream cannot be followed."""
-    magic, version, flags, env_len, body_len, nbuf = PREFIX.unpack(raw)
+    magic, version, flags, env_len, body_len, nbuf = _unpack_from(raw, pos)
     if magic != MAGIC or version != VERSION or flags != 0:
         raise ProtocolError(f"malformed RPC frame prefix (magic {magic!r}, version {version})")
     if nbuf > limits.max_buffers:
@@ -78,7 +81,7 @@ def check_sizes(env_len: int, body_len: int, lengths: Sequence[int], limits: Lim
 
 
 def pack_envelope(fields: Sequence[Any]) -> bytes:
-    return msgpack.packb(list(fields), use_bin_type=True)
+    return _packer().pack(fields if type(fields) is list else list(fields))
 
 
 def unpack_envelope(env: bytes | None) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Per-peer state and request objects of the TCP mesh (``_tcp_transport`` drives them).
+"""Per-peer state and request objects of the TCP mesh (``_transport`` drives them).
 
 A ``_Req`` completes by releasing a lock, so waiters sleep instead of polling; when its waiting
 thread may read the peer's socket itself, ``reader`` names the transport and peer to read from.
@@ -13,11 +13,11 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._tcp_wire import NOSIG
-from .base import Request
+from ._wire import NOSIG
+from ..base import Request
 
 if TYPE_CHECKING:
-    from ._tcp_transport import Transport
+    from ._transport import Transport
 
 _STAGE = 64 * 1024
 _POLLIN = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR
@@ -39,7 +39,7 @@ class _Req(Request):
         self.nbytes = 0 if view is None else view.nbytes
         self.desc = desc
         self.key = key
-        #: the collective call a receive belongs to (``_tcp_coll``); NOSIG outside collectives
+        #: the collective call a receive belongs to (``_coll``); NOSIG outside collectives
         self.sig = sig
         #: (transport, peer) when the waiting thread may read the peer's socket itself
         self.reader: tuple[Transport, _Peer] | None = None

@@ -9,13 +9,13 @@ Startup (``create_world``), in order, on every rank:
 2. listen on loopback (local jobs) or on the interface that routes to the master, publish
    ``host:port`` in the store;
 3. connect to every higher rank and accept every lower one, each connection authenticated;
-   the listener sheds floods like the store (``_tcp_accept``) and connects are retried;
+   the listener sheds floods like the store (``_accept``) and connects are retried;
 4. publish ``ready/<rank>`` and wait for every rank's, so no rank starts before the mesh exists
    (store keys are prefixed with the generation).
 
-Collectives run ``_algorithms`` on a per-group worker thread; ``send``/``recv`` post directly.
+Collectives run ``_algorithms`` on a per-group worker thread (``_runner.P2PBackend``); ``send``/``recv`` post directly.
 Every collective frame carries its call's signature, so ranks that call different collectives
-raise ``CollectiveMismatchError`` instead of mixing data (``_tcp_coll``).
+raise ``CollectiveMismatchError`` instead of mixing data (``_coll``).
 """
 from __future__ import annotations
 
@@ -29,17 +29,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
+from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
-from . import _algorithms as algo
-from . import _tcp_coll as coll
-from . import _tcp_wire as wire
-from ._tcp_accept import AuthListener, connect
-from ._tcp_store import StoreClient, StoreServer
-from ._tcp_transport import COLL, P2P, Transport
-from .base import Backend, Request
+from .._runner import P2PBackend, Runner
+from ..base import ANY_SOURCE, Request
+from . import _coll as coll
+from . import _wire as wire
+from ._accept import AuthListener, connect
+from ._store import StoreClient, StoreServer
+from ._transport import COLL, P2P, Transport
 
-__all__ = ["TCPBackend", "create_world", "spawn_processes", "bind_address"]
+__all__ = ["TCPBackend", "create_world", "bind_address"]
 
 DEFAULT_PORT = 29500
 #: one per ``create_world`` in this process; every rank of a job inits the same number of times
@@ -148,7 +148,7 @@ class _GroupP2P:
                              notify=True)
 
 
-class TCPBackend(algo.P2PCollectives, Backend):
+class TCPBackend(P2PBackend):
     """One group on the mesh; sub-groups share the sockets and differ by channel id."""
 
     name = "tcp"
@@ -163,7 +163,7 @@ class TCPBackend(algo.P2PCollectives, Backend):
         self.channel = channel
         self._subgroups = 0
         self._p2p = _GroupP2P(self)
-        self._runner = algo.Runner(self._p2p, f"tcp{world.transport.rank}-ch{channel}")
+        self._runner = Runner(self._p2p, f"tcp{world.transport.rank}-ch{channel}")
 
     def send(self, buf: np.ndarray, dst: int, tag: int) -> Request:
         g = self.ranks[dst]
@@ -173,6 +173,15 @@ class TCPBackend(algo.P2PCollectives, Backend):
         g = self.ranks[src]
         return self.transport.irecv(buf, g, P2P, self.channel, tag,
                                     f"no message from rank {g} with tag {tag}")
+
+    def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
+        """(source, tag, nbytes) of a message waiting for this rank, else None."""
+        srcs = self.ranks if src == ANY_SOURCE else (self.ranks[src],)
+        found = self.transport.probe(srcs, self.channel, tag)
+        if found is None:
+            return None
+        g, t, nbytes = found
+        return self.ranks.index(g), t, nbytes
 
     def new_group(self, ranks: Sequence[int]) -> "TCPBackend | None":
         # every member of this group calls new_group in the same order, so the id agrees
@@ -281,10 +290,3 @@ def create_world(*, timeout: float | None = None, connect_timeout: float | None 
     ct = connect_timeout or float(os.environ.get("HPCDP_CONNECT_TIMEOUT", "60"))
     world = _World(rank, size, master, port, secret, ct, generation=next(_GENERATIONS))
     return TCPBackend(world, tuple(range(size)), 0)
-
-
-def spawn_processes(*args: Any, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, ...)`` on local TCP ranks (see ``hpcdp.backends._tcp_spawn``)."""
-    from ._tcp_spawn import spawn_processes as impl
-
-    return impl(*args, **kwargs)

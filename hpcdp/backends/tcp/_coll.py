@@ -1,6 +1,6 @@
 """Collective signatures on the TCP wire: mismatched collectives raise instead of corrupting.
 
-Every frame of a collective carries, in the header it already has (``_tcp_wire.HEADER``), the
+Every frame of a collective carries, in the header it already has (``_wire.HEADER``), the
 signature of the call it belongs to: ``(code, dtype, seq, root, count)`` with ``code`` the
 collective and reduce op, ``seq`` the group's collective sequence number (mod 2**32) and
 ``count`` the call's element count. No extra message, no extra round trip. A rank compares it
@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._arrays import SUPPORTED_DTYPES
-from ..errors import CollectiveMismatchError, PeerFailureError
-from ._tcp_frames import COLL, MISMATCH, PROBE
-from ._tcp_peer import _Req
+from ..._arrays import SUPPORTED_DTYPES
+from ...errors import CollectiveMismatchError, PeerFailureError
+from ._frames import COLL, MISMATCH, PROBE
+from ._peer import _Req
 
 __all__ = ["make_sig", "describe", "ChannelState", "CollChecks", "PROBE_AFTER",
            "PROBE_EVERY"]

@@ -1,6 +1,6 @@
 """Reading frames off a peer's socket: the one parser every receiving thread runs.
 
-A frame is ``[HEADER][payload]`` (``_tcp_wire``); a message is one or more frames, the last
+A frame is ``[HEADER][payload]`` (``_wire``); a message is one or more frames, the last
 without the MORE flag. The parser matches a message to a posted receive when its first frame
 arrives and reads the payload straight into that buffer (zero copy), else into buffers of its
 own that the unexpected-message queue keeps. Its state lives on the ``_Peer`` (``cur``: the
@@ -8,7 +8,7 @@ message, ``fill``: the frame's payload in progress, the read-ahead stage), updat
 read, so whichever thread holds the peer's read lock can stop at any byte (a deadline, an
 exception) and any thread can resume: a peer that stalls mid-message never holds a waiter past
 its deadline, and Ctrl-C in a receive loses no byte of the stream. Collective frames carry
-their call's signature, which is compared with the receive's (``_tcp_coll``) before a byte of
+their call's signature, which is compared with the receive's (``_coll``) before a byte of
 the payload lands in the receive's buffer.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ import socket
 import time
 from typing import Any, Callable
 
-from ..errors import CollectiveMismatchError, PeerFailureError, ProtocolError
-from . import _tcp_wire as wire
-from ._tcp_peer import _STAGE, _Peer, _Req, _text
+from ...errors import CollectiveMismatchError, PeerFailureError, ProtocolError
+from . import _wire as wire
+from ._peer import _STAGE, _Peer, _Req, _text
 
 __all__ = ["P2P", "COLL", "BYE", "ABORT", "PROBE", "MISMATCH", "MORE", "RECV_TICK", "FrameReader"]
 
 #: PROBE: "I have waited on you in this collective" (header only); MISMATCH: a description of
-#: the mismatched collectives that failed a group (``_tcp_coll``)
+#: the mismatched collectives that failed a group (``_coll``)
 P2P, COLL, BYE, ABORT, PROBE, MISMATCH = 1, 2, 3, 4, 5, 6
 KINDS = frozenset({P2P, COLL, BYE, ABORT, PROBE, MISMATCH})
 #: longest MISMATCH description accepted
@@ -46,7 +46,7 @@ class FrameReader:
 
     Needs from the transport: ``cap`` (largest frame), ``lock`` guarding ``posted`` and
     ``unexpected`` (per (source, kind, channel, tag) queues of (payload, signature)),
-    ``abort_channel`` and the signature checks of ``_tcp_coll.CollChecks``.
+    ``abort_channel`` and the signature checks of ``_coll.CollChecks``.
     Every method here runs with ``peer.rlock`` held.
     """
 

@@ -5,11 +5,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from ._world import _set_thread_default
-from .errors import HpcdpError, PeerFailureError
-from .group import ProcessGroup
+from .._world import _set_thread_default
+from ..errors import HpcdpError, PeerFailureError
+from ..backends import backend_spawner, spawnable_backends
+from ..group import ProcessGroup
 
-__all__ = ["spawn"]
+__all__ = ["spawn", "spawn_threads"]
 
 
 def spawn(
@@ -29,20 +30,26 @@ def spawn(
     first root-cause exception with the failing rank noted.
 
     Args:
+        backend: any registered backend with a ``spawn`` (``hpcdp.backends.spawnable_backends()``:
+            "sim" threads here, "tcp" local processes).
         timeout: the group timeout for collectives inside ``fn``.
         join_timeout: how long to wait for all ranks to finish (default: none).
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
-    kwargs = kwargs or {}
-    if backend == "tcp":
-        from .backends.tcp import spawn_processes
+    run = backend_spawner(backend)
+    if run is None:
+        raise ValueError(f"spawn: backend must be one of {spawnable_backends()}, got {backend!r}")
+    return run(fn, world_size, args=args, kwargs=kwargs or {}, timeout=timeout,
+               join_timeout=join_timeout)
 
-        return spawn_processes(fn, world_size, args=args, kwargs=kwargs, timeout=timeout,
-                               join_timeout=join_timeout)
-    if backend != "sim":
-        raise ValueError(f"spawn: backend must be 'sim' or 'tcp', got {backend!r}")
-    from .backends.sim import SimWorld, _sim_world_factory
+
+def spawn_threads(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
+                  kwargs: dict[str, Any] | None = None, timeout: float | None = None,
+                  join_timeout: float | None = None) -> list[Any]:
+    """``spawn`` for the simulated backend: one thread per rank in this process."""
+    kwargs = kwargs or {}
+    from ..backends.sim import SimWorld, _sim_world_factory
 
     world = SimWorld(world_size)
     make = _sim_world_factory(world)
@@ -51,7 +58,7 @@ def spawn(
 
     def run(r: int) -> None:
         group = ProcessGroup(make(r), name="world", timeout=timeout)
-        _set_thread_default(group)
+        _set_thread_default(group, "sim")
         try:
             results[r] = fn(r, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported by spawn

@@ -11,8 +11,8 @@ every message). Small sends go out inline on the calling thread (latency); large
 per-peer sender thread, so ``isend`` returns at once and the caller can reduce while the bytes move.
 No frame is larger than the cap (``HPCDP_MAX_FRAME``), whatever the message size.
 Matching is per (source, kind, channel, tag), in order, so messages never overtake. The frame
-parser itself (resumable at any byte) is ``_tcp_frames.FrameReader``; the collective signature
-checks are ``_tcp_coll.CollChecks``.
+parser itself (resumable at any byte) is ``_frames.FrameReader``; the collective signature
+checks are ``_coll.CollChecks``.
 """
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import PeerFailureError, ProtocolError
-from . import _tcp_wire as wire
-from ._tcp_coll import CollChecks
-from ._tcp_frames import ABORT, BYE, COLL, MORE, P2P, RECV_TICK, FrameReader
-from ._tcp_peer import _Peer, _Req, _Sent, _text
-from .base import Request
+from ...errors import PeerFailureError, ProtocolError
+from . import _wire as wire
+from ._coll import CollChecks
+from ._frames import ABORT, BYE, COLL, MORE, P2P, RECV_TICK, FrameReader
+from ._peer import _Peer, _Req, _Sent, _text
+from ..base import ANY_TAG, Request
 
 __all__ = ["Transport", "P2P", "COLL", "BYE", "ABORT"]
 
@@ -269,6 +269,23 @@ class Transport(FrameReader, CollChecks):
             req.finish(PeerFailureError(f"{_text(desc)}: {why}",
                                         peers=[src] if src in self.dead else []))
         return req
+
+    def probe(self, srcs: Sequence[int], channel: int, tag: int) -> tuple[int, int, int] | None:
+        """(source, tag, nbytes) of a whole p2p message on ``channel`` from one of ``srcs`` that
+        no receive has taken yet (``tag`` -1: any), else None. Reads what has arrived first."""
+        for s in srcs:
+            peer = self.peers.get(s)
+            if peer is not None:
+                self._poll_once(peer)
+        with self.lock:
+            for (s, kind, ch, t), box in self.unexpected.items():
+                if box and kind == P2P and ch == channel and s in srcs and tag in (ANY_TAG, t):
+                    return s, t, len(box[0][0])
+            dead = [s for s in srcs if s in self.dead]
+        if dead and len(dead) == len(srcs):
+            raise PeerFailureError(f"probe on rank {self.rank}: rank {dead[0]} {self.dead[dead[0]]}",
+                                   peers=dead)
+        return None
 
     def _unpost(self, req: _Req) -> bool:
         """Withdraw a receive given up on; True if its message had completed after all.

@@ -1,10 +1,10 @@
 """Rendezvous key-value store served by rank 0: ranks publish their addresses and wait for others.
 
-Every connection authenticates first (``_tcp_wire``); requests are small frames (cap 1 MiB):
+Every connection authenticates first (``_wire``); requests are small frames (cap 1 MiB):
 ``SET key value`` and ``GET key timeout`` (which waits until the key exists or the timeout).
 Values are bytes; nothing is unpickled.
 
-The store must survive whatever reaches its port before the job starts; ``_tcp_accept`` (shared
+The store must survive whatever reaches its port before the job starts; ``_accept`` (shared
 with the rank-to-rank listener) runs every unauthenticated handshake on one thread with short
 deadlines and per-address caps that always leave a new connection a slot, rides out ``EMFILE``
 and rate-limits the rejection log, and clients retry while it sheds a flood. Keys are prefixed
@@ -18,9 +18,9 @@ import struct
 import threading
 import time
 
-from ..errors import CommTimeoutError, HpcdpError, PeerFailureError
-from . import _tcp_wire as wire
-from ._tcp_accept import MAX_PENDING_HANDSHAKES, AuthListener, connect
+from ...errors import CommTimeoutError, HpcdpError, PeerFailureError
+from . import _wire as wire
+from ._accept import MAX_PENDING_HANDSHAKES, AuthListener, connect
 
 __all__ = ["StoreServer", "StoreClient", "MAX_PENDING_HANDSHAKES"]
 
@@ -42,7 +42,7 @@ def _wait_seconds(timeout: float) -> float:
 
 
 class StoreServer:
-    """Serves authenticated clients, one thread per connection (``_tcp_accept.AuthListener``)."""
+    """Serves authenticated clients, one thread per connection (``_accept.AuthListener``)."""
 
     def __init__(self, host: str, port: int, secret: bytes, *, generation: int = 0) -> None:
         self.data: dict[bytes, bytes] = {}

@@ -1,0 +1,70 @@
+"""Python-object collectives of ``ProcessGroup``: pickled, so only between the ranks of one job.
+
+Each object travels as a uint8 array through the array collectives; a rank that cannot pickle its
+object still takes part (with a size of -1), so every rank raises together instead of waiting.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+
+from ._validate import check_rank
+
+__all__ = ["ObjectCollectives"]
+
+
+class ObjectCollectives:
+    """Mixin of ``ProcessGroup``: needs ``broadcast``, ``all_gather``, ``rank`` and ``size``."""
+
+    rank: int
+    size: int
+    broadcast: Callable[..., Any]
+    all_gather: Callable[..., Any]
+    _where: Callable[[str], str]
+
+    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> Any:
+        """Every rank gets root's ``obj``."""
+        where = self._where("broadcast_object")
+        root = check_rank(where, "root", root, self.size)
+        failure: BaseException | None = None
+        if self.rank == root:
+            try:
+                data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+                n = np.array([data.size], np.int64)
+            except Exception as exc:  # noqa: BLE001 - told to every rank below
+                failure, data, n = exc, None, np.array([-1], np.int64)
+        else:
+            data, n = None, np.zeros(1, np.int64)
+        self.broadcast(n, root, timeout=timeout)
+        if n[0] < 0:
+            raise TypeError(f"{where}: root {root} could not pickle its object"
+                            + (f": {failure}" if failure else "")) from failure
+        if self.rank != root:
+            data = np.empty(int(n[0]), np.uint8)
+        self.broadcast(data, root, timeout=timeout)
+        return obj if self.rank == root else pickle.loads(data.tobytes())
+
+    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
+        """A list of every rank's ``obj``, in rank order."""
+        failure: BaseException | None = None
+        try:
+            data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        except Exception as exc:  # noqa: BLE001 - told to every rank below
+            failure, data = exc, np.zeros(0, np.uint8)
+        mine = np.array([-1 if failure else data.size], np.int64)
+        sizes = self.all_gather(mine, timeout=timeout).reshape(-1)
+        if (sizes < 0).any():
+            bad = [int(i) for i in np.flatnonzero(sizes < 0)]
+            raise TypeError(f"{self._where('all_gather_object')}: rank(s) {bad} could not pickle "
+                            "their object" + (f": {failure}" if failure else "")) from failure
+        padded = np.zeros(int(sizes.max()), np.uint8)
+        padded[: data.size] = data
+        rows = self.all_gather(padded, timeout=timeout)
+        return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(self.size)]
+
+    def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
+        """Like ``all_gather_object`` but only ``root`` gets the list."""
+        objs = self.all_gather_object(obj, timeout=timeout)
+        return objs if self.rank == root else None

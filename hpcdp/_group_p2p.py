@@ -1,0 +1,126 @@
+"""Point-to-point calls of ``ProcessGroup``: tag-matched, nonblocking underneath, with deadlines."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ._arrays import _SUPPORTED, contiguous, xp_of
+from ._validate import check_array, check_rank, check_tag
+from .work import Work, wait_for
+
+if TYPE_CHECKING:
+    from .backends.base import Backend, Request
+
+__all__ = ["PointToPoint"]
+
+
+class PointToPoint:
+    """Mixin of ``ProcessGroup`` (which provides the attributes declared here)."""
+
+    backend: "Backend"
+    size: int
+    rank: int
+    _fast: bool
+    _max_tag: int
+    _p2p_counts: dict[tuple[str, int, int], Any]
+    _timeout: float
+    _where: Callable[[str], str]
+    _usable: Callable[[str], None]
+    _check_module: Callable[[str, Any], None]
+    _timeout_of: Callable[[str, Any], float]
+    _post: Callable[..., "Request"]
+    _finish_into: Callable[..., Callable[[], Any]]
+
+    def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
+        where = self._where(op)
+        self._usable(op)
+        peer = check_rank(where, peer_name, peer, self.size)
+        tag = check_tag(where, tag, self._max_tag)
+        check_array(where, x)
+        self._check_module(where, x)
+        return where, peer, tag
+
+    def _p2p_name(self, op: str, peer_name: str, peer: int, tag: int) -> str:
+        """``send(dst=1, tag=3) #k``: the k-th message of this pair with this tag. Matching is
+        non-overtaking per (source, tag), so the receive that takes it is ``recv(...) #k`` too:
+        errors and traces pair sends with receives."""
+        counts = self._p2p_counts
+        key = (op, peer, tag)
+        c = counts.get(key)
+        if c is None:
+            c = counts.setdefault(key, itertools.count(1))  # atomic: threads share the group
+        return f"{op}({peer_name}={peer}, tag={tag}) #{next(c)}"
+
+    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
+        _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
+        buf = contiguous(x)
+        name = self._p2p_name("send", "dst", dst, tag)
+        req = self._post(name, 0, self.backend.send, buf.reshape(-1), dst, tag)
+        return Work(self, name, 0, req, lambda: None)
+
+    def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
+        """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
+        where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
+        if isinstance(buf, np.ndarray) and not buf.flags.writeable:
+            raise ValueError(f"{where}: the receive buffer is read-only")
+        tmp = buf if buf.flags.c_contiguous else xp_of(buf).empty(buf.shape, buf.dtype)
+        name = self._p2p_name("recv", "src", src, tag)
+        req = self._post(name, 0, self.backend.recv, tmp.reshape(-1), src, tag)
+        return Work(self, name, 0, req, self._finish_into(buf, tmp))
+
+    def probe(self, src: int = -1, tag: int = -1, *, timeout: float | None = None) -> Any:
+        """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;
+        its ``Status`` (source, tag, nbytes). See ``hpcdp.probe``."""
+        from ._p2p import probe
+
+        return probe(src, tag, group=self, timeout=timeout)
+
+    def iprobe(self, src: int = -1, tag: int = -1) -> Any:
+        """The ``Status`` of a message ``recv(src, tag)`` would take now, else None."""
+        from ._p2p import iprobe
+
+        return iprobe(src, tag, group=self)
+
+    def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
+        """Whether a blocking send/recv may skip ``Work``: the same checks as ``_check_p2p``
+        for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
+        return (self._fast and type(x) is np.ndarray and type(peer) is int and type(tag) is int
+                and 0 <= peer < self.size and peer != self.rank and 0 <= tag <= self._max_tag
+                and x.dtype in _SUPPORTED and x.flags.c_contiguous)
+
+    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Send ``x`` to ``dst`` and return once the buffer may be reused."""
+        if self._p2p_fast(x, dst, tag):
+            t = self._timeout if timeout is None else self._timeout_of("send", timeout)
+            name = self._p2p_name("send", "dst", dst, tag)
+            req = self._post(name, 0, self.backend.send, x if x.ndim == 1 else x.reshape(-1), dst, tag)
+            return wait_for(self, name, 0, req, t)
+        if dst == self.rank:
+            raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
+        self.isend(x, dst, tag).wait(timeout)
+
+    def recv(self, buf: Any = None, src: int = -1, tag: int = 0, *, dtype: Any = None,
+             return_status: bool = False, timeout: float | None = None) -> Any:
+        """Receive into ``buf`` from ``src``; returns ``buf``.
+
+        ``src=ANY_SOURCE`` (-1, the default) takes the next message from any rank, ``tag=ANY_TAG``
+        any tag; ``buf=None`` allocates a 1-D array of ``dtype`` (default uint8) at the size the
+        sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
+        """
+        if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
+            t = self._timeout if timeout is None else self._timeout_of("recv", timeout)
+            name = self._p2p_name("recv", "src", src, tag)
+            req = self._post(name, 0, self.backend.recv, buf if buf.ndim == 1 else buf.reshape(-1), src, tag)
+            wait_for(self, name, 0, req, t)
+            return buf
+        if buf is None or src == -1 or tag == -1 or return_status:
+            from ._p2p import recv_any
+
+            got, status = recv_any(buf, src, tag, dtype=dtype, group=self, timeout=timeout)
+            return (got, status) if return_status else got
+        if src == self.rank:
+            raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
+        return self.irecv(buf, src, tag).wait(timeout)

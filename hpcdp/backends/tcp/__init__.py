@@ -1,0 +1,13 @@
+"""TCP backend: an authenticated full mesh of sockets between ranks, no MPI needed.
+
+Layers, bottom up: ``_wire`` (frame header, secret, handshake), ``_accept`` (the listener gate
+shared by the store and the mesh), ``_store`` (rank 0's key-value rendezvous), ``_peer`` and
+``_frames`` (per-socket state and the resumable frame parser), ``_coll`` (collective signatures
+in every frame), ``_transport`` (the mesh: one reader thread, tag-matched queues) and
+``_backend`` (``TCPBackend`` over ``_runner.P2PBackend``, and ``create_world``).
+"""
+from __future__ import annotations
+
+from ._backend import TCPBackend, _World, bind_address, create_world
+
+__all__ = ["TCPBackend", "create_world", "bind_address"]

@@ -1,0 +1,22 @@
+"""Every way ranks are started.
+
+- ``spawn`` (``_spawn``): ``fn(rank)`` on N simulated ranks (threads here) or N local TCP
+  processes (``_processes``), results collected;
+- ``hpcdp-run`` / ``python -m hpcdp.run`` (``_cli``): a script on local TCP ranks (``_local``:
+  start, prefix output, stop, restart), across nodes from the SLURM layout (``_slurm``), or
+  in-process under ``mpirun`` with abort-on-error.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ._spawn import spawn
+
+__all__ = ["spawn", "main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``hpcdp-run`` (imported late: ``import hpcdp`` stays light)."""
+    from ._cli import main as cli_main
+
+    return cli_main(argv)

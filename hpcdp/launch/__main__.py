@@ -1,0 +1,9 @@
+"""``python -m hpcdp.launch``: the same as ``hpcdp-run``."""
+from __future__ import annotations
+
+import sys
+
+from ._cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``hpcdp-run``: start local TCP ranks like torchrun, or run one rank in-process under mpirun.
+
+::
+
+    hpcdp-run -n 4 train.py --lr 0.1            # 4 local ranks, output lines prefixed "[rank N] "
+    hpcdp-run -n 4 --max-restarts 3 train.py    # restart all ranks when one fails (up to 3 times)
+    hpcdp-run -n 4 --nnodes 2 --node-rank 0 --master-addr node01 train.py
+    srun --ntasks-per-node=1 hpcdp-run -n 4 train.py   # nodes, node rank, master from SLURM
+    mpirun -n 4 python -m hpcdp.run train.py    # in-process; an unhandled error aborts the job
+
+When one rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL after a grace
+period) and exits with that rank's code, so a failed job never hangs. A SIGTERM or SIGINT sent
+to the launcher (SLURM preemption, Ctrl-C) is forwarded to the ranks, which get the same grace
+period (``--grace``) to save a checkpoint; the launcher then exits with 128 + the signal number.
+SIGUSR1 and SIGUSR2 (``#SBATCH --signal=USR1@60``) are only forwarded: ranks that use
+``hpcdp.checkpoint.on_preempt`` save and exit by themselves.
+
+With ``--max-restarts N`` a failed rank makes the launcher stop the others and start all of them
+again, up to N times, each attempt with a fresh port and secret and ``HPCDP_RESTART_COUNT`` set
+(0 on the first run); a script that resumes from ``hpcdp.checkpoint.latest()`` continues where it
+stopped. A signal to the launcher never leads to a restart.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+from typing import Sequence
+
+from ._local import GRACE, attempt_secret, launch
+from ._slurm import node_layout, parse_nodelist
+
+__all__ = ["main", "parse_nodelist", "node_layout", "launch", "attempt_secret", "run_inprocess",
+           "GRACE"]
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcdp-run", description=__doc__.split("\n")[0])
+    p.add_argument("-n", "--nproc-per-node", "--nproc", type=int, default=None,
+                   help="ranks to start on this node (omit under mpirun/srun: run in-process)")
+    p.add_argument("--nnodes", type=int, default=None)
+    p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--grace", type=float, default=GRACE,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a rank fails, restart all ranks up to this many times "
+                        "(ranks see HPCDP_RESTART_COUNT)")
+    p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int:
+    """Run ``script`` as ``__main__`` here; under MPI, abort the whole job on an unhandled error."""
+    under_mpi = any(k in os.environ for k in _MPI_ENV)
+    sys.argv = [script, *args]
+    try:
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):  # sys.exit("message")
+            sys.stderr.write(f"{_rank_label()}{exc.code}\n")
+            sys.stderr.flush()
+        if code and under_mpi:
+            _abort(code)
+        return code
+    except BaseException:  # noqa: BLE001 - the point is to catch everything
+        rank = _rank_label()
+        text = traceback.format_exc()
+        sys.stderr.write("".join(f"{rank}{line}\n" for line in text.rstrip("\n").split("\n")))
+        sys.stderr.flush()
+        if under_mpi:
+            _abort(1)
+        return 1
+    return 0
+
+
+def _rank_label() -> str:
+    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK"):
+        if os.environ.get(k, "").isdigit():
+            return f"[rank {os.environ[k]}] "
+    return ""
+
+
+def _abort(code: int) -> None:
+    """``MPI_Abort`` so ranks blocked in a collective or in MPI_Finalize cannot hang the job."""
+    try:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(code)
+    except ImportError:
+        pass
+    os._exit(code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point of ``hpcdp-run`` and ``python -m hpcdp.run``."""
+    ns = _parser().parse_args(argv)
+    args = list(ns.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if ns.nproc_per_node is None:
+        return run_inprocess(ns.script, args, ns.module)
+    nnodes, node_rank, master = node_layout(ns.nnodes, ns.node_rank, ns.master_addr, os.environ)
+    cmd = [sys.executable, "-u"] + (["-m", ns.script] if ns.module else [ns.script]) + args
+    return launch(cmd, ns.nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master,
+                  master_port=ns.master_port, grace=ns.grace, max_restarts=ns.max_restarts)

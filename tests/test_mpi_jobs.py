@@ -1,0 +1,191 @@
+"""Whole MPI jobs as subprocesses, for what a test inside one job cannot see: how ranks exit,
+whether ``MPI_Finalize`` crashes, and what a script that imports mpi4py before hpcdp gets.
+
+Each job runs under ``mpirun`` with a hard wall-clock cap and the test checks every exit code, so
+a regression shows as a failure (a segfault is exit code 139 or signal 11), never as a hung job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CAP = 120.0
+
+
+def _job(tmp_path, body: str, n: int = 2, env: dict[str, str] | None = None,
+         module: list[str] | None = None) -> tuple[int, str]:
+    """Run ``body`` (or ``python -m module...``) on ``n`` MPI ranks; (exit code, all output)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    full_env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    PYTHONFAULTHANDLER="1")
+    for k in ("HPCDP_BACKEND", "HPCDP_DEBUG", "HPCDP_TIMEOUT"):
+        full_env.pop(k, None)
+    full_env.update(env or {})
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable]
+    cmd += ["-m", *module] if module else [str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CAP, env=full_env,
+                          stdin=subprocess.DEVNULL, cwd=str(tmp_path))
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _results(tmp_path) -> list[str]:
+    """What each rank wrote to ``result-<rank>.txt`` (stdout lines of ranks can interleave)."""
+    return [p.read_text() for p in sorted(tmp_path.glob("result-*.txt"))]
+
+
+def _no_crash(code: int, out: str) -> None:
+    assert code not in (139, -11, 134, -6), out
+    for sign in ("Segmentation fault", "signal 11", "Fatal Python error", "Aborted"):
+        assert sign not in out, out
+
+
+# Rank 0 starts a 32 MiB allreduce and leaves while it is in flight; rank 1 joins it later. Before
+# the fix, rank 0's buffer was freed during interpreter shutdown and MPI_Finalize wrote into it.
+_LEAVE = """
+    import sys, time
+    import numpy as np
+    import hpcdp
+
+    hpcdp.init("mpi", timeout=60)
+    if hpcdp.rank() == 0:
+        work = hpcdp.allreduce(np.ones(4 << 20), async_op=True)
+        pending_recv = hpcdp.irecv(np.empty(1 << 16), 1, tag=5)   # never sent: withdrawn at exit
+        {leave}
+    else:
+        time.sleep({delay})
+        try:
+            text = f"rank 1 result {{hpcdp.allreduce(np.ones(4 << 20))[0]}}"
+        except hpcdp.PeerFailureError as exc:
+            text = f"rank 1 told: {{exc}}"
+        with open("result-1.txt", "w") as fh:
+            fh.write(text)
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+@pytest.mark.parametrize("leave,code", [
+    ("sys.exit(0)", 0),
+    ("raise RuntimeError('rank 0 gives up')", 1),
+    ("hpcdp.finalize(); sys.exit(0)", 0),
+])
+def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str, code: int) -> None:
+    """Rank 1 joins within the exit grace period: the operation completes, both exit cleanly."""
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5))
+    _no_crash(rc, out)
+    assert rc == code, out
+    if code == 0:
+        assert _results(tmp_path) == ["rank 1 result 2.0"], out
+    else:
+        assert "rank 0 gives up" in out, out
+
+
+@pytest.mark.timeout(CAP + 30)
+@pytest.mark.parametrize("leave", ["sys.exit(0)", "hpcdp.finalize(); sys.exit(0)"])
+def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str) -> None:
+    """Rank 1 joins only after rank 0 stopped waiting: rank 0 kept the buffer alive through
+    MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout."""
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=4.0))
+    _no_crash(rc, out)
+    assert rc == 0, out
+    [told] = _results(tmp_path)
+    assert told.startswith("rank 1 told:") and "rank 0 left this group" in told, out
+    assert "unfinished" in told and "allreduce" in told, out
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_group_used_after_finalize_raises_hpcdp_error(tmp_path) -> None:
+    rc, out = _job(tmp_path, """
+        import numpy as np
+        import hpcdp
+
+        world = hpcdp.init("mpi")
+        sub = hpcdp.new_group([0, 1])
+        hpcdp.finalize()
+        lines = []
+        for name, call in [("world allreduce", lambda: world.allreduce(np.ones(2))),
+                           ("world barrier", lambda: world.barrier()),
+                           ("sub-group allreduce", lambda: sub.allreduce(np.ones(2))),
+                           ("world send", lambda: world.send(np.ones(2), 1 - world.rank)),
+                           ("world new_group", lambda: world.new_group([0]))]:
+            try:
+                call()
+                lines.append(f"{name}: accepted")
+            except hpcdp.HpcdpError as exc:
+                ok = "shut down" in str(exc) and f"rank {world.rank}" in str(exc)
+                lines.append(f"{name}: refused" if ok else f"{name}: unclear: {exc}")
+        again = hpcdp.init("mpi")          # a new world works
+        lines.append(f"again {again.allreduce(np.ones(2))[0]}")
+        with open(f"result-{again.rank}.txt", "w") as fh:
+            fh.write(chr(10).join(lines))
+    """)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    results = _results(tmp_path)
+    assert len(results) == 2, out
+    for text in results:
+        assert text.count(": refused") == 5 and text.endswith("again 2.0"), text
+
+
+_TUNING = """
+    import json, sys
+    {first}
+    import numpy as np
+    import hpcdp
+    from hpcdp.backends import _mpi_tuning
+
+    g = hpcdp.init("mpi")
+    tuner = g.backend._nbc
+    seen = {{"tuned": tuner is not None}}
+    if tuner is not None:
+        hpcdp.allreduce(np.ones(1 << 18, np.float32))          # 1 MiB: ring
+        seen["big"] = tuner.current
+        hpcdp.allreduce(np.ones(2, np.float32))                # 8 B: libnbc's own choice
+        seen["small"] = tuner.current
+        w = hpcdp.allreduce(np.ones(1 << 18), async_op=True)   # the general path chooses too
+        seen["async"] = tuner.current
+        w.wait()
+    with open(f"result-{{g.rank}}.txt", "w") as fh:
+        json.dump(seen, fh)
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+@pytest.mark.parametrize("first", ["from mpi4py import MPI", "pass"], ids=["mpi4py-first", "hpcdp-first"])
+def test_allreduce_algorithm_is_chosen_whatever_the_import_order(tmp_path, first: str) -> None:
+    """libnbc's ring from 8 KiB up and its default below, set through MPI_T after MPI_Init, so
+    a script that imported mpi4py first gets the same allreduce as one that imported hpcdp first."""
+    rc, out = _job(tmp_path, _TUNING.format(first=first))
+    assert rc == 0, out
+    seen = [json.loads(text) for text in _results(tmp_path)]
+    assert seen == [{"tuned": True, "big": 1, "small": 0, "async": 1}] * 2, (seen, out)
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_users_own_algorithm_choice_wins(tmp_path) -> None:
+    rc, out = _job(tmp_path, _TUNING.format(first="pass"),
+                   env={"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "2"})
+    assert rc == 0, out
+    assert [json.loads(text) for text in _results(tmp_path)] == [{"tuned": False}] * 2, out
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_collectives_bench_reports_its_import_order(tmp_path) -> None:
+    out_file = tmp_path / "rows.jsonl"
+    rc, out = _job(tmp_path, "", module=[
+        "hpcdp.bench", "collectives", "--import-order", "mpi4py-first", "--ops", "allreduce",
+        "--max-size", "32", "--trials", "1", "--min-time", "0.001", "--json", str(out_file)])
+    assert rc == 0, out
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    summaries = {r["name"]: r for r in rows if r.get("bench") == "summary"}
+    a1 = [r for k, r in summaries.items() if k.startswith("A1")]
+    a2 = [r for k, r in summaries.items() if k.startswith("A2")]
+    assert a1 and a2 and all(r["import_order"] == "mpi4py-first" for r in a1 + a2), rows
+    assert "import order mpi4py-first" in out, out
