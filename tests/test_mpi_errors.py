@@ -1,9 +1,8 @@
 """MPI: errors raised inside MPI during hpcdp operations come out as hpcdp's own errors.
 
-Without ``HPCDP_DEBUG`` a size mismatch gives ``MPI_ERR_TRUNCATE`` on the rank whose buffer was
-too small; it must be a ``CollectiveMismatchError`` naming the call and the rank, and the ranks
-that did not see it must fail at once (on the call, or the group's next one), never with a raw
-``mpi4py.MPI.Exception`` and never after a timeout. Run under mpirun (-n 2 and -n 4).
+A truncated point-to-point receive, and a group used after it was shut down; run under mpirun
+(-n 2 and -n 4). Collectives whose sizes differ run as whole jobs in ``test_mpi_jobs.py``: after
+an error inside a collective MPI's state is undefined, so they must not share this session.
 """
 from __future__ import annotations
 
@@ -22,30 +21,6 @@ def _outcome(fn: Any) -> tuple[str, str]:
         return "ok", ""
     except Exception as exc:  # noqa: BLE001 - reported to the test, which judges it
         return f"{type(exc).__module__}.{type(exc).__name__}", str(exc)
-
-
-def _size_mismatch(rank: int, count: int) -> dict[str, Any]:
-    sub = hpcdp.new_group(list(range(hpcdp.world_size())))
-    x = np.ones(count + 5 * rank)  # rank 0 has the smallest buffer
-    call = _outcome(lambda: sub.allreduce(x, timeout=60.0))
-    after = _outcome(lambda: sub.barrier(timeout=60.0))
-    hpcdp.barrier(timeout=60.0)
-    return {"rank": rank, "call": call, "after": after}
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("count", [3, 1 << 16], ids=["latency-path", "bandwidth-path"])
-def test_size_mismatch_is_an_hpcdp_error_on_every_rank(mpi_world, count: int) -> None:
-    outs = run_mpi(_size_mismatch, count)
-    errors = [o["call"] if o["call"][0] != "ok" else o["after"] for o in outs]
-    for o, (kind, msg) in zip(outs, errors):
-        assert kind.startswith("hpcdp.errors."), o  # never a raw mpi4py.MPI.Exception
-        assert kind != "hpcdp.errors.CommTimeoutError", o
-        assert f"rank {o['rank']}" in msg, o
-    mismatch = [(k, m) for k, m in errors if k.endswith("CollectiveMismatchError")]
-    assert mismatch, outs
-    for _kind, msg in mismatch:
-        assert "allreduce #" in msg and "different sizes" in msg and "MPI_ERR_TRUNCATE" in msg, msg
 
 
 def _recv_too_small(rank: int) -> dict[str, Any]:

@@ -189,3 +189,53 @@ def test_collectives_bench_reports_its_import_order(tmp_path) -> None:
     a2 = [r for k, r in summaries.items() if k.startswith("A2")]
     assert a1 and a2 and all(r["import_order"] == "mpi4py-first" for r in a1 + a2), rows
     assert "import order mpi4py-first" in out, out
+
+
+_MISMATCH = """
+    import json
+    import numpy as np
+    import hpcdp
+
+    hpcdp.init("mpi", timeout=60)   # an error must come at once, not after a timeout
+    r = hpcdp.rank()
+    sub = hpcdp.new_group(list(range(hpcdp.world_size())))
+
+    def outcome(fn):
+        try:
+            fn()
+            return ["ok", ""]
+        except Exception as exc:
+            return [f"{{type(exc).__module__}}.{{type(exc).__name__}}", str(exc)]
+
+    call = outcome(lambda: sub.allreduce(np.ones({count} + 5 * r)))  # rank 0's buffer is smallest
+    after = outcome(lambda: sub.barrier())
+    hpcdp.barrier()                 # the world group is untouched
+    with open(f"result-{{r}}.txt", "w") as fh:
+        json.dump({{"rank": r, "call": call, "after": after}}, fh)
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("count", [3, 1 << 16], ids=["latency-path", "bandwidth-path"])
+def test_collective_size_mismatch_is_an_hpcdp_error_on_every_rank(tmp_path, n: int,
+                                                                   count: int) -> None:
+    """Without HPCDP_DEBUG: the rank whose buffer was too small gets MPI's truncation as an hpcdp
+    error naming the call and the rank; every other rank fails at once too (on the call or the
+    group's next one), never with a raw mpi4py.MPI.Exception and never after the timeout."""
+    rc, out = _job(tmp_path, _MISMATCH.format(count=count), n=n)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    outs = [json.loads(text) for text in _results(tmp_path)]
+    assert len(outs) == n, out
+    first_errors = [o["call"] if o["call"][0] != "ok" else o["after"] for o in outs]
+    for o, (kind, msg) in zip(outs, first_errors):
+        assert kind.startswith("hpcdp.errors."), o
+        assert kind != "hpcdp.errors.CommTimeoutError", o
+        assert f"rank {o['rank']}" in msg and "#" in msg, o
+    # who hits the truncation depends on the algorithm; libnbc reports it as MPI_ERR_TRUNCATE
+    # or, on some runs, as MPI_ERR_OTHER: both name the cause the user should look for
+    seen = [m for k, m in first_errors if "MPI_ERR_" in m and "PeerFailure" not in k]
+    assert seen, outs
+    for msg in seen:
+        assert "allreduce #" in msg and "different sizes" in msg, msg
