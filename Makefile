@@ -304,6 +304,8 @@ bench: bench-deps
 	@mkdir -p $(BENCH_OUT)
 ifeq ($(strip $(BENCH_ARGS)),)
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench collectives --json $(BENCH_OUT)/collectives.jsonl
+	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench collectives --import-order mpi4py-first \
+	  --json $(BENCH_OUT)/collectives-mpi4py-first.jsonl
 	$(PY) -m hpcdp.bench collectives --backend tcp --json $(BENCH_OUT)/tcp.jsonl
 	$(PY) -m hpcdp.bench collectives --backend sim --json $(BENCH_OUT)/sim.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench ddp --json $(BENCH_OUT)/ddp.jsonl
