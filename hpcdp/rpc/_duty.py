@@ -15,7 +15,8 @@ hold it up:
 * a function that ran long on average, or had to hand its duty off, runs on the pool instead
   (``InlinePolicy``), until its calls are short again.
 
-Inline callees count against the pool's ``num_worker_threads`` like pooled ones.
+Inline callees count against the pool's ``num_worker_threads`` like pooled ones, from the moment
+they start (a serving thread may hold several found by one poll, and runs them in turn).
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ __all__ = ["Lent", "InlinePolicy", "before_blocking", "lent_here", "GRACE"]
 
 LOG = logging.getLogger("hpcdp.rpc")
 
-#: a callee that runs inline longer than this hands its duty to another thread
-GRACE = 0.004
+#: a callee that runs inline longer than this (wall clock: generous, since a loaded machine
+#: preempts threads for milliseconds) hands its duty to another thread
+GRACE = 0.01
 #: functions whose calls average more than this run on the pool
 INLINE_MAX = 0.001
 _ALPHA = 0.2
@@ -83,8 +85,14 @@ class Lent:
         self._lock = threading.Lock()
 
     def run(self, handoff: Callable[[], None]) -> bool:
-        """Run the callee here; ``handoff()`` gives the duty to another thread if it must."""
+        """Run the callee here; ``handoff()`` gives the duty to another thread if it must.
+
+        A callee that would exceed the agent's bound on running callees goes to its pool.
+        """
         agent = self.agent
+        if not agent.pool.try_inline():
+            agent.requeue(self)
+            return False
         self._handoff = handoff
         self.start = t0 = time.monotonic()
         prev = getattr(_tls, "lent", None)

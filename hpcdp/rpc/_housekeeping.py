@@ -76,7 +76,7 @@ class Housekeeping:
     def inline_or_pool(self, src: int, mid: int, job: Callable[[], None], key: Hashable,
                        may_inline: bool, force: bool = False, frame: Any = None) -> Lent | None:
         """A ``Lent`` task for the serving thread when ``job`` may run there, else queue it."""
-        if may_inline and self.policy.allows(key) and self.pool.try_inline():
+        if may_inline and self.policy.allows(key):
             return Lent(self, job, key)
         self.submit(src, mid, self._timed(job, key), force=force, frame=frame)
         return None
@@ -106,7 +106,6 @@ class Housekeeping:
 
     def requeue(self, lent: Lent) -> None:
         """An inline task its serving thread will not run after all: to the pool."""
-        self.pool.end_inline()
         self.pool.submit(self._timed(lent.fn, lent.key), force=True)
 
     # -- the timer ---------------------------------------------------------------------------

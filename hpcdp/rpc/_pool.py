@@ -106,7 +106,8 @@ class Pool:
 
     def idle(self) -> bool:
         with self.cv:
-            return not self.tasks and self.running == 0 and self.inline == 0
+            return not self.tasks and not self._batch and self.running == 0 and \
+                self.inline == 0
 
     def _work(self) -> None:
         with using(self.agent):
@@ -171,12 +172,7 @@ class Pool:
                 if progress.parked():  # a caller polls for its own reply: it serves everything
                     last = time.monotonic()
                 else:
-                    found: list[Any] = []
-                    busy = progress.poll(found)
-                    if found:
-                        with self.cv:
-                            self._batch.extend(found)
-                        busy = True
+                    busy = self._poll_into_batch(progress)
                     while True:
                         with self.cv:
                             if self._lead_token is not token or not self._batch:
@@ -184,6 +180,8 @@ class Pool:
                             task = self._batch.popleft()
                         if task.run(handoff):
                             return  # another thread leads now; the rest went to the pool
+                        # transfers in flight move on between callees, not only between batches
+                        self._poll_into_batch(progress)
                     if busy:
                         last = time.monotonic()
                 with self.cv:
@@ -207,6 +205,14 @@ class Pool:
                     self.leading = False
             for task in rest:  # only after an error: nothing is left behind
                 self.agent.requeue(task)
+
+    def _poll_into_batch(self, progress: Any) -> bool:
+        found: list[Any] = []
+        busy = progress.poll(found)
+        if found:
+            with self.cv:
+                self._batch.extend(found)
+        return bool(busy) or bool(found)
 
     def close(self, wait: float = 0.0) -> None:
         """Stop taking work; let queued tasks finish for up to ``wait`` seconds."""

@@ -261,6 +261,9 @@ class TCPTransport(Transport):
         def more() -> bool:
             return peer.gen == gen and peer.linger_until <= _monotonic()
 
+        # complete frames may be staged already: for a new reader (a hand-off), and after an
+        # inline task (frames read with its request wait); otherwise only a partial one is
+        parse = True
         try:
             while not peer.stopped and peer.gen == gen:
                 with bgcv:
@@ -271,9 +274,10 @@ class TCPTransport(Transport):
                         bgcv.wait(max(left, backoff))
                         peer.parked = False
                         backoff = min(2 * backoff, 0.01)
+                        parse = True  # the caller may have staged frames it did not want
                         continue
                 backoff = LINGER
-                if not peer.reader.buffered() and not poll(200):
+                if not parse and not poll(200):
                     continue
                 if not rlock.acquire(False):
                     continue
@@ -281,6 +285,7 @@ class TCPTransport(Transport):
                     task = self._frames(peer, True, more)
                 finally:
                     rlock.release()
+                parse = task is not None
                 if task is not None:
                     task.run(handoff)
         except Exception:  # noqa: BLE001 - a bug must not end the reading silently
