@@ -57,6 +57,15 @@ def detect_backend() -> str:
 _thread_groups = 0  # simulated ranks alive; while 0 the thread-local lookup is skipped
 
 
+def group_or_default(group: ProcessGroup | None) -> ProcessGroup:
+    """``group``, else the default group, initialising hpcdp first (wrappers built before init)."""
+    if group is not None:
+        return group
+    if not is_initialized():
+        init()
+    return get_default_group()
+
+
 def get_default_group() -> ProcessGroup:
     """The group collectives use when ``group=None``."""
     if _thread_groups:

@@ -45,18 +45,9 @@ from ..errors import HpcdpError
 from ..nn.module import Module
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
+from .._world import group_or_default
 
 __all__ = ["DDP"]
-
-
-def _default_group(group: Any) -> Any:
-    if group is not None:
-        return group
-    import hpcdp
-
-    if not hpcdp.is_initialized():
-        hpcdp.init()
-    return hpcdp.get_default_group()
 
 
 class DDP:
@@ -89,7 +80,7 @@ class DDP:
         if bucket_cap_mb <= 0:
             raise ValueError(f"DDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.module = module
-        self.group = _default_group(group)
+        self.group = group_or_default(group)
         if not self.group.is_member:
             raise ValueError(f"DDP: this rank is not a member of group {self.group.name}")
         self.find_unused_parameters = bool(find_unused_parameters)

@@ -28,20 +28,11 @@ from ._memory import MemoryStats, Tracker, optimizer_state_bytes
 from ._state import Schedule
 from ._unit import Unit
 from ._wrap import plan_units
+from .._world import group_or_default
 
 __all__ = ["FSDP"]
 
 _BCAST_CHUNK = 64 << 20
-
-
-def _default_group(group: Any) -> Any:
-    if group is not None:
-        return group
-    import hpcdp
-
-    if not hpcdp.is_initialized():
-        hpcdp.init()
-    return hpcdp.get_default_group()
 
 
 def _local_size() -> int | None:
@@ -138,7 +129,7 @@ class FSDP:
         self.module = module
         self.strategy = strategy
         self.mixed_precision = mixed_precision
-        self.group = _default_group(group)
+        self.group = group_or_default(group)
         if not self.group.is_member:
             raise ValueError(f"FSDP: this rank is not a member of group {self.group.name}")
         self._hooked = isinstance(module, Module)

@@ -20,18 +20,9 @@ from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
 from ..nn.parameter import Parameter
 from .optimizer import Optimizer
+from .._world import group_or_default
 
 __all__ = ["ZeroRedundancyOptimizer"]
-
-
-def _default_group(group: Any) -> Any:
-    if group is not None:
-        return group
-    import hpcdp
-
-    if not hpcdp.is_initialized():
-        hpcdp.init()
-    return hpcdp.get_default_group()
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -53,7 +44,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise TypeError("ZeroRedundancyOptimizer needs an hpcdp.optim.Optimizer class, "
                             f"got {optimizer_class!r}")
         super().__init__(params, defaults)
-        self.group = _default_group(group)
+        self.group = group_or_default(group)
         self.optimizer_class = optimizer_class
         g, n = self.group, self.group.size
         everything = [p for grp in self.param_groups for p in grp["params"]]
