@@ -38,7 +38,7 @@ directive() { sed -n "s/^# ci: $2 //p" "$1"; }
 
 # Run job $1; write "PASS ..." or "FAIL ..." (first line) and any detail to $OUT/<name>.result.
 run_one() {
-    local job="$1" name t0 result sbatch_args args timeout out id state rc=0 re
+    local job="$1" name t0 result sbatch_args args timeout out id rc=0 re
     name="$(basename "$job" .sbatch)"
     result="$OUT/$name.result"
     t0=$SECONDS
@@ -60,16 +60,9 @@ run_one() {
         "${sbatch_args[@]}" "$job" "${args[@]}") >"$OUT/$name.sbatch" 2>&1 &
     local sb=$!
     while kill -0 "$sb" 2>/dev/null; do
+        # A requeued job waits for its old credential to expire (cred_expire in slurm.conf.in);
+        # it must not be released early: see there.
         id="$(squeue -h -n "ci-$name" -o %i 2>/dev/null | head -n 1)"
-        if [ -n "$id" ]; then
-            # A requeued job waits ~2 minutes before Slurm lets it start again; the CI cluster
-            # has nothing else to run, so let it go at once.
-            state="$(squeue -h -j "$id" -o '%T %r' 2>/dev/null || true)"
-            if [ "$state" = "PENDING BeginTime" ]; then
-                scontrol update JobId="$id" StartTime=now 2>/dev/null \
-                    && echo "slurm-ci: $name (job $id) requeued: released its begin-time hold" >>"$OUT/$name.sbatch"
-            fi
-        fi
         if ((SECONDS - t0 > timeout)); then
             [ -z "$id" ] || scancel "$id" 2>/dev/null || true
             kill "$sb" 2>/dev/null || true
