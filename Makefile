@@ -311,6 +311,12 @@ ifeq ($(strip $(BENCH_ARGS)),)
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench ddp --json $(BENCH_OUT)/ddp.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench checkpoint --json $(BENCH_OUT)/checkpoint-2.jsonl
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.bench checkpoint --json $(BENCH_OUT)/checkpoint-4.jsonl
+	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench fsdp --json $(BENCH_OUT)/fsdp.jsonl
+	$(PY) -m hpcdp.bench pipeline --json $(BENCH_OUT)/pipeline.jsonl
+	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench rpc --json $(BENCH_OUT)/rpc.jsonl
+	$(PY) -m hpcdp.bench rpc --backend tcp --json $(BENCH_OUT)/rpc-tcp.jsonl
+	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench trace --json $(BENCH_OUT)/trace.jsonl
+	$(PY) -m hpcdp.trace plot-bench $(BENCH_OUT)/*.jsonl -o $(BENCH_OUT)/bench.png
 else
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench $(BENCH_ARGS)
 endif

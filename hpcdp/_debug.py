@@ -1,4 +1,5 @@
-"""``HPCDP_DEBUG=detail``: check op, shape, dtype and root across ranks before each collective.
+"""``HPCDP_DEBUG=detail`` (or ``1``): check op, shape, dtype and root across ranks before each
+collective, and every point-to-point message against its receive (``_debug_p2p``).
 
 Each rank packs a fingerprint of its call into a fixed-size buffer, so the check itself can never
 mismatch; every rank then sees every fingerprint and all raise the same error together.
@@ -22,14 +23,17 @@ _FP_BYTES = 1024
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-#: the levels a group accepts; ``HPCDP_DEBUG`` also takes "", "0" and "false" for "off"
+#: the levels a group accepts; ``HPCDP_DEBUG`` also takes "", "0", "false" and "no" for "off"
+#: and "1", "true", "yes" and "on" for "detail"
 LEVELS = frozenset({"off", "detail"})
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
 
 
 def debug_level() -> str:
     """``HPCDP_DEBUG`` as a level; an unknown value is an error, not silently "off"."""
     raw = os.environ.get("HPCDP_DEBUG", "off").strip().lower()
-    level = "off" if raw in ("", "0", "false", "no") else raw
+    level = "off" if raw in _OFF else "detail" if raw in _ON else raw
     if level not in LEVELS:
         raise ValueError(f"HPCDP_DEBUG={raw!r}: expected one of {sorted(LEVELS)}")
     return level

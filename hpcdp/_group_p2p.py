@@ -6,8 +6,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from . import trace
 from ._arrays import _SUPPORTED, contiguous, xp_of
+from ._debug_p2p import p2p_receiver, p2p_sender
 from ._validate import check_array, check_rank, check_tag
+from .errors import HpcdpError
 from .work import Work, wait_for
 
 if TYPE_CHECKING:
@@ -23,6 +26,8 @@ class PointToPoint:
     size: int
     rank: int
     _fast: bool
+    _debug: str
+    _rec: Any
     _max_tag: int
     _p2p_counts: dict[tuple[str, int, int], Any]
     _timeout: float
@@ -58,18 +63,30 @@ class PointToPoint:
         _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
         buf = contiguous(x)
         name = self._p2p_name("send", "dst", dst, tag)
-        req = self._post(name, 0, self.backend.send, buf.reshape(-1), dst, tag)
-        return Work(self, name, 0, req, lambda: None)
+        rec = self._rec
+        tok = rec.begin("send", self, 0, x.shape, x.dtype, dst) if rec is not None else 0
+        # HPCDP_DEBUG: the message carries a header its receive checks (_debug_p2p)
+        send = self.backend.send if self._debug == "off" else p2p_sender(self, name, x.shape)
+        req = self._post(name, 0, send, buf.reshape(-1), dst, tag, tok=tok)
+        return Work(self, name, 0, req, lambda: None, None, tok)
 
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
+        return self._irecv(buf, src, tag, "full")
+
+    def _irecv(self, buf: Any, src: int, tag: int, check: str) -> Work:
+        """``irecv``; ``check`` says what ``HPCDP_DEBUG`` compares with the sender's call."""
         where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
         if isinstance(buf, np.ndarray) and not buf.flags.writeable:
             raise ValueError(f"{where}: the receive buffer is read-only")
         tmp = buf if buf.flags.c_contiguous else xp_of(buf).empty(buf.shape, buf.dtype)
         name = self._p2p_name("recv", "src", src, tag)
-        req = self._post(name, 0, self.backend.recv, tmp.reshape(-1), src, tag)
-        return Work(self, name, 0, req, self._finish_into(buf, tmp))
+        rec = self._rec
+        tok = rec.begin("recv", self, 0, buf.shape, buf.dtype, src) if rec is not None else 0
+        recv = (self.backend.recv if self._debug == "off"
+                else p2p_receiver(self, name, buf.shape, check))
+        req = self._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
+        return Work(self, name, 0, req, self._finish_into(buf, tmp), None, tok)
 
     def probe(self, src: int = -1, tag: int = -1, *, timeout: float | None = None) -> Any:
         """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;
@@ -84,6 +101,16 @@ class PointToPoint:
 
         return iprobe(src, tag, group=self)
 
+    def _wait_recorded(self, name: str, req: "Request", t: float, rec: Any, tok: int) -> None:
+        """``wait_for`` of a blocking send/recv, ending its flight-recorder entry either way."""
+        try:
+            wait_for(self, name, 0, req, t)  # type: ignore[arg-type]
+        except HpcdpError as exc:
+            trace.on_error(rec, tok, exc)
+            raise
+        if rec is not None:
+            rec.end(tok)
+
     def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
         """Whether a blocking send/recv may skip ``Work``: the same checks as ``_check_p2p``
         for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
@@ -96,8 +123,12 @@ class PointToPoint:
         if self._p2p_fast(x, dst, tag):
             t = self._timeout if timeout is None else self._timeout_of("send", timeout)
             name = self._p2p_name("send", "dst", dst, tag)
-            req = self._post(name, 0, self.backend.send, x if x.ndim == 1 else x.reshape(-1), dst, tag)
-            return wait_for(self, name, 0, req, t)
+            rec = self._rec
+            tok = rec.begin("send", self, 0, x.shape, x.dtype, dst) if rec is not None else 0
+            req = self._post(name, 0, self.backend.send, x if x.ndim == 1 else x.reshape(-1), dst, tag,
+                             tok=tok)
+            self._wait_recorded(name, req, t, rec, tok)
+            return None
         if dst == self.rank:
             raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
         self.isend(x, dst, tag).wait(timeout)
@@ -113,8 +144,11 @@ class PointToPoint:
         if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
             t = self._timeout if timeout is None else self._timeout_of("recv", timeout)
             name = self._p2p_name("recv", "src", src, tag)
-            req = self._post(name, 0, self.backend.recv, buf if buf.ndim == 1 else buf.reshape(-1), src, tag)
-            wait_for(self, name, 0, req, t)
+            rec = self._rec
+            tok = rec.begin("recv", self, 0, buf.shape, buf.dtype, src) if rec is not None else 0
+            req = self._post(name, 0, self.backend.recv, buf if buf.ndim == 1 else buf.reshape(-1), src, tag,
+                             tok=tok)
+            self._wait_recorded(name, req, t, rec, tok)
             return buf
         if buf is None or src == -1 or tag == -1 or return_status:
             from ._p2p import recv_any

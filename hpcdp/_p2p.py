@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
+from ._debug_p2p import payload_nbytes
 from ._validate import check_rank, check_tag, check_timeout
 from .backends.base import ANY_SOURCE, ANY_TAG, poll_until
-from .errors import CommTimeoutError
+from .errors import CommTimeoutError, HpcdpError
 from .work import Work
 
 if TYPE_CHECKING:
@@ -117,7 +118,13 @@ def iprobe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None) -> S
     g = _group(group)
     _, src, tag = _check_probe(g, "iprobe", src, tag)
     found = g.backend.probe(src, tag)
-    return Status(*found) if found is not None else None
+    return _status(g, found) if found is not None else None
+
+
+def _status(g: "ProcessGroup", found: tuple[int, int, int]) -> Status:
+    """The ``Status`` of a probed message; under ``HPCDP_DEBUG`` its size without the header."""
+    s, t, nbytes = found
+    return Status(s, t, nbytes if g._debug == "off" else payload_nbytes(nbytes))
 
 
 def probe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None,
@@ -138,11 +145,21 @@ def probe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None,
             box.append(hit)
         return hit is not None
 
-    if not poll_until(found, time.monotonic() + t):
-        raise CommTimeoutError(f"{where}: no message from "
-                               f"{'any rank' if src == ANY_SOURCE else f'rank {src}'} with "
-                               f"{'any tag' if tag == ANY_TAG else f'tag {tag}'} within {t:g} s")
-    return Status(*box[0])
+    rec = g._rec  # recorded, so a rank stuck waiting for any sender shows where in its dump
+    tok = rec.begin("probe", g, 0, None, None, src) if rec is not None else 0
+    try:
+        if not poll_until(found, time.monotonic() + t):
+            raise CommTimeoutError(f"{where}: no message from "
+                                   f"{'any rank' if src == ANY_SOURCE else f'rank {src}'} with "
+                                   f"{'any tag' if tag == ANY_TAG else f'tag {tag}'} within {t:g} s")
+    except HpcdpError as exc:
+        from . import trace
+
+        trace.on_error(rec, tok, exc)
+        raise
+    if rec is not None:
+        rec.end(tok)
+    return _status(g, box[0])
 
 
 def recv_any(buf: Any = None, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
@@ -157,6 +174,7 @@ def recv_any(buf: Any = None, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
     t = g.timeout if timeout is None else g._timeout_of("recv", timeout)
     deadline = time.monotonic() + t
     st = probe(src, tag, group=g, timeout=t)
+    given = buf is not None
     if buf is None:
         dt = np.dtype(np.uint8 if dtype is None else dtype)
         if st.nbytes % dt.itemsize:
@@ -166,6 +184,9 @@ def recv_any(buf: Any = None, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
     elif dtype is not None and np.dtype(dtype) != buf.dtype:
         raise TypeError(f"{g._where('recv')}: dtype={np.dtype(dtype)} but buf is {buf.dtype}")
     left = max(1e-3, deadline - time.monotonic())
+    if g._debug != "off":  # a buffer made here is compared by what the caller chose of it
+        check = "full" if given else "size" if dtype is None else "dtype"
+        return g._irecv(buf, st.source, st.tag, check).wait(left), st
     if st.source == g.rank:  # a message to oneself: the blocking path refuses self-receives
         return g.irecv(buf, st.source, st.tag).wait(left), st
     return g.recv(buf, st.source, st.tag, timeout=left), st

@@ -10,6 +10,7 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from . import trace
 from .backends import backend_factory
 from ._validate import check_timeout
 from .errors import BackendUnavailableError, HpcdpError
@@ -124,7 +125,17 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
         group = ProcessGroup(be, name="world", timeout=t)
         _started[group] = name
         _default = group
-        return group
+    _start_tracing(group)
+    return group
+
+
+def _start_tracing(group: ProcessGroup) -> None:
+    """Arm the flight-record dumps for this rank; with ``HPCDP_TRACE`` line the clocks up
+    (collective); with ``HPCDP_STRAGGLER=N`` start the straggler report (see ``hpcdp.trace``)."""
+    trace.install(group.ranks[group.rank], group.size)
+    if trace.enabled():
+        trace.estimate_clock_offset(group)
+    trace._straggler.from_env(group)
 
 
 def _set_thread_default(group: ProcessGroup | None, started_as: str | None = None) -> None:
@@ -167,6 +178,8 @@ def finalize() -> None:
         else:
             g, _default = _default, None
     if g is not None:
+        trace._straggler.stop()
+        trace.flush_timelines()
         g.shutdown()
 
 

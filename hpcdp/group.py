@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import _debug
+from . import _debug, trace
 from ._arrays import contiguous, is_cupy, overlaps, xp_of
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
@@ -43,6 +43,7 @@ def default_timeout() -> float:
 
 
 _ndarray = np.ndarray
+_COMPLETED = trace.COMPLETED
 #: dtypes and ops for which the allreduce fast path needs no further checks
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -99,6 +100,9 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
         self._max_tag = backend.max_tag if backend is not None else 0
         self._debug = _debug.debug_level()
+        # the flight recorder of this rank (None when HPCDP_FLIGHT_RECORDER=0 or not a member)
+        self._rec = (trace.active_recorder(self._members[backend.rank])
+                     if backend is not None else None)
         self._fast = False  # whether blocking allreduces may take the latency path
         self._refresh_fast()
 
@@ -164,14 +168,22 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 f"{opname}: this rank is not a member of group {self.name} (ranks {list(self.ranks)})"
             )
 
-    def _begin(self, opname: str, timeout: float, **call: Any) -> int:
+    def _begin(self, opname: str, timeout: float, **call: Any) -> tuple[int, int]:
+        """(sequence number, flight-recorder token) of a collective about to be posted."""
         self._usable(opname)
         if self._broken:
             raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
         seq = next(self._seq)  # itertools.count is atomic under the GIL
+        rec = self._rec
+        tok = rec.begin(opname, self, seq, call.get("shape"), call.get("dtype"),
+                        call.get("root", -1)) if rec is not None else 0
         if self.debug == "detail":
-            _debug.check_across(self, opname, seq, timeout, **call)
-        return seq
+            try:
+                _debug.check_across(self, opname, seq, timeout, **call)
+            except Exception as exc:
+                trace.on_error(rec, tok, exc)
+                raise
+        return seq, tok
 
     def _note_failure(self, op: str, seq: int, what: str) -> None:
         """A collective that timed out or failed leaves an MPI group out of step (MPI cannot
@@ -180,13 +192,15 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             self._broken = f"an earlier {op} #{seq} {what}; create a new group to continue"
             self._refresh_fast()
 
-    def _post(self, op: str, seq: int, fn: Callable[..., Request], *args: Any) -> Request:
+    def _post(self, op: str, seq: int, fn: Callable[..., Request], *args: Any, tok: int = 0) -> Request:
         """``fn(*args)``: a transport error while posting names the call, like one while waiting."""
         try:
             return fn(*args)
         except HpcdpError as exc:
             self._note_failure(op, seq, f"failed ({type(exc).__name__})")
-            raise annotate(exc, work_where(self, op, seq)) from exc
+            err = annotate(exc, work_where(self, op, seq))
+            trace.on_error(self._rec, tok, err)
+            raise err from exc
 
     def _run(
         self,
@@ -196,8 +210,9 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         finish: Callable[[], Any],
         async_op: bool,
         timeout: float,
+        tok: int = 0,
     ) -> Any:
-        work = Work(self, op, seq, req, finish, timeout)
+        work = Work(self, op, seq, req, finish, timeout, tok)
         if async_op:
             return work
         return work.wait()
@@ -261,6 +276,18 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 send = out if x.nbytes <= 65536 else x
             else:
                 send = x
+            seq = next(self._seq)
+            rec = self._rec
+            tok, ring, slot = 0, None, 0
+            if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
+                ring = rec.inline
+                if ring is None:
+                    tok = rec.begin("allreduce", self, seq, x.shape, x.dtype, -1)
+                else:
+                    tok = ring[2]()
+                    slot = tok % ring[5]
+                    ring[0][slot] = (tok, "allreduce", self, seq, x.shape, x.dtype, -1, ring[3](), ring[4](),
+                                     None)
             try:
                 if x.ndim == 1:
                     req = self.backend.allreduce_blocking(send, out, rop, t)
@@ -269,12 +296,19 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                     req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
                                                           rflat, rop, t)
             except HpcdpError as exc:
-                seq = next(self._seq)
                 self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
-                raise annotate(exc, work_where(self, "allreduce", seq)) from exc
-            seq = next(self._seq)  # taken after posting: it only names the call in errors
+                err = annotate(exc, work_where(self, "allreduce", seq))
+                trace.on_error(rec, tok, err)
+                raise err from exc
             if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+                trace.on_error(rec, tok, err)
                 raise err
+            if ring is not None:
+                row = ring[0][slot]
+                if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
+                    ring[1][slot] = (tok, ring[3](), _COMPLETED, None)
+            elif rec is not None:
+                rec.end(tok)
             return out
         where = self._where("allreduce")
         rop = as_op(op, where)
@@ -284,11 +318,11 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
         t = self._timeout_of("allreduce", timeout)
-        seq = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
         rflat = rbuf.reshape(-1)
-        req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop)
-        return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, t)
+        req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
+        return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
 
     # torch spelling
     all_reduce = allreduce
@@ -308,12 +342,12 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         else:
             target = x
         t = self._timeout_of("broadcast", timeout)
-        seq = self._begin("broadcast", t, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("broadcast", t, root=root, shape=x.shape, dtype=x.dtype)
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
-        req = self._post("broadcast", seq, self.backend.broadcast, buf.reshape(-1), root)
-        return self._run("broadcast", seq, req, self._finish_into(target, buf), async_op, t)
+        req = self._post("broadcast", seq, self.backend.broadcast, buf.reshape(-1), root, tok=tok)
+        return self._run("broadcast", seq, req, self._finish_into(target, buf), async_op, t, tok)
 
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -333,14 +367,14 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 check_out(where, out, x.shape, x.dtype, xp)
             result = buf = None
         t = self._timeout_of("reduce", timeout)
-        seq = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp,
                                                 is_root and out is x and buf is x)
         rflat = None if rbuf is None else rbuf.reshape(-1)
         sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
-        req = self._post("reduce", seq, self.backend.reduce, sflat, rflat, bop, root)
+        req = self._post("reduce", seq, self.backend.reduce, sflat, rflat, bop, root, tok=tok)
         finish = self._finish_into(result, buf, post) if is_root else (lambda: None)
-        return self._run("reduce", seq, req, finish, async_op, t)
+        return self._run("reduce", seq, req, finish, async_op, t, tok)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -351,9 +385,9 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         t = self._timeout_of("all_gather", timeout)
-        seq = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
-        req = self._post("all_gather", seq, self.backend.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1))
-        return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, t)
+        seq, tok = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
+        req = self._post("all_gather", seq, self.backend.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
+        return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, t, tok)
 
     allgather = all_gather
 
@@ -373,11 +407,11 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 check_out(where, out, (self.size, *x.shape), x.dtype, xp)
             result = buf = None
         t = self._timeout_of("gather", timeout)
-        seq = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
-        req = self._post("gather", seq, self.backend.gather, contiguous(x).reshape(-1), rbuf, root)
+        req = self._post("gather", seq, self.backend.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
         finish = self._finish_into(result, buf) if is_root else (lambda: None)
-        return self._run("gather", seq, req, finish, async_op, t)
+        return self._run("gather", seq, req, finish, async_op, t, tok)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                 timeout: float | None = None) -> Any:
@@ -403,10 +437,10 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
         result, buf = self._result_buffer(where, out, shape, dtype, xp, x)
         t = self._timeout_of("scatter", timeout)
-        seq = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
+        seq, tok = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
         send = contiguous(x).reshape(self.size, -1) if is_root else None
-        req = self._post("scatter", seq, self.backend.scatter, send, buf.reshape(-1), root)
-        return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, t)
+        req = self._post("scatter", seq, self.backend.scatter, send, buf.reshape(-1), root, tok=tok)
+        return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, t, tok)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -420,11 +454,11 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         xp = xp_of(x)
         result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
         t = self._timeout_of("reduce_scatter", timeout)
-        seq = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         send, rbuf, bop, post = _reduction_plan(x, buf, rop, n, xp, False)
-        req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop)
-        return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, t)
+        req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
+        return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
 
     def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -438,19 +472,19 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         if buf is x:  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
         t = self._timeout_of("all_to_all", timeout)
-        seq = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
         n = self.size
-        req = self._post("all_to_all", seq, self.backend.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1))
-        return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, t)
+        req = self._post("all_to_all", seq, self.backend.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
+        return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, t, tok)
 
     alltoall = all_to_all
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Return once every rank of the group has called ``barrier``."""
         t = self._timeout_of("barrier", timeout)
-        seq = self._begin("barrier", t)
-        req = self._post("barrier", seq, self.backend.barrier)
-        return self._run("barrier", seq, req, lambda: None, async_op, t)
+        seq, tok = self._begin("barrier", t)
+        req = self._post("barrier", seq, self.backend.barrier, tok=tok)
+        return self._run("barrier", seq, req, lambda: None, async_op, t, tok)
 
     # -- sub-groups -------------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, name: str | None = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import trace
 from ._validate import check_timeout
 from .backends.base import Request
 from .errors import CommTimeoutError, HpcdpError, PeerFailureError
@@ -17,7 +18,7 @@ class Work:
     """A collective in flight. ``wait()`` returns its result; buffers are the transport's until then."""
 
     __slots__ = ("_group", "_op", "_seq", "_req", "_finish", "_done", "_result", "_error",
-                 "_timeout")
+                 "_timeout", "_tok")
 
     def __init__(
         self,
@@ -27,8 +28,10 @@ class Work:
         req: Request,
         finish: Callable[[], Any],
         timeout: float | None = None,
+        tok: int = 0,
     ) -> None:
         self._group, self._op, self._seq, self._req, self._finish = group, op, seq, req, finish
+        self._tok = tok  # the flight recorder's token of this call (0: not recorded)
         self._timeout = timeout  # the call's timeout=, else the group's at wait()
         self._done = False
         self._result: Any = None
@@ -41,11 +44,20 @@ class Work:
         self._result = self._finish()
         self._done = True
         self._finish = _nothing
+        if self._tok:
+            rec = self._group._rec
+            if rec is not None:
+                rec.end(self._tok)
         return self._result
 
-    def _raise(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Keep ``exc`` as this call's outcome and tell the flight recorder (dumps on a timeout)."""
         self._error = exc
-        raise exc
+        trace.on_error(self._group._rec, self._tok, exc)
+        return exc
+
+    def _raise(self, exc: BaseException) -> None:
+        raise self._fail(exc)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done or ``timeout`` (default: the call's, else the group's); the result."""
@@ -74,8 +86,29 @@ class Work:
                 self._complete()
         except HpcdpError as exc:
             self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
-            self._error = annotate(exc, self._where())
+            self._fail(annotate(exc, self._where()))
             return True
+        return self._done
+
+    def wait_for(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` and say whether the call is done, without giving it up.
+
+        Unlike ``wait()``, running out of time abandons nothing and raises nothing: the call
+        stays in flight, to be waited for again (schedulers that interleave several calls).
+        A transport error is raised as ``wait()`` would.
+        """
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        t = 0.0 if seconds == 0 else check_timeout(f"{self._where()}: wait_for()", seconds)
+        try:
+            done = self._req.test() if t == 0.0 else self._req.wait(t)
+        except HpcdpError as exc:
+            self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
+            self._raise(annotate(exc, self._where()))
+        if done:
+            self._complete()
         return self._done
 
     def result(self) -> Any:

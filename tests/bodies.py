@@ -192,12 +192,11 @@ def body_timeout_then_late_peer(rank: int) -> str:
     x = np.ones(4 << 20)  # 32 MiB: freed memory would be unmapped at once
     result = "survived"
     if rank == 0:
-        try:
+        try:  # (no early return: the barriers below must be reached on every rank)
             hpcdp.allreduce(x, group=sub, timeout=1.0)
-            return "no timeout"
+            result = "no timeout"
         except hpcdp.CommTimeoutError:
-            pass
-        gc.collect()
+            gc.collect()
     else:
         if rank == 1:
             time.sleep(2.5)

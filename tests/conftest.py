@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # test bodies are imported by reference in spawned processes
     sys.path.insert(0, HERE)
+
+# Flight records that tests' timeouts and failures dump go to a scratch directory, not ./hpcdp-trace
+os.environ.setdefault("HPCDP_TRACE_DIR", os.path.join(tempfile.gettempdir(), f"hpcdp-test-trace-{os.getpid()}"))
 
 import hpcdp  # noqa: E402
 

@@ -4,8 +4,10 @@
 
 Every rank runs ``pytest -q --with-mpi -m mpi -p no:cacheprovider tests`` (pytest-mpi's marker
 ``@pytest.mark.mpi(min_size=...)``).  Rank 0 prints normally; every other rank writes its output to
-``.pytest-mpi/rank<N>.log`` and, only if its pytest failed, copies that log to the real stderr at the
-end.  Each rank exits with its pytest exit code, so mpirun fails when any rank failed.  Exit code 5
+``.pytest-mpi/rank<N>.log`` (``rank<N>.<job>.log`` when the launcher names the job: two jobs
+running side by side in one checkout must not overwrite each other's logs; kept only when its
+pytest failed) and, only if its pytest failed, copies that log to the real stderr at the end.
+Each rank exits with its pytest exit code, so mpirun fails when any rank failed.  Exit code 5
 ("no tests collected") counts as success: a subset with no MPI tests is not an error.
 
 The rank is read from the launcher's environment, before anything imports mpi4py (MPI is
@@ -21,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG_DIR = os.path.join(REPO, ".pytest-mpi")
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+JOB_VARS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID")
 
 
 def _env_int(names: tuple[str, ...], default: int) -> int:
@@ -29,6 +32,17 @@ def _env_int(names: tuple[str, ...], default: int) -> int:
         if value is not None and value.strip().lstrip("-").isdigit():
             return int(value)
     return default
+
+
+def _log_name(rank: int) -> str:
+    """``rank<N>.log``, with the launcher's job id when it gives one (a job of its own)."""
+    for name in JOB_VARS:
+        job = "".join(c for c in os.environ.get(name, "") if c.isalnum() or c in "-_")
+        if job:
+            if name == "SLURM_JOB_ID" and os.environ.get("SLURM_STEP_ID", "").isdigit():
+                job += "." + os.environ["SLURM_STEP_ID"]
+            return f"rank{rank}.{job}.log"
+    return f"rank{rank}.log"
 
 
 def _pytest_args(extra: list[str]) -> list[str]:
@@ -47,7 +61,7 @@ def main() -> int:
     real_stderr = None
     if rank != 0:
         os.makedirs(LOG_DIR, exist_ok=True)
-        log_path = os.path.join(LOG_DIR, f"rank{rank}.log")
+        log_path = os.path.join(LOG_DIR, _log_name(rank))
         sys.stdout.flush()
         sys.stderr.flush()
         real_stderr = os.dup(2)
@@ -58,7 +72,7 @@ def main() -> int:
     else:
         others = "rank 1" if size == 2 else f"ranks 1-{size - 1}"
         print(f"run_mpi: {size} ranks; output of {others} in "
-              f"{os.path.relpath(LOG_DIR)}/rank<N>.log", flush=True)
+              f"{os.path.relpath(LOG_DIR)}/{_log_name(0).replace('rank0', 'rank<N>')}", flush=True)
 
     import pytest  # after the redirect, so plugin import noise lands in the log too
 
@@ -94,6 +108,8 @@ def main() -> int:
             msg = (f"\n===== rank {rank}: pytest exit code {code}; its log ({log_path}) =====\n"
                    f"{text}\n===== end of rank {rank} log =====\n")
             os.write(real_stderr, msg.encode())
+        elif os.path.basename(log_path) != f"rank{rank}.log":
+            os.unlink(log_path)  # one file per job would pile up; a passing rank's log is noise
     return code
 
 

@@ -145,13 +145,20 @@ _TUNING = """
     tuner = g.backend._nbc
     seen = {{"tuned": tuner is not None}}
     if tuner is not None:
-        hpcdp.allreduce(np.ones(1 << 18, np.float32))          # 1 MiB: ring
-        seen["big"] = tuner.current
-        hpcdp.allreduce(np.ones(2, np.float32))                # 8 B: libnbc's own choice
-        seen["small"] = tuner.current
-        w = hpcdp.allreduce(np.ones(1 << 18), async_op=True)   # the general path chooses too
-        seen["async"] = tuner.current
-        w.wait()
+        sets = []
+        real_set = tuner.set
+        tuner.set = lambda v: (sets.append(v), real_set(v))[1]
+
+        def run(key, fn):  # the values set while posting, and the value left afterwards
+            sets.clear()
+            fn()
+            seen[key] = [list(sets), tuner.current]
+
+        run("big", lambda: hpcdp.allreduce(np.ones(1 << 18, np.float32)))   # 1 MiB: ring
+        run("small", lambda: hpcdp.allreduce(np.ones(2, np.float32)))       # 8 B: libnbc's own
+        run("async",  # the general path
+            lambda: hpcdp.allreduce(np.ones(1 << 18), async_op=True).wait())
+        hpcdp.new_group([0, 1]).barrier()  # MPI's own allreduce (context ids) sees the default
     with open(f"result-{{g.rank}}.txt", "w") as fh:
         json.dump(seen, fh)
 """
@@ -161,11 +168,45 @@ _TUNING = """
 @pytest.mark.parametrize("first", ["from mpi4py import MPI", "pass"], ids=["mpi4py-first", "hpcdp-first"])
 def test_allreduce_algorithm_is_chosen_whatever_the_import_order(tmp_path, first: str) -> None:
     """libnbc's ring from 8 KiB up and its default below, set through MPI_T after MPI_Init, so
-    a script that imported mpi4py first gets the same allreduce as one that imported hpcdp first."""
+    a script that imported mpi4py first gets the same allreduce as one that imported hpcdp first.
+    Ring only while such a call is posted: MPI's own nonblocking allreduces read it too."""
     rc, out = _job(tmp_path, _TUNING.format(first=first))
     assert rc == 0, out
     seen = [json.loads(text) for text in _results(tmp_path)]
-    assert seen == [{"tuned": True, "big": 1, "small": 0, "async": 1}] * 2, (seen, out)
+    want = {"tuned": True, "big": [[1, 0], 0], "small": [[], 0], "async": [[1, 0], 0]}
+    assert seen == [want] * 2, (seen, out)
+
+
+# Rank 0 gives up on a ring-sized allreduce that rank 1, told rank 0 left, never posts; then a
+# new group. Before the fix rank 0 left libnbc's algorithm variable at ring and rank 1 at the
+# default, and MPI's own allreduce inside Comm_split (context ids) hung between the two.
+_SKIPPED_RING = """
+    import numpy as np
+    import hpcdp
+
+    g = hpcdp.init("mpi", timeout=60)
+    sub = hpcdp.new_group([0, 1])
+    if g.rank == 0:
+        try:
+            sub.allreduce(np.ones(1 << 18), timeout=0.5)   # 2 MiB: ring; rank 1 never joins
+        except hpcdp.CommTimeoutError:
+            pass
+        hpcdp.send(np.zeros(1), 1, tag=5, timeout=60)
+    else:
+        hpcdp.recv(np.empty(1), 0, tag=5, timeout=60)
+    again = hpcdp.new_group([0, 1])
+    total = again.allreduce(np.ones(1 << 18), timeout=60)[0]
+    with open(f"result-{g.rank}.txt", "w") as fh:
+        fh.write(str(total))
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_new_group_after_a_ring_allreduce_one_rank_skipped(tmp_path) -> None:
+    rc, out = _job(tmp_path, _SKIPPED_RING)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    assert _results(tmp_path) == ["2.0", "2.0"], out
 
 
 @pytest.mark.timeout(CAP + 30)

@@ -1,13 +1,13 @@
 """MPI: a rank that gives up on a collective tells the group's other ranks at once.
 
-Rank 0 times out; rank 1 arrives later. The late call must raise ``PeerFailureError`` naming rank 0
-at once (its own timeout is 60 s, past the job's cap, so waiting it out would fail the test),
+Rank 0 times out; rank 1 arrives after it gave up. The late call must raise
+``PeerFailureError`` naming rank 0 at once (its own timeout is 60 s, past the job's cap, so
+waiting it out would fail the test),
 and every later call on that group too. The world group stays usable. Run under mpirun:
 ``mpirun -n 2 python tests/run_mpi.py tests/test_mpi_late.py`` (and -n 4).
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,9 @@ import pytest
 
 import hpcdp
 from conftest import run_mpi
+
+
+_READY, _GAVE_UP = 7303, 7304
 
 
 def _late_peer(rank: int, op: str) -> dict[str, Any]:
@@ -28,14 +31,24 @@ def _late_peer(rank: int, op: str) -> dict[str, Any]:
         "async all_gather": lambda t: sub.all_gather(np.ones(4), async_op=True, timeout=t).wait(),
     }[op]
     out: dict[str, Any] = {"rank": rank}
-    if rank == 1:
-        time.sleep(2.0)
+    # Messages, not sleeps, order the calls: rank 0 starts once ranks 2.. are about to join
+    # (the roll call must find them), rank 1 once rank 0 gave up. A fixed 2 s sleep was not
+    # late enough on a loaded machine, and rank 0's call succeeded.
+    if rank == 0:
+        for r in range(2, n):
+            hpcdp.recv(np.empty(1), r, tag=_READY, timeout=60.0)
+    elif rank == 1:
+        hpcdp.recv(np.empty(1), 0, tag=_GAVE_UP, timeout=60.0)
+    else:
+        hpcdp.send(np.zeros(1), 0, tag=_READY, timeout=60.0)
     try:
         call(1.0 if rank == 0 else 60.0)
         out["call"] = "ok"
     except hpcdp.HpcdpError as exc:
         out["call"], out["message"] = type(exc).__name__, str(exc)
         out["peers"] = list(getattr(exc, "peers", ()))
+    if rank == 0:
+        hpcdp.send(np.zeros(1), 1, tag=_GAVE_UP, timeout=60.0)
     try:  # the group is unusable now, on every rank, without waiting
         sub.barrier(timeout=60.0)
         out["next"] = "ok"
@@ -71,7 +84,8 @@ def _own_root(rank: int) -> dict[str, Any]:
     sub = hpcdp.new_group(list(range(hpcdp.world_size())))
     out: dict[str, Any] = {"rank": rank}
     try:
-        sub.gather(np.ones(2), root=rank, timeout=1.0)
+        # 3 s: on a loaded machine every rank must have posted before the first one asks
+        sub.gather(np.ones(2), root=rank, timeout=3.0)
         out["call"] = "ok"
     except hpcdp.HpcdpError as exc:
         out["call"], out["message"] = type(exc).__name__, str(exc)

@@ -203,7 +203,7 @@ def test_wire_messages() -> None:
         with pytest.raises(hpcdp.HpcdpError, match="malformed"):
             decode_meta(np.array(meta, np.int64), "t")
     # a transport with few tags: the pipeline says so instead of wrapping tags around
-    comm = SimpleNamespace(rank=0, size=2, _max_tag=100, name="g")
+    comm = SimpleNamespace(rank=0, size=2, backend=SimpleNamespace(max_tag=100), name="g")
     with pytest.raises(ValueError, match="need tags up to"):
         Channel(comm, 4, 100, 1.0)
     assert Channel(comm, 2, 20, 1.0).data_tag(True, 1, 19) <= 100

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from hpcdp.run import attempt_secret
+from hpcdp.launch._local import attempt_secret
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "06_resume.py")
@@ -225,7 +225,7 @@ NODES_JOB = """
 
 
 def test_two_nodes_restart_together(tmp_path) -> None:
-    from hpcdp.backends._tcp_spawn import free_port
+    from hpcdp.launch._processes import free_port
 
     script = _write(tmp_path, NODES_JOB)
     port = free_port()

@@ -295,14 +295,16 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
 
     import numpy as np
 
-    from hpcdp.rpc._transport_mpi import ENV_TAG, _TAG
+    from hpcdp.rpc._transport_mpi import _DATA_TAG0, ENV_TAG, _TAG
     from hpcdp.rpc._wire import pack_prefix
 
     fails = B.start(rank, rpc_timeout=20)
     agent = _context.current("test")
     n, count = 8 << 20, 8
-    tags = [int(agent.transport.comm.Get_attr(agent.transport.MPI.TAG_UB)) - 1000 - i
-            for i in range(count)]
+    # the top of the transport's data tags, far from those its own messages use (from 16 up);
+    # not TAG_UB itself: a communicator other than the world's may not carry the attribute
+    top = _DATA_TAG0 + agent.transport.tag_span
+    tags = [top - 1000 - i for i in range(count)]
     if rank == 1:
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
@@ -334,4 +336,65 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 def test_heads_reserve_nothing_mpi(mpi_world) -> None:
     res = run_mpi(body_heads_reserve_nothing)
+    assert all(r == [] for r in res), res
+
+
+_LEFT: list[Any] = []  # sends a receiver refused: never completed, kept alive
+
+
+def body_mismatched_chunk(rank: int) -> list[str]:
+    """A data message larger than its head announced is refused without being received and
+    without a buffer taken for it: the caller hears why, and the worker serves on (a large
+    array after it arrives whole). Twice: the first warms up what answering takes (the
+    control thread's msgpack buffer), the second is measured."""
+    import tracemalloc
+
+    import numpy as np
+
+    from hpcdp.rpc._transport_mpi import _DATA_TAG0, ENV_TAG, _TAG
+    from hpcdp.rpc._wire import RECV_BUFFERS, pack_prefix
+
+    fails = B.start(rank, rpc_timeout=20)
+    agent = _context.current("test")
+    n = 1 << 20
+    for attempt in range(2):
+        tag = _DATA_TAG0 + agent.transport.tag_span - 2000 - attempt
+        if rank == 1 and attempt:
+            RECV_BUFFERS.clear()  # a buffer taken now would be new memory, and traced
+            reused = RECV_BUFFERS.reused
+            tracemalloc.start()
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+        hpcdp.barrier()
+        if rank == 0:
+            mid = next(agent._ids)
+            fut = rpc.Future("mismatched chunk", agent)
+            with agent._lock:
+                agent._pending[mid] = _Pending(fut, 1, fut.what, 30.0, False)
+                heapq.heappush(agent._deadlines, (time.monotonic() + 30.0, mid))
+            env = pack_envelope([P.CALL, mid, "echo"])
+            body = msgpack.packb([C.TUPLE, [C.TUPLE, [C.NDARRAY, "uint8", [n], 0]], [C.DICT]])
+            comm = agent.transport.comm
+            comm.Send(pack_prefix(env, body, [n]) + _TAG.pack(tag) + env + body, 1, ENV_TAG)
+            big = np.ones(4 * n, np.uint8)
+            _LEFT.append((comm.Isend(big, 1, tag), big))
+            B.raises(fails, rpc.RemoteError, lambda: fut.wait(timeout=15), "mismatched chunk",
+                     "were announced")
+        hpcdp.barrier()
+        if rank == 1 and attempt:
+            peak = tracemalloc.get_traced_memory()[1] - base
+            tracemalloc.stop()
+            B.check(fails, peak < n // 4 and RECV_BUFFERS.reused == reused,
+                    f"{peak} bytes allocated for a refused data message")
+    a = np.arange(n // 4, dtype=np.float32)
+    B.check(fails, np.array_equal(rpc.rpc_sync(B.peer(rank), B.echo, args=(a,), timeout=20), a),
+            "serving after the refused data message")
+    hpcdp.barrier()
+    rpc.shutdown()
+    return fails
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_chunk_mpi(mpi_world) -> None:
+    res = run_mpi(body_mismatched_chunk)
     assert all(r == [] for r in res), res

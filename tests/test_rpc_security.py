@@ -191,7 +191,7 @@ def body_security(rank: int) -> list[str]:
 
 def body_unauthenticated(rank: int) -> list[str]:
     """Connections to worker1's RPC listener that fail the handshake are dropped."""
-    from hpcdp.backends import _tcp_wire as wire
+    from hpcdp.backends.tcp import _wire as wire
     from hpcdp.rpc._transport_tcp import ROLE_RPC
     from tcp_helpers import closed_by_server
 

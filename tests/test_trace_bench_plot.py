@@ -136,3 +136,50 @@ def test_pipeline_benchmark_draws_its_plot(tmp_path) -> None:
                        capture_output=True, text=True, timeout=150, env=env, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"# plot: {png}" in p.stdout and png.read_bytes()[:8] == PNG
+
+
+def test_fsdp_and_trace_rows_are_figures_against_their_targets() -> None:
+    rows = [{"bench": "E3", "kind": "zero3", "ranks": 2, "ratio": 1.4},
+            {"bench": "E3", "kind": "zero2", "ranks": 2, "ratio": 1.0},  # no target: not a figure
+            {"bench": "E4", "ranks": 4, "ratio": 3.5},
+            {"bench": "summary", "name": "T1 DDP example step: HPCDP_TRACE=1 / off", "value": 1.02,
+             "target": "<= 1.05"}]
+    figs = {lab: (v, d, t) for lab, v, d, t in _plot._figure_rows(rows)}
+    assert figs == {"E3 ZeRO-3 step / DDP step, 2 ranks": (1.4, "<=", 1.6),
+                    "E4 ZeRO-3 / DDP model size, 4 ranks": (3.5, ">=", pytest.approx(3.2)),
+                    "T1 DDP example step: HPCDP_TRACE=1 / off": (1.02, "<=", 1.05)}
+
+
+def test_plot_sink_keeps_what_it_forwards() -> None:
+    seen: list = []
+
+    class Inner:
+        def write(self, obj) -> None:
+            seen.append(obj)
+
+        def close(self) -> None:
+            seen.append("closed")
+
+    sink = _plot.PlotSink(Inner())
+    sink.write({"bench": "sim"})
+    sink.close()
+    assert sink.rows == [{"bench": "sim"}] and seen == [{"bench": "sim"}, "closed"]
+
+
+@pytest.mark.timeout(180)
+def test_trace_benchmark_runs_and_draws_its_plot(tmp_path) -> None:
+    """``python -m hpcdp.bench trace`` end to end on one simulated rank (the figures are noise here)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE", "HPCDP_TRACE"):
+        env.pop(k, None)
+    png, js = tmp_path / "trace.png", tmp_path / "rows.jsonl"
+    p = subprocess.run([sys.executable, "-m", "hpcdp.bench", "trace", "--trials", "2", "--steps", "3",
+                        "--calls", "20", "--json", str(js), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=150, env=env, stdin=subprocess.DEVNULL,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "recorded operations per step" in p.stdout and "8 B allreduce fast path: recorder on" in p.stdout
+    names = [json.loads(line)["name"] for line in js.read_text().splitlines()]
+    assert names[0].startswith("T1 DDP example step") and len(names) == 3, names
+    assert f"# plot: {png}" in p.stdout and png.read_bytes()[:8] == PNG
+    assert not (tmp_path / "hpcdp-trace").exists()  # the traced trials wrote to a scratch directory

@@ -28,7 +28,10 @@ class Staging:
     def take(self, dev: Any) -> np.ndarray:
         free = self.pool.get((dev.size, dev.dtype.str))
         if free:
-            return free.pop().reshape(dev.shape)
+            try:  # (another thread may take the last one between the check and the pop)
+                return free.pop().reshape(dev.shape)
+            except IndexError:
+                pass
         import cupyx  # type: ignore[import-not-found]
 
         return cupyx.empty_pinned(dev.shape, dev.dtype)
@@ -71,8 +74,8 @@ def staged(be: "MPIBackend", method: Callable[..., Request], names: Sequence[str
                 dev.set(h)
             be._staging.give(h)
 
-    def release() -> None:  # given up on: the device arrays are the user's again
-        for _dev, h in copies.values():
-            be._staging.give(h)
-
-    return Chain(req, copy_back, on_abandon=release)
+    # Given up on, the host copies do not go back to the pool: MPI may still write them (a
+    # collective cannot be withdrawn, nor a receive already matched), and a later operation
+    # taking one from the pool would get that late data. The request keeps them alive until
+    # MPI is done; then they are garbage.
+    return Chain(req, copy_back)

@@ -15,7 +15,11 @@ So ring from ``RING_MIN_BYTES`` up, libnbc's own choice below. The choice is a p
 control variable (``coll_libnbc_iallreduce_algorithm``) that libnbc reads when a call is posted:
 set-and-post runs under one lock, so two threads posting at once cannot give one call the other's
 algorithm, and every rank decides from the size alone, so all ranks of a call agree (libnbc
-requires that). It is written through MPI_T, after ``MPI_Init``, so it holds whether the script
+requires that). The variable is ring only while a ring call is posted, default otherwise: MPI's
+own nonblocking allreduces read it too (the context-id agreement inside ``Comm_split`` and
+``Comm_dup``), and left at the last call's value it differed between ranks whenever one rank
+skipped a call its peers posted (told that a peer left): the next ``new_group`` hung.
+It is written through MPI_T, after ``MPI_Init``, so it holds whether the script
 imported mpi4py before hpcdp or not (the ``OMPI_MCA_`` environment is read only at ``MPI_Init``,
 which cost 0.72-0.83 of ``Allreduce``'s bandwidth in mpi4py-first scripts).
 
@@ -43,8 +47,8 @@ _probed = False
 class Tuner:
     """The algorithm variable and the lock every Iallreduce posting holds while it reads it.
 
-    Posting: ``want = 1 if nbytes >= RING_MIN_BYTES else 0``; with ``lock`` held, ``set(want)``
-    unless ``current == want``, then post the Iallreduce.
+    Posting, with ``lock`` held: a ring-sized call ``set(1)``, posts, ``set(0)``; any other call
+    ``set(0)`` if ``current`` is not 0 (a failed reset), then posts.
     """
 
     def __init__(self, lib: Any, handle: ctypes.c_void_p) -> None:

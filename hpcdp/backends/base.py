@@ -130,6 +130,15 @@ class Backend(abc.ABC):
     - ``accepts_cupy``: cupy arrays may be handed in directly (CUDA-aware MPI).
     - ``native_comm()``: the mpi4py communicator of this group, for libraries that need one
       (parallel HDF5, baselines); None on transports without one.
+    - ``shares_process``: the ranks are threads of this one process (simulated ranks), so
+      per-rank state (the default group, the RPC agent) is per thread, and in-process queues
+      reach every peer.
+    - ``peers_gone()``: group ranks known to have died or left, with why (this rank included
+      where a rank can end while the process lives on); empty where the transport cannot tell.
+
+    How ``hpcdp.rpc`` reaches peers follows from these, never from ``name``: in-process queues
+    when ``shares_process``; a duplicate of ``native_comm()`` when there is one; otherwise its
+    own authenticated TCP mesh (``HPCDP_SECRET`` set, ranks reachable over TCP).
     """
 
     name: str = "?"
@@ -144,10 +153,15 @@ class Backend(abc.ABC):
     needs_progress_thread: bool = False
     thread_level: str = "multiple"
     accepts_cupy: bool = False
+    shares_process: bool = False
 
     def native_comm(self) -> Any:
         """The mpi4py communicator of this group, or None (not an MPI transport)."""
         return None
+
+    def peers_gone(self) -> dict[int, str]:
+        """Group ranks known to be dead or gone, with why; never blocks."""
+        return {}
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """``(source, tag, nbytes)`` of a message ``recv(src, tag)`` would take now, or None."""

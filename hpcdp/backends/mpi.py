@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -159,10 +160,15 @@ def _posting(recv: Sequence[str], collective: bool = True
 _P2P_GATHER_MIN, _P2P_GATHER_MAX = 64 << 10, 8 << 20
 _GATHER_TAG = 32766  # MPI guarantees tags up to 32767
 _RING_MIN = _mpi_tuning.RING_MIN_BYTES
-#: Tests the latency path spins before it sets up a deadline-checked wait: about 50-100 us, so
-#: a peer that leaves the barrier a few microseconds later (the usual skew) costs no more than
-#: that skew; with 64 the early rank fell into the slower wait every few calls.
-_SPIN = 1024
+#: The latency path Tests ``_SPIN`` times between clock reads, for up to ``_SPIN_S`` seconds,
+#: before it sets up the slower deadline-checked wait: a peer that leaves the barrier a few
+#: microseconds later (the usual skew) costs no more than that skew (with 64 Tests and no
+#: second spin the early rank fell into the slower wait every few calls). Bounded by the clock,
+#: not by a count: an oversubscribed Open MPI yields the CPU in every idle Test, and 1024 Tests
+#: took up to 5 s on 4 ranks of a loaded 2-core machine, so a 2 s allreduce outlived its
+#: deadline (and then succeeded, where the caller had to see a timeout).
+_SPIN, _SPIN_S = 16, 1e-4
+_monotonic = time.monotonic
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -236,13 +242,17 @@ class MPIBackend(Notices, Backend):
         nb = self._nbc
         if nb is None:
             return self.comm.Iallreduce(s, r, mop)
-        want = 1 if nbytes >= _RING_MIN else 0
+        ring = nbytes >= _RING_MIN
         nb.lock.acquire()  # the algorithm libnbc reads while posting (see _mpi_tuning)
         try:
-            if nb.current != want:
-                nb.set(want)
+            if ring:
+                nb.set(1)  # for this post only: back to the default right after it
+            elif nb.current:
+                nb.set(0)
             return self.comm.Iallreduce(s, r, mop)
         finally:
+            if ring:
+                nb.set(0)
             nb.lock.release()
 
     # -- collectives ------------------------------------------------------------------------
@@ -277,13 +287,14 @@ class MPIBackend(Notices, Backend):
         try:
             if nb is None:
                 req = self.comm.Iallreduce(s, [recvbuf, t], mop)
+            elif recvbuf.nbytes >= _RING_MIN:
+                req = self._iallreduce(s, [recvbuf, t], mop, recvbuf.nbytes)
             else:
-                want = 1 if recvbuf.nbytes >= _RING_MIN else 0
                 lock = nb.lock
-                lock.acquire()
+                lock.acquire()  # (not while another thread's ring post has set the variable)
                 try:
-                    if nb.current != want:
-                        nb.set(want)
+                    if nb.current:
+                        nb.set(0)
                     req = self.comm.Iallreduce(s, [recvbuf, t], mop)
                 finally:
                     lock.release()
@@ -296,11 +307,27 @@ class MPIBackend(Notices, Backend):
                 if self._nview[0]:  # a notice landed: answer it, or fail if a peer left
                     self.check_notices(index)
                 return None
+            # The deadline counts from here: the _SPIN Tests before took microseconds (tens
+            # of milliseconds at worst, when every Test yields the CPU).
+            now = _monotonic()
+            deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
+            while not self._nview[0]:  # a notice goes to the slow path, which handles it
+                n = _SPIN
+                while not req.Test():
+                    n -= 1
+                    if not n:
+                        break
+                else:
+                    if self._nview[0]:
+                        self.check_notices(index)
+                    return None
+                if _monotonic() >= stop:
+                    break
         except _MPI.Exception as exc:
             raise self.mpi_error(exc, "allreduce", index) from None
         slow = _rq.MPIRequest(self, [req], "allreduce", index)
         slow.keep = (sendbuf, recvbuf)  # MPI owns them until the request completes
-        return None if slow.wait(timeout) else slow
+        return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
 
     @_posting(recv=("buf",))
     def broadcast(self, buf, root):
@@ -436,7 +463,8 @@ class MPIBackend(Notices, Backend):
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source group rank, tag, bytes) of a message waiting for this rank, else None; -1 for
-        ``src``/``tag`` matches any (``hpcdp._p2p`` builds probe/recv_any on this)."""
+        ``src``/``tag`` matches any (``hpcdp._p2p`` builds probe/recv_any on this).  A message of
+        more than ``_MAX_COUNT`` elements travels as several; the probe reports the first's size."""
         MPI = _MPI
         st = MPI.Status()
         try:
@@ -449,16 +477,6 @@ class MPIBackend(Notices, Backend):
 
     def native_comm(self) -> Any:
         return self.comm
-
-    def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
-        """``MPI_Iprobe`` on the user's p2p traffic. A message of more than ``_MAX_COUNT``
-        elements travels as several; the probe reports the first one's size."""
-        MPI = get_mpi()
-        st = MPI.Status()
-        if not self.comm.Iprobe(MPI.ANY_SOURCE if src == -1 else src,
-                                MPI.ANY_TAG if tag == -1 else tag, st):
-            return None
-        return st.Get_source(), st.Get_tag(), st.Get_count(MPI.BYTE)
 
     # -- groups -----------------------------------------------------------------------------
     def new_group(self, ranks):

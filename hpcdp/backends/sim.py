@@ -172,8 +172,8 @@ class _RecvRequest(Request):
         box = self.be.comm.mail.get(self.key)
         if box:
             msg = box.popleft()
-            if msg.nbytes != self.buf.nbytes:
-                raise ValueError(
+            if msg.nbytes != self.buf.nbytes:  # (HPCDP_DEBUG names both calls)
+                raise CollectiveMismatchError(
                     f"recv on rank {self.be.ranks[self.be.rank]}: message from rank "
                     f"{self.be.ranks[self.src]} (tag {self.tag}) has {msg.nbytes} bytes, "
                     f"buffer has {self.buf.nbytes}"
@@ -236,6 +236,7 @@ class SimBackend(Backend):
     """One rank's view of a simulated group."""
 
     name = "sim"
+    shares_process = True
 
     def __init__(self, comm: _Comm, rank: int) -> None:
         self.comm = comm
@@ -243,6 +244,11 @@ class SimBackend(Backend):
         self.size = len(comm.ranks)
         self.ranks = comm.ranks
         self._calls = itertools.count()
+
+    def peers_gone(self) -> dict[int, str]:
+        dead = self.comm.world.dead
+        with self.comm.world.cond:
+            return {i: dead[g] for i, g in enumerate(self.ranks) if g in dead}
 
     # -- the rendezvous every collective goes through --------------------------------------
     def _collective(

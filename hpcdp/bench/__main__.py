@@ -21,6 +21,7 @@ DESCRIPTIONS = {
     "rpc": "R1, R2: RPC round trip and throughput against raw point-to-point",
     "tcp": "B1, B2 (same as collectives --backend tcp)",
     "sim": "C1 (same as collectives --backend sim)",
+    "trace": "T1: tracing on / off on the DDP example step, and the flight recorder's cost per op",
 }
 
 

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable, Sequence
 
-__all__ = ["load_rows", "plot_rows", "plot_files", "add_plot_argument", "maybe_plot", "main"]
+__all__ = ["load_rows", "plot_rows", "plot_files", "add_plot_argument", "maybe_plot", "PlotSink", "main"]
 
 MIB = 1 << 20
 #: (bench, op) -> (busbw ratio the target asks for, smallest size it covers, baseline's name)
@@ -191,6 +191,11 @@ def _figure_rows(rows: list[dict[str, Any]]) -> list[tuple[str, float, str, floa
                     out.append((f"checkpoint {r.get('op')}, {r.get('ranks')} ranks: bw / MPI-IO", v, ">=", t))
         elif b == "ddp" and r.get("op") == "D4" and _num(r.get("efficiency")) is not None:
             out.append((f"D4 weak scaling efficiency, {r.get('ranks')} ranks", float(r["efficiency"]), ">=", 0.85))
+        elif b == "E3" and r.get("kind") == "zero3" and _num(r.get("ratio")) is not None:
+            out.append((f"E3 ZeRO-3 step / DDP step, {r.get('ranks')} ranks", float(r["ratio"]), "<=", 1.6))
+        elif b == "E4" and _num(r.get("ratio")) is not None and _num(r.get("ranks")):
+            out.append((f"E4 ZeRO-3 / DDP model size, {r.get('ranks')} ranks", float(r["ratio"]), ">=",
+                        0.8 * float(r["ranks"])))
         elif b == "F1":   # python -m hpcdp.bench pipeline
             name = f"F1 {str(r.get('schedule'))[:30]}, {r.get('ranks')} ranks"
             ratio, bubble, theory = _num(r.get("ratio")), _num(r.get("bubble")), _num(r.get("bubble_theory"))
@@ -270,6 +275,21 @@ def add_plot_argument(parser: argparse.ArgumentParser) -> None:
     """``--plot out.png`` for a benchmark's argument parser."""
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="also draw the results (busbw / latency vs size beside the baseline) to this PNG")
+
+
+class PlotSink:
+    """A benchmark's ``JsonSink`` that also keeps every row written, for ``maybe_plot``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rows: list[Any] = []
+
+    def write(self, obj: Any) -> None:
+        self.rows.append(obj)
+        self.inner.write(obj)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def maybe_plot(args: argparse.Namespace, rows: Iterable[Any], *, title: str | None = None) -> str | None:

@@ -24,6 +24,7 @@ import numpy as np
 import hpcdp
 
 from ._common import JsonSink, Row, fmt_size, interleaved, pretouch
+from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -34,6 +35,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where to write (default: ./.bench-ckpt)")
     p.add_argument("--mode", default=None, help="checkpoint mode: mpio, vds or auto")
     p.add_argument("--json", default=None, help="append JSON lines here")
+    add_plot_argument(p)
     return p.parse_args(argv)
 
 
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     g2c = interleaved(lambda: timed(raw_read, evict), lambda: timed(ck_load, evict), args.trials)
 
-    sink = JsonSink(args.json)
+    sink = PlotSink(JsonSink(args.json if rank == 0 else None))
     if rank == 0:
         import h5py
 
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                            {"bw_ratio": ratio, "target": target, "trial_bw_ratios": [1 / r for r in t.ratios]}))
             print(f"# {name.split()[0]}: median bandwidth ratio {ratio:.3f} (target >= {target})")
         shutil.rmtree(root, ignore_errors=True)
+        maybe_plot(args, sink.rows, title=f"hpcdp checkpoint (G1, G2) vs raw MPI-IO, {n} ranks")
     sink.close()
     comm.Barrier()
     return 0

@@ -25,6 +25,7 @@ import numpy as np
 import hpcdp
 
 from ._common import JsonSink, Row, busbw_factor, fmt_size, interleaved, pretouch, print_header, print_row, sizes
+from ._plot import add_plot_argument, maybe_plot
 
 OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -42,6 +43,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="import hpcdp or mpi4py first (default: hpcdp-first under mpirun; both, "
                         "as two mpirun launches, outside it)")
     p.add_argument("--ranks", type=int, default=2, help="ranks per launch with --import-order both")
+    add_plot_argument(p)
     return p.parse_args(argv)
 
 
@@ -62,11 +64,12 @@ def _both_orders(args: argparse.Namespace, argv: list[str]) -> int:
     for a in argv:  # drop our own options; the launches get the rest
         if skip:
             skip = False
-        elif a in ("--import-order", "--ranks", "--json"):
+        elif a in ("--import-order", "--ranks", "--json", "--plot"):
             skip = True
-        elif not a.startswith(("--import-order=", "--ranks=", "--json=")):
+        elif not a.startswith(("--import-order=", "--ranks=", "--json=", "--plot=")):
             rest.append(a)
     summaries: dict[str, dict[str, float]] = {}
+    drawn: list[dict] = []
     for order in _ORDERS:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.jsonl")
@@ -83,11 +86,14 @@ def _both_orders(args: argparse.Namespace, argv: list[str]) -> int:
             with open(args.json, "a") as fh:
                 fh.writelines(json.dumps(obj) + "\n" for obj in lines)
         summaries[order] = {o["name"]: o["value"] for o in lines if o.get("bench") == "summary"}
+        if order == _ORDERS[0]:
+            drawn = lines  # one order's rows: the plot shows hpcdp beside mpi4py, not two copies
     print("# by import order (A1: busbw ratio, target >= 0.97; A2: worst overhead, target <= +3 us)")
     for name in summaries[_ORDERS[0]]:
         if name.startswith(("A1", "A2")):
             print(f"#   {name}: " + ", ".join(f"{o} {summaries[o].get(name, float('nan')):.3f}"
                                             for o in _ORDERS))
+    maybe_plot(args, drawn, title=f"hpcdp collectives vs mpi4py, {args.ranks} ranks ({_ORDERS[0]})")
     return 0
 
 
@@ -182,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     sink = JsonSink(args.json if rank == 0 else None)
     ops = [o for o in args.ops.split(",") if o]
     rows: list[Row] = []
+    extra: list[dict[str, Any]] = []  # latency and summary rows, for --plot
     if rank == 0:
         print(f"# hpcdp {hpcdp.__version__} collectives vs mpi4py, {n} ranks, {dtype}, "
               f"{args.trials} interleaved trials, median ratio t(hpcdp)/t(mpi4py), "
@@ -225,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"  {case.nbytes:>10} {lat[-1][1]:>10.2f} {lat[-1][2]:>10.2f} "
                       f"{lat[-1][3]:>+8.2f} {lat[-1][4]:>+8.2f}")
-                sink.write({"bench": "latency", "op": "allreduce", "size": case.nbytes,
-                            "time_us": lat[-1][1], "base_time_us": lat[-1][2], "diff_us": lat[-1][3],
-                            "diff_median_call_us": lat[-1][4], "import_order": order})
+                extra.append({"bench": "latency", "op": "allreduce", "size": case.nbytes,
+                              "time_us": lat[-1][1], "base_time_us": lat[-1][2], "diff_us": lat[-1][3],
+                              "diff_median_call_us": lat[-1][4], "import_order": order})
+                sink.write(extra[-1])
     # A5: an 8 B ndarray collective vs mpi4py's pickle path
     x8 = np.ones(2, np.float32)
     a5 = interleaved(lambda: _latency_trial(lambda: comm.allreduce(x8), 2000, comm),
@@ -254,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# Avg bus bandwidth    : {statistics.mean(busbw) if busbw else 0:.4f} GB/s")
         for k, (v, target) in summary.items():
             print(f"# {k}: {v:.3f} (target {target}; import order {order})")
-            sink.write({"bench": "summary", "name": k, "value": v, "target": target, "ranks": n,
-                        "import_order": order})
+            extra.append({"bench": "summary", "name": k, "value": v, "target": target, "ranks": n,
+                          "import_order": order})
+            sink.write(extra[-1])
         print(f"# sizes {fmt_size(args.min_size)} - {fmt_size(args.max_size)}; "
               "pickle allreduce 8 B: %.2f us, hpcdp: %.2f us" % (a5.base_median * 1e6, a5.cand_median * 1e6))
+        maybe_plot(args, [*rows, *extra], title=f"hpcdp collectives vs mpi4py, {n} ranks ({order})")
     sink.close()
     return 0
 

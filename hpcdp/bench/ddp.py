@@ -30,6 +30,7 @@ import hpcdp
 from hpcdp import nn, optim
 
 from ._common import JsonSink, Row, interleaved, print_header, print_row, time_loop
+from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
 
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d2-mb", type=float, default=50, help="D2: MiB of gradients")
     p.add_argument("--d4-hidden", type=int, default=1024, help="D4: hidden width of the MLP")
     p.add_argument("--d4-batch", type=int, default=64, help="D4: batch per rank")
+    add_plot_argument(p)
     args = p.parse_args(argv)
     for name in ("trials", "d1_tensors", "d4_hidden", "d4_batch"):
         if getattr(args, name) < 1:
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     short = args.iters or 5
     blas = _limit_blas()
     g = hpcdp.init()
-    sink = JsonSink(args.json if g.rank == 0 else None)
+    sink = PlotSink(JsonSink(args.json if g.rank == 0 else None))
     only = {s.strip().upper() for s in args.only.split(",")}
     if g.rank == 0:
         print(f"# hpcdp DDP benchmark: {g.size} {g.backend.name} ranks, {blas}, {args.trials} interleaved trials")
@@ -279,5 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         ok &= res["efficiency"] >= 0.85
     if g.rank == 0:
         print(f"# targets {'met' if ok else 'NOT met'}")
+        maybe_plot(args, sink.rows, title=f"hpcdp DDP (D1, D2, D4), {g.size} {g.backend.name} ranks")
     sink.close()
     return 0

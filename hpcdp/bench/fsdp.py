@@ -38,6 +38,7 @@ from hpcdp.fsdp import FSDP, zero_formula
 from hpcdp.fsdp._memory import distinct_nbytes, optimizer_state_bytes
 
 from ._common import JsonSink, interleaved
+from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
 
@@ -326,13 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--e4-depth", type=int, default=32)
     p.add_argument("--budget-mib", type=float, default=64.0, help="E4: memory budget per rank")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
+    add_plot_argument(p)
     args = p.parse_args(argv)
     if min(args.depth, args.width, args.e3_width, args.e3_batch, args.trials, args.iters, args.e4_depth) < 1 \
             or args.budget_mib <= 0:
         p.error("sizes, --trials and --iters must be >= 1 and --budget-mib positive")
     blas = _limit_blas()
     g = hpcdp.init()
-    sink = JsonSink(args.json if g.rank == 0 else None)
+    sink = PlotSink(JsonSink(args.json if g.rank == 0 else None))
     only = {s.strip().upper() for s in args.only.split(",")}
     _say(f"# hpcdp FSDP benchmark: {g.size} {g.backend.name} ranks, {blas}")
     ok = True
@@ -345,5 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if "E4" in only:
         ok &= bench_e4(args.e4_depth, args.budget_mib, sink)
     _say(f"# targets {'met' if ok else 'NOT met'}")
+    if g.rank == 0 and sink.rows and ({"E3", "E4"} & only):  # E1/E2 are tables, not figures
+        maybe_plot(args, sink.rows, title=f"hpcdp FSDP/ZeRO (E3, E4), {g.size} ranks")
     sink.close()
     return 0

@@ -4,6 +4,9 @@ R1  ``rpc_sync`` round trip of a no-op against a ``send``/``recv`` ping-pong of 
     (target: at most 3x on MPI and TCP): mean over a loop, and the median of single calls.
 R2  64 ``rpc_async`` calls in flight, each carrying a 1 MiB array to a callee that drops it,
     against 64 ``isend``/``irecv`` of the same buffers (target: at least 0.8 of the raw rate).
+    The raw side receives into arrays allocated once; RPC receives into buffers it reuses once
+    a callee has let go of them (``hpcdp.rpc._wire.RECV_BUFFERS``): into fresh memory each
+    message would also pay its page faults, which on shared memory halve the rate or worse.
 
 Trials alternate baseline and RPC (``_common.interleaved``); figures are medians.
 

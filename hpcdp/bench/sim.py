@@ -14,6 +14,7 @@ import numpy as np
 import hpcdp
 
 from ._common import JsonSink, fmt_size, interleaved, pretouch, sizes
+from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,9 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-size", type=int, default=64 << 20)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--json", default=None)
+    add_plot_argument(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     n = args.ranks
-    sink = JsonSink(args.json)
+    sink = PlotSink(JsonSink(args.json))
     print(f"# sim allreduce, {n} thread ranks, float32, median of {args.trials} interleaved trials")
     print(f"# {'size':>10} {'sim(us)':>10} {'numpy(us)':>10} {'ratio':>7}   (C1 target <= 2.0)")
     ratios = []
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# C1 sim allreduce / numpy sum+copies, {fmt_size(args.min_size)}-{fmt_size(args.max_size)}: "
           f"worst {max(ratios):.3f}, median {float(np.median(ratios)):.3f} (target <= 2.0)")
     sink.close()
+    maybe_plot(args, sink.rows, title=f"hpcdp sim allreduce (C1), {n} thread ranks")
     return 0
 
 

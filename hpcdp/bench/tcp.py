@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["main_tcp", "run_b1", "run_b2"]
+from ._plot import add_plot_argument, maybe_plot
 
 
 def _raw_pair(rank: int) -> socket.socket:
@@ -169,13 +170,13 @@ def _slowest(t: float) -> float:
 
 
 def run_b1(sizes: Sequence[int] = (8, 1 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..backends._tcp_spawn import spawn_processes
+    from ..launch._processes import spawn_processes
 
     return spawn_processes(_b1_body, 2, args=(list(sizes), trials), timeout=600)[0]
 
 
 def run_b2(ranks: int, sizes: Sequence[int] = (4 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..backends._tcp_spawn import free_port, spawn_processes
+    from ..launch._processes import free_port, spawn_processes
 
     return spawn_processes(_b2_body, ranks, args=(list(sizes), trials, free_port()), timeout=600)[0]
 
@@ -187,6 +188,7 @@ def main_tcp(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--json", default=None, help="append JSON lines here")
     p.add_argument("--skip-b1", action="store_true")
+    add_plot_argument(p)
     ns, _ = p.parse_known_args(argv)
     rows: list[dict[str, Any]] = []
     if not ns.skip_b1:
@@ -220,6 +222,7 @@ def main_tcp(argv: Sequence[str] | None = None) -> int:
         with open(ns.json, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    maybe_plot(ns, rows, title="hpcdp TCP (B1, B2) beside raw sockets and gloo")
     return 0
 
 

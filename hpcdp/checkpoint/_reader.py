@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
+from .. import trace
 from .._arrays import is_cupy
 from ..errors import CheckpointError
 from ._commit import DATA, recover
@@ -280,7 +281,8 @@ def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any
         if not os.path.lexists(fn):
             recover(os.fspath(path))  # whichever rank put it back, it is back for all
             fn = data_file(path)
-        result = _read(fn, like)
+        with trace.span("checkpoint.read", "checkpoint"):
+            result = _read(fn, like)
     except CheckpointError as exc:
         err = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure becomes the same error on every rank

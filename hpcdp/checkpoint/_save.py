@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
-from .. import _world
+from .. import _world, trace
 from ..errors import CheckpointError
 from . import _commit
 from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
@@ -127,9 +127,37 @@ def _check_trees(group: Any, final: str, digests: list[str | None], tree: dict |
                           "save the same non-array values")
 
 
+class _Phases:
+    """The save's consecutive steps as ``checkpoint.<phase>`` spans on the timeline (``HPCDP_TRACE``)."""
+
+    def __init__(self) -> None:
+        self._cur: Any = None
+
+    def __call__(self, name: str) -> None:
+        self.end()
+        if trace.state.on:
+            self._cur = trace.span(f"checkpoint.{name}", "checkpoint")
+            self._cur.__enter__()
+
+    def end(self) -> None:
+        cur, self._cur = self._cur, None
+        if cur is not None:
+            cur.__exit__(None, None, None)
+
+
 def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
              keep_last: int | None, local_err: str | None) -> str:
+    phase = _Phases()
+    try:
+        return _save_steps(group, final, tree, leaves, mode, keep_last, local_err, phase)
+    finally:
+        phase.end()
+
+
+def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
+                keep_last: int | None, local_err: str | None, phase: _Phases) -> str:
     rank, size = group.rank, group.size
+    phase("plan")
     # 2. agree on the plan
     specs = None if local_err else [l.spec() for l in leaves]
     blocks = None if local_err else [(l.offsets, tuple(l.data.shape)) if l.kind == "shard" else None
@@ -160,6 +188,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     tmp = _agree(group, "preparing the directory", final, err, tmp)[0]
 
     # 4. write
+    phase("write")
     if mode == "mpio":
         from ._writer_mpio import MpioWriter
 
@@ -219,6 +248,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
     raw, mcrc = encode_manifest(manifest)
 
     # 6. finish and fsync (finish closes the file on every rank even when it fails on one)
+    phase("fsync")
     err = None
     try:
         written = writer.finish(raw, mcrc)
@@ -236,6 +266,7 @@ def _save_on(group: Any, final: str, tree: dict | None, leaves: list, mode: str,
 
     # 7. verify and commit (rank 0), then rotate: the save succeeded once committed, so a
     # rotation failure is a warning, not a failed save.
+    phase("commit")
     err, rotate_err = None, None
     if rank == 0:
         try:

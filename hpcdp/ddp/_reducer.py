@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import trace
 from ..errors import HpcdpError
 from ._buckets import Bucket, build_buckets
 from .comm_hooks import GradBucket, allreduce_hook
@@ -224,6 +225,8 @@ class Reducer:
                     v[...] = p.grad
         b.launched = True
         self._next_launch = b.index + 1
+        if trace.state.on:
+            trace.instant("bucket ready", "ddp", bucket=b.index, bytes=b.nbytes)
         gb = GradBucket(b.index, b.flat, b.params, b.views, self.group, self.divisor,
                         b.index == len(self.buckets) - 1)
         hook = self.comm_hook or allreduce_hook
@@ -235,6 +238,8 @@ class Reducer:
         else:
             b.work = hook(state, gb)
         self._inflight.append(b)
+        if trace.state.on:
+            trace.counter("buckets in flight", "ddp", buckets=len(self._inflight))
 
     def finish_sync_pass(self) -> None:
         if self._expected is None:
@@ -271,6 +276,7 @@ class Reducer:
         self._used[...] = 0
         if self.join is not None:
             self.join.after_sync_pass()
+        trace.step()  # one synced backward: the straggler report's step (collective every N)
 
     def _wait_all(self) -> None:
         for b in self.buckets:
@@ -291,6 +297,8 @@ class Reducer:
         self._inflight = []
         if self.progress is not None:
             self.progress.clear()
+        if trace.state.on:
+            trace.counter("buckets in flight", "ddp", buckets=0)
 
     def shadow_sync_pass(self) -> None:
         for b in self.buckets:
@@ -315,3 +323,4 @@ class Reducer:
         if not self.gradient_as_bucket_view:
             for (_, p), g in zip(self.named, saved):
                 p.grad = g
+        trace.step()  # mirrors the active ranks' steps, so a straggler report stays collective

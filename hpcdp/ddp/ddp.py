@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import trace
 from .._arrays import xp_of
 from ..errors import HpcdpError
 from ..nn.module import Module
@@ -208,15 +209,17 @@ class DDP:
         sync = self._require_sync
         reducer = self._reducer
         reducer.begin_pass(sync)
-        try:
-            # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
-            run = getattr(self.module, "run_backward", None)
-            out = run(grad_output) if run is not None else self.module.backward(grad_output)
-        except BaseException:
-            reducer.in_backward = False
-            raise
-        if sync:
-            reducer.finish_sync_pass()
+        with trace.span("backward", "ddp", sync=sync):
+            try:
+                # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
+                run = getattr(self.module, "run_backward", None)
+                out = run(grad_output) if run is not None else self.module.backward(grad_output)
+            except BaseException:
+                reducer.in_backward = False
+                raise
+            if sync:
+                with trace.span("wait gradients", "ddp"):
+                    reducer.finish_sync_pass()
         reducer.in_backward = False
         return out
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import trace
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.parameter import Parameter
@@ -139,6 +140,8 @@ class Unit:
         self._ag_bytes = int(self._ag_buf.nbytes)
         self._track(self._ag_bytes)
         self._ag_work = self.comm.all_gather(send, self._ag_buf)
+        if trace.state.on:
+            trace.instant("gather posted", "fsdp", unit=self.name, bytes=self._ag_bytes)
         return True
 
     def poll(self) -> None:
@@ -156,7 +159,8 @@ class Unit:
             self.full = self.flat
         else:
             if self._ag_work is not None:
-                self._ag_work.wait()
+                with trace.span("fsdp.gather", "fsdp", unit=self.name):
+                    self._ag_work.wait()
                 self._ag_work = None
             gathered = decode(self._ag_buf, travel)
             dtype = np.dtype(np.float32) if travel == BF16 else np.dtype(travel)
@@ -260,13 +264,16 @@ class Unit:
             slot = self.slots[i]
             slot.param.grad = FreedGrad(slot.name)
         self.reduction = Reduction(self.comm, send, self.reduce_dtype, predivide, self.name)
+        if trace.state.on:
+            trace.instant("reduction posted", "fsdp", unit=self.name, bytes=int(send.nbytes))
 
     def finish_reduction(self) -> None:
         """Wait for the reduction; add this rank's piece to (or make it) the shard gradients."""
         red, self.reduction = self.reduction, None
         if red is None:
             return
-        res = red.wait()
+        with trace.span("fsdp.reduce_scatter", "fsdp", unit=self.name):
+            res = red.wait()
         used = to_host(res[self.S:]) > 0
         res = res[:self.S].astype(self.master_dtype)   # a copy: the flags do not stay behind
         for i in self.trainable:

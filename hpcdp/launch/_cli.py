@@ -75,15 +75,26 @@ def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int
         if code and under_mpi:
             _abort(code)
         return code
-    except BaseException:  # noqa: BLE001 - the point is to catch everything
+    except BaseException as exc:  # noqa: BLE001 - the point is to catch everything
         rank = _rank_label()
         text = traceback.format_exc()
         sys.stderr.write("".join(f"{rank}{line}\n" for line in text.rstrip("\n").split("\n")))
         sys.stderr.flush()
+        _dump_flight_record(exc)  # the abort below skips the excepthook's dump
         if under_mpi:
             _abort(1)
         return 1
     return 0
+
+
+def _dump_flight_record(exc: BaseException) -> None:
+    """Write this rank's flight record (and flush its timeline) if hpcdp was in use."""
+    if "hpcdp.trace" not in sys.modules:
+        return
+    from .. import trace
+
+    trace.dump(f"uncaught {type(exc).__name__}: {exc}")
+    trace.flush_timelines()
 
 
 def _rank_label() -> str:

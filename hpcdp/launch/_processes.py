@@ -71,6 +71,7 @@ def _child(rank: int, env: dict[str, str], path: list[str], payload: bytes, conn
         status = ("ok", fn(rank, *args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         status = ("err", exc, traceback.format_exc())
+        hpcdp.trace.dump(f"uncaught {type(exc).__name__} on tcp rank {rank}: {exc}")
     try:
         data = pickle.dumps(status)
     except Exception as exc:  # noqa: BLE001 - unpicklable result or exception

@@ -5,6 +5,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .. import trace
 from .._world import _set_thread_default
 from ..errors import HpcdpError, PeerFailureError
 from ..backends import backend_spawner, spawnable_backends
@@ -60,11 +61,16 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, .
         group = ProcessGroup(make(r), name="world", timeout=timeout)
         _set_thread_default(group, "sim")
         try:
+            trace.install(r, world_size)  # this thread is rank r: its recorder, its dumps
+            trace._straggler.from_env(group)
             results[r] = fn(r, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported by spawn
             errors[r] = exc
+            # before peers learn of it: their PeerFailureError dumps are rate-limited
+            trace.dump(f"uncaught {type(exc).__name__} on simulated rank {r}: {exc}")
             world.mark_dead(r, f"{type(exc).__name__}: {exc}")
         finally:
+            trace._straggler.stop()
             _set_thread_default(None)
             # A rank that returned can no longer join anything: peers still waiting on it fail
             # fast, as on TCP. Messages it already sent stay readable.

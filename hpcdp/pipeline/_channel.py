@@ -129,7 +129,7 @@ class Channel:
         self.timeout = float(timeout)
         self._data_base = 1 + 2 * n_stages
         top = self._data_base + 2 * n_stages * microbatches - 1
-        max_tag = int(getattr(comm, "_max_tag", 32767))
+        max_tag = int(comm.backend.max_tag)  # the transport's capability (MPI: its TAG_UB)
         if top > max_tag:
             raise ValueError(f"Pipeline: {n_stages} stages x {microbatches} microbatches need tags up "
                              f"to {top}, but this transport allows {max_tag}; use fewer microbatches")
@@ -160,24 +160,49 @@ class Channel:
                 self._ctrl[peer] = (self.comm.irecv(buf, peer, CTRL_TAG), buf)
 
     def poll_control(self) -> None:
-        """Collect arrived control messages; raise ``PeerAborted`` if one reports a failure."""
-        for peer, (work, buf) in list(self._ctrl.items()):
-            try:
-                done = work.is_completed()
-                if done:
-                    work.wait(0)
-            except HpcdpError as exc:  # the peer died without a word
-                del self._ctrl[peer]
-                msg = ControlMessage(FAILED, -1, -1, peer, float("nan"), "?",
-                                     f"{type(exc).__name__}: {exc}")
-                self._got[peer] = msg
-                raise PeerAborted(msg, peer) from exc
+        """Collect arrived control messages; raise ``PeerAborted`` if one reports a failure.
+
+        A relayed account (rank A says rank B failed) waits briefly for B's own message, which
+        names the action and the error; which of the two a poll sees first is a race.
+        """
+        first: PeerAborted | None = None
+        for peer in list(self._ctrl):
+            got = self._take(peer)
+            if got is not None and (first is None or (first.via != first.root.rank
+                                                      and got.via == got.root.rank)):
+                first = got
+        if first is None:
+            return
+        root = first.root.rank
+        if first.via != root and root in self._ctrl:
+            deadline = time.monotonic() + min(1.0, self.timeout)
+            while root in self._ctrl and time.monotonic() < deadline:
+                own = self._take(root)
+                if own is not None and own.root.rank == root and own.root.action != "?":
+                    raise own
+                time.sleep(_NAP)
+        raise first
+
+    def _take(self, peer: int) -> PeerAborted | None:
+        """Peer's control message if it has come: None for DONE or nothing yet, else the
+        ``PeerAborted`` to raise (a transport error on it means the peer died without a word)."""
+        work, buf = self._ctrl[peer]
+        try:
+            done = work.is_completed()
             if done:
-                del self._ctrl[peer]
-                msg = ControlMessage.decode(buf, peer)
-                self._got[peer] = msg
-                if msg.kind != DONE:
-                    raise PeerAborted(msg, peer)
+                work.wait(0)
+        except HpcdpError as exc:
+            del self._ctrl[peer]
+            msg = ControlMessage(FAILED, -1, -1, peer, float("nan"), "?",
+                                 f"{type(exc).__name__}: {exc}")
+            self._got[peer] = msg
+            return PeerAborted(msg, peer)
+        if not done:
+            return None
+        del self._ctrl[peer]
+        msg = ControlMessage.decode(buf, peer)
+        self._got[peer] = msg
+        return None if msg.kind == DONE else PeerAborted(msg, peer)
 
     def tell_all(self, msg: ControlMessage) -> None:
         """Send ``msg`` to every other rank (small: never blocks for long).
@@ -275,16 +300,12 @@ class Channel:
 
     @staticmethod
     def _block(work: Any, seconds: float) -> None:
-        """Wait up to ``seconds`` for ``work`` without giving it up on timeout (unlike
-        ``Work.wait``, which abandons what did not complete)."""
-        req = getattr(work, "_req", None)
-        if req is None:
-            time.sleep(min(seconds, 1e-4))
-            return
+        """Wait up to ``seconds`` for ``work`` without giving it up on timeout (``wait_for``;
+        ``Work.wait`` would abandon what did not complete)."""
         try:
-            req.wait(seconds)
+            work.wait_for(seconds)
         except HpcdpError:
-            pass   # the next is_completed() reports it through the Work
+            pass   # kept by the Work: the next is_completed()/wait() reports it
 
     def wait_sends(self) -> None:
         deadline = time.monotonic() + self.timeout

@@ -117,22 +117,26 @@ class Agent(Serving, Calls, Housekeeping):
         self.transport.start()
 
     def _make_transport(self, group: Any, init_timeout: float) -> Any:
-        kind = getattr(group.backend, "name", None)
-        if kind == "sim":
+        """The channel to the peers, chosen by what the backend can do (``Backend``'s
+        capabilities), never by its name: a registered third-party backend gets one too."""
+        be = group.backend
+        if be.shares_process:
             from ._transport_sim import SimTransport
 
-            return SimTransport(group, self.limits, self._deliver, self._lost)
-        if kind == "tcp":
-            from ._transport_tcp import TCPTransport
-
-            return TCPTransport(group, self.limits, self._deliver, self._lost, init_timeout,
-                                max(30.0, self.default_timeout))
-        if kind == "mpi":
+            return SimTransport(group, self.limits, self._deliver, self._lost, init_timeout)
+        if be.native_comm() is not None:
             from ._transport_mpi import MPITransport
 
             return MPITransport(group, self.limits, self._deliver, self._lost)
-        raise BackendUnavailableError(f"init_rpc (rank {self.rank}): no RPC transport for "
-                                      f"backend {kind!r}")
+        from ._transport_tcp import TCPTransport
+
+        try:
+            return TCPTransport(group, self.limits, self._deliver, self._lost, init_timeout,
+                                max(30.0, self.default_timeout))
+        except BackendUnavailableError as exc:
+            raise BackendUnavailableError(
+                f"init_rpc (rank {self.rank}): the {be.name} backend shares no process and has "
+                f"no MPI communicator, so RPC needs its own TCP connections: {exc}") from None
 
     # -- naming -----------------------------------------------------------------------------
     def worker_info(self, rank: int) -> WorkerInfo:

@@ -73,8 +73,9 @@ def init_rpc(name: str, *, group: Any = None, rpc_timeout: float | None = None,
     agent = Agent(name, group, timeout=timeout, num_worker_threads=num_worker_threads,
                   limits=limits or Limits(),
                   init_timeout=group.timeout if init_timeout is None else float(init_timeout))
-    sim = getattr(group.backend, "name", None) == "sim"
-    _context.set_current(agent, process_wide=not sim or _world._default is group)
+    # ranks that are threads of one process each have their own agent (per thread)
+    threads = group.backend.shares_process
+    _context.set_current(agent, process_wide=not threads or _world._default is group)
     with _atexit_lock:
         _agents.add(agent)
         if not _atexit_done:

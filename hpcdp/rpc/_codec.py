@@ -40,6 +40,8 @@ __all__ = ["Limits", "encode", "decode", "Encoded"]
 LIST, TUPLE, DICT, NDARRAY, COMPLEX, NPSCALAR, BIGINT, DATACLASS, RREF = range(9)
 
 _DTYPES: dict[str, np.dtype] = {dt.name: dt for dt in SUPPORTED_DTYPES}
+#: native-order supported dtypes and their wire names (``dtype.name`` is slow to compute)
+_NAMES: dict[np.dtype, str] = {dt: dt.name for dt in SUPPORTED_DTYPES}
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 MAX_BIGINT_BYTES = 1024
@@ -190,13 +192,16 @@ class _Encoder:
         raise TypeError(f"cannot send a {_tname(t)} over RPC; supported: {_TYPES_HELP}")
 
     def array(self, x: Any) -> list:
-        if is_cupy(x):
-            x = x.get()  # staged to host; arrives as numpy
-        if not x.dtype.isnative and x.dtype.kind in "biufc":
-            x = x.astype(x.dtype.newbyteorder("="))  # travels in native (little-endian) order
-        if x.dtype not in _SUPPORTED:
-            raise TypeError(f"cannot send a numpy array of dtype {x.dtype} over RPC; supported "
-                            f"dtypes: {', '.join(_DTYPES)}")
+        name = _NAMES.get(x.dtype) if type(x) is np.ndarray else None
+        if name is None:  # cupy, another byte order, or a dtype that cannot go
+            if is_cupy(x):
+                x = x.get()  # staged to host; arrives as numpy
+            if not x.dtype.isnative and x.dtype.kind in "biufc":
+                x = x.astype(x.dtype.newbyteorder("="))  # travels in native order
+            if x.dtype not in _SUPPORTED:
+                raise TypeError(f"cannot send a numpy array of dtype {x.dtype} over RPC; "
+                                f"supported dtypes: {', '.join(_DTYPES)}")
+            name = x.dtype.name
         if x.ndim > MAX_NDIM:
             raise ValueError(f"array with {x.ndim} dimensions; at most {MAX_NDIM}")
         if not x.flags.c_contiguous:
@@ -205,7 +210,7 @@ class _Encoder:
             raise ValueError(f"more than {self.limits.max_buffers} arrays in one message "
                              "(Limits.max_buffers)")
         self.buffers.append(memoryview(x.reshape(-1).view(np.uint8)))
-        return [NDARRAY, x.dtype.name, list(x.shape), len(self.buffers) - 1]
+        return [NDARRAY, name, list(x.shape), len(self.buffers) - 1]
 
 
 def encode(obj: Any, limits: Limits, rref_hook: Callable[[Any], tuple[list, Any]] | None = None
@@ -362,10 +367,12 @@ class _Decoder:
         buf = self.buffers[i]
         # with a zero in the shape the product says nothing: the other sides still must not
         # describe more than a message may hold (numpy refuses, or allocates for, huge ones)
-        if math.prod(s for s in shape if s) * dt.itemsize > self.limits.max_message_bytes:
+        nbytes = math.prod(shape) * dt.itemsize
+        if (nbytes or math.prod(s for s in shape if s) * dt.itemsize) > \
+                self.limits.max_message_bytes:
             raise ProtocolError(f"array of shape {tuple(shape)[:8]} is larger than any "
                                 "message may be")
-        if math.prod(shape) * dt.itemsize != len(buf):
+        if nbytes != len(buf):
             raise ProtocolError(f"array of shape {tuple(shape)} {dt} does not match its "
                                 f"{len(buf)}-byte buffer")
         a = np.frombuffer(buf, dt)
@@ -411,8 +418,11 @@ def decode(body: Any, buffers: Sequence[Any], limits: Limits,
     try:
         if nb > _SMALL_BODY:
             _check_lengths(body)
+        # each item takes a byte at least: a body this short cannot trip the count (and a
+        # Python call per array is a good part of decoding a small message)
+        hook = d.count_list if nb > 2 * limits.max_elements + 64 else None
         tree = msgpack.unpackb(body, use_list=True, raw=False, strict_map_key=True,
-                               list_hook=d.count_list, ext_hook=_reject_ext, max_map_len=0,
+                               list_hook=hook, ext_hook=_reject_ext, max_map_len=0,
                                max_array_len=min(limits.max_elements + 2, nb), max_ext_len=0)
     except ProtocolError:
         raise

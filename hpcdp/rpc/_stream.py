@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ._codec import Limits
-from ._wire import MAX_ENVELOPE, PREFIX, Frame, check_sizes, parse_prefix
+from ._wire import MAX_ENVELOPE, PREFIX, RECV_BUFFERS, Frame, check_sizes, parse_prefix
 
 __all__ = ["FrameReader", "STAGE"]
 
@@ -123,7 +123,7 @@ class FrameReader:
                     self.body = bytearray(n)
                     self.target = memoryview(self.body)
                 else:
-                    a = np.empty(self.lens[i - 1], np.uint8)
+                    a = RECV_BUFFERS.take(self.lens[i - 1])
                     self.bufs.append(a)
                     if not a.size:
                         self.part += 1

@@ -1,13 +1,17 @@
-"""Simulated ranks (threads of one process): one inbox queue per rank, a dispatcher thread each.
+"""Ranks that are threads of one process (``Backend.shares_process``, e.g. simulated ranks): one
+inbox queue per rank, a dispatcher thread each.
 
 Messages are copied once on send, as a network would, so caller and callee never share arrays.
-A rank whose thread died (``SimWorld.dead``) is reported lost to its peers; a rank that shut
+The ranks meet at a hub that rank 0 creates and names through the group (a random token), so
+any backend whose ranks share a process gets this transport without hpcdp knowing it. A rank the
+backend reports gone (``Backend.peers_gone``) is reported lost to its peers; a rank that shut
 down gracefully leaves the hub first, so its later exit is not a failure.
 """
 from __future__ import annotations
 
 import functools
 import queue
+import secrets
 import threading
 import weakref
 from typing import Any, Sequence
@@ -16,7 +20,7 @@ import numpy as np
 
 from ..errors import HpcdpError, PeerFailureError
 from ._codec import Limits
-from ._transport_base import Deliver, Lost, Transport
+from ._transport_base import Deliver, Lost, Transport, exchange_bytes
 from ._wire import Frame, check_sizes
 
 __all__ = ["SimTransport"]
@@ -31,20 +35,41 @@ class _Hub:
         self.left: set[int] = set()
 
 
-_hubs: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], _Hub]]" = weakref.WeakKeyDictionary()
+#: live hubs by token; a hub lives as long as a transport holds it
+_hubs: "weakref.WeakValueDictionary[str, _Hub]" = weakref.WeakValueDictionary()
 _hubs_lock = threading.Lock()
 
 
-class SimTransport(Transport):
-    name = "sim"
-
-    def __init__(self, group: Any, limits: Limits, deliver: Deliver, lost: Lost) -> None:
-        super().__init__(group.rank, group.size, limits, deliver, lost)
-        be = group.backend
-        self.world = be.comm.world
-        self.globals = tuple(be.ranks)
+def _join_hub(group: Any, timeout: float) -> _Hub:
+    """Collective: rank 0 makes the hub and sends its token; every rank finds it by the token."""
+    hub = None
+    token = b""
+    if group.rank == 0:
+        hub = _Hub()
+        token = secrets.token_hex(16).encode()
         with _hubs_lock:
-            self.hub = _hubs.setdefault(self.world, {}).setdefault(self.globals, _Hub())
+            _hubs[token.decode()] = hub
+    token = exchange_bytes(group, token, timeout)[0]
+    if hub is None:
+        with _hubs_lock:
+            hub = _hubs.get(token.decode("ascii", "replace"))
+    if hub is None:
+        raise HpcdpError(f"init_rpc (rank {group.rank}): rank 0's RPC hub is not in this process; "
+                         f"the {group.backend.name} backend says its ranks share a process "
+                         "(shares_process) but they do not")
+    return hub
+
+
+class SimTransport(Transport):
+    """RPC between ranks that are threads of this process."""
+
+    name = "threads"
+
+    def __init__(self, group: Any, limits: Limits, deliver: Deliver, lost: Lost,
+                 timeout: float) -> None:
+        super().__init__(group.rank, group.size, limits, deliver, lost)
+        self.backend = group.backend
+        self.hub = _join_hub(group, timeout)
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
         self.gone: set[int] = set()
@@ -78,7 +103,7 @@ class SimTransport(Transport):
             peer = self.hub.members.get(dst)
             left = dst in self.hub.left
         if peer is None or peer.closed:
-            why = self.world.dead.get(self.globals[dst])
+            why = self.backend.peers_gone().get(dst)
             if left and why is None:
                 why = "it has shut down its RPC agent"
             raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: "
@@ -109,18 +134,18 @@ class SimTransport(Transport):
                 task.run(handoff)
 
     def _check_peers(self) -> None:
-        dead = self.world.dead
-        if self.globals[self.rank] in dead and not self.closed:
+        dead = self.backend.peers_gone()
+        if self.rank in dead and not self.closed:
             self.close(False, 0.0)  # this rank's thread died: its agent goes with it
             return
         with self.hub.lock:
             members, left = set(self.hub.members), set(self.hub.left)
-        for r, g in enumerate(self.globals):
+        for r in range(self.size):
             if r == self.rank or r in self.gone:
                 continue
-            if g in dead or r not in members:
+            if r in dead or r not in members:
                 self.gone.add(r)
-                why = dead.get(g) or "it shut down its RPC agent"
+                why = dead.get(r) or "it shut down its RPC agent"
                 self.lost(r, why, r in left)
 
     def close(self, graceful: bool, timeout: float) -> None:

@@ -1,9 +1,10 @@
-"""TCP ranks: RPC's own full mesh of authenticated connections.
+"""Ranks in separate processes without an MPI communicator (TCP, or any such backend): RPC's own
+full mesh of authenticated connections.
 
-Built collectively after the TCP world exists: each rank listens (the same HMAC gate as the
-world's listener, ``_tcp_accept.AuthListener``, for a role of its own so a handshake cannot be
-replayed across roles), publishes ``host:port`` through the group, connects to every higher
-rank and accepts every lower one.
+Built collectively after the world exists: each rank listens (the same HMAC gate as the TCP
+world's listener, ``backends.tcp._accept.AuthListener``, for a role of its own so a handshake
+cannot be replayed across roles), publishes ``host:port`` through the group, connects to every
+higher rank and accepts every lower one.
 
 Sending: a frame's small parts go out as one buffer and its arrays straight from their memory
 (``sendmsg``, zero-copy), under a per-peer lock, first without blocking; a send that would block
@@ -29,9 +30,9 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ..backends import _tcp_wire as tcpwire
-from ..backends._tcp_accept import AuthListener, connect
+from ..backends.tcp import _wire as tcpwire
 from ..backends.tcp import bind_address
+from ..backends.tcp._accept import AuthListener, connect
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError
 from ._codec import Limits
 from ._duty import before_blocking

@@ -12,19 +12,26 @@ Everything a receiver allocates is announced in the prefix and the lengths and c
 its ``Limits`` first. A frame that breaks a limit but is well formed is drained (read in fixed
 chunks, never allocated) and reported to the agent with its envelope, so the caller gets a clear
 error and the connection stays in step; a malformed prefix is fatal for that connection only.
+
+Large array parts are received into buffers from ``RECV_BUFFERS``, which reuses a buffer once
+nothing refers to it any more (see ``RecvBuffers``).
 """
 from __future__ import annotations
 
+import os
 import struct
+import sys
+import threading
 from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 
 from ..errors import ProtocolError
 from ._codec import Limits, _packer
 
 __all__ = ["PREFIX", "MAX_ENVELOPE", "Frame", "pack_prefix", "parse_prefix", "check_sizes",
-           "pack_envelope", "unpack_envelope"]
+           "pack_envelope", "unpack_envelope", "RecvBuffers", "RECV_BUFFERS"]
 
 PREFIX = struct.Struct("<2sBBIII")
 _pack, _unpack_from = PREFIX.pack, PREFIX.unpack_from
@@ -99,3 +106,93 @@ def unpack_envelope(env: bytes | None) -> list[Any]:
             or type(fields[1]) is not int):
         raise ProtocolError("malformed envelope (expected [kind, id, ...])")
     return fields
+
+
+def _refs_at(entries: list, i: int) -> int:
+    """The reference count of ``entries[i]`` as the scan sees it (also used to calibrate)."""
+    return sys.getrefcount(entries[i])
+
+
+def _calibrate() -> int | None:
+    """The count ``_refs_at`` reports for a buffer only its pool refers to, or None if this
+    interpreter's counts cannot tell such a buffer from one with a live view."""
+    entries = [np.empty(1, np.uint8)]
+    free = _refs_at(entries, 0)
+    view = entries[0][:]
+    held = _refs_at(entries, 0)
+    del view
+    if held != free + 1 or _refs_at(entries, 0) != free:
+        return None
+    return free
+
+
+class RecvBuffers:
+    """Buffers for large received array parts, reused once nothing else refers to them.
+
+    Why: a fresh megabyte is mapped page by page while the receive copies into it. On MPI the
+    receiver makes that copy itself (shared memory: ``process_vm_readv``), so a message into
+    fresh memory takes two to four times as long as one into memory already mapped; a raw
+    ``irecv`` into a preallocated array never pays it. Callees usually drop their arguments
+    (and callers their results) before the next message of the same size comes, so its buffer
+    is reused.
+
+    A buffer is handed out again only while this pool holds the sole reference to it: every
+    array, view or memoryview of its memory (a decoded argument, an MPI receive in flight, a
+    ``Frame``) refers to it, directly or through the views it came from, so memory still in
+    use is never reused. Reference counts are calibrated at import; where the interpreter's
+    cannot show this (``_calibrate`` is None) every part gets fresh memory. The pool keeps at
+    most ``cap`` bytes of buffers (``HPCDP_RPC_RECV_CACHE``, 0 turns reuse off), forgetting the
+    oldest first: a buffer a callee kept stays the callee's.
+    """
+
+    #: smaller parts come from the allocator (mapped already, and cheap to fault)
+    MIN = 64 << 10
+    MAX_ENTRIES = 128
+
+    def __init__(self, cap: int) -> None:
+        self.cap = max(0, cap)
+        self._free = _calibrate()
+        self._lock = threading.Lock()
+        self._entries: list[np.ndarray] = []
+        self._bytes = 0
+        self.reused = 0  # parts served from a reused buffer (tests and benchmarks read it)
+
+    def take(self, n: int) -> np.ndarray:
+        """A uint8 array of ``n`` bytes (contents undefined) that the caller fills entirely.
+
+        ``n`` must already have passed the receiver's ``Limits``.
+        """
+        if n < self.MIN or n > self.cap or self._free is None:
+            return np.empty(n, np.uint8)
+        with self._lock:
+            entries, free = self._entries, self._free
+            hi = n + (n >> 3)  # a slightly larger free buffer serves too
+            for i in range(len(entries) - 1, -1, -1):  # the newest first: warm in the caches
+                if n <= entries[i].size <= hi and _refs_at(entries, i) == free:
+                    self.reused += 1
+                    return entries[i][:n]
+            buf = np.empty(n, np.uint8)
+            entries.append(buf)
+            self._bytes += n
+            while self._bytes > self.cap or len(entries) > self.MAX_ENTRIES:
+                self._bytes -= entries.pop(0).size
+            return buf[:n]
+
+    def clear(self) -> None:
+        """Forget every buffer (those in use stay with their users)."""
+        with self._lock:
+            self._entries = []
+            self._bytes = 0
+
+
+def _cache_bytes() -> int:
+    raw = os.environ.get("HPCDP_RPC_RECV_CACHE", "")
+    if not raw:
+        return 128 << 20
+    if not raw.strip().isdigit():
+        raise ValueError(f"HPCDP_RPC_RECV_CACHE={raw!r}: expected a number of bytes (0: off)")
+    return int(raw)
+
+
+#: shared by every transport of the process (simulated ranks are threads of one process)
+RECV_BUFFERS = RecvBuffers(_cache_bytes())

@@ -1,12 +1,15 @@
 """Run a body on N ranks of any registered backend, or on the MPI world, and check the result."""
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
+import traceback
 from typing import Any, Callable, Sequence
 
 import hpcdp
+from ..errors import HpcdpError
 
 __all__ = ["run_ranks", "run_mpi", "check", "spawn_backends", "shared_dir", "remove_shared_dir"]
 
@@ -23,10 +26,59 @@ def run_ranks(backend: str, world_size: int, fn: Callable[..., Any], *args: Any,
                        join_timeout=join_timeout)
 
 
-def run_mpi(fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """Run a body on every rank of the default group; every rank gets every rank's result."""
-    mine = fn(hpcdp.rank(), *args)
-    return hpcdp.all_gather_object(mine)
+#: seconds a collective inside a ``run_mpi`` body waits by default: well inside pytest's own
+#: cap (300 s), so ranks left waiting by a peer that went astray give up and report in time
+MPI_BODY_TIMEOUT = 120.0
+_runs = itertools.count(1)
+
+
+def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOUT) -> list[Any]:
+    """``fn(rank, *args)`` on every rank of the default group; every rank gets every rank's
+    result. Collective.
+
+    The body runs on a fresh group of the same ranks (its default group for the call), so what
+    it leaves behind cannot reach the next call: an MPI collective that timed out leaves its
+    group out of step for good. A body that raises on some ranks still takes part in the
+    exchange of results on the default group, so the ranks stay in step, and then every rank
+    raises ``AssertionError`` naming each rank's exception.
+
+    Args:
+        timeout: the fresh group's timeout (a call's own ``timeout=`` still wins).
+    """
+    from .. import _world
+
+    parent = hpcdp.get_default_group()
+    if parent.size == 1:  # nothing to keep in step
+        return [fn(parent.rank, *args)]
+    if parent._broken:
+        raise HpcdpError(f"run_mpi (rank {parent.rank}): group {parent.name} is out of step "
+                         f"since an earlier test ({parent._broken}); later multi-rank tests "
+                         "cannot run in this job")
+    group = parent.new_group(list(range(parent.size)), name=f"{parent.name}.run{next(_runs)}",
+                             timeout=timeout)
+    outer = getattr(_world._tls, "group", None)
+    # started as the parent was, so that a body's own hpcdp.init() returns the fresh group
+    _world._set_thread_default(group, _world._started.get(parent))
+    try:
+        mine: tuple[str, Any] = ("ok", fn(group.rank, *args))
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported on every rank below (pytest's
+        # own timeout raises a BaseException, which must not skip the exchange either)
+        raised = exc
+        mine = ("raised", f"{type(exc).__name__}: {exc}\n"
+                          + "".join(traceback.format_exception(exc)[-6:]))
+    else:
+        raised = None
+    finally:
+        _world._set_thread_default(outer)
+    everyone = parent.all_gather_object(mine)
+    failed = [f"rank {r} raised {text}" for r, (kind, text) in enumerate(everyone)
+              if kind == "raised"]
+    if failed:
+        raise AssertionError(f"run_mpi({getattr(fn, '__name__', fn)}): "
+                             + "\n".join(failed)) from raised
+    return [value for _, value in everyone]
 
 
 def check(per_rank: Sequence[Any], limit: int = 20) -> None:

@@ -114,6 +114,8 @@ class Timeline:
         self.epoch_ns = now_ns()
         self._buf: list[tuple[Any, ...]] = []
         self._tids: dict[Any, int] = {}
+        #: the fixed part of recorder events, by what it depends on (see ``_text``)
+        self._fixed: dict[tuple[Any, ...], str] = {}
         self._lock = threading.Lock()
         self._fh: Any = None
         self.closed = False
@@ -174,19 +176,29 @@ class Timeline:
                 out["args"] = args
             return _encode(out)
         row, st = args
-        parts = [f'{{"name":{_js(name)},"ph":"X","pid":{self.rank},"tid":{tid},"cat":"{cat}",'
-                 f'"ts":{(t - self.epoch_ns) / 1e3:.3f},"dur":{dur / 1e3:.3f},'
-                 f'"args":{{"seq":{int(row[3])},{_group_json(row[2])},"state":{_js(st)}']
-        if row[4] is not None:
-            parts.append(',"shape":' + _shape_json(row[4]))
-        if row[5] is not None:
-            parts.append(',"dtype":' + _js(_dtype_name(row[5])))
-        if row[6] >= 0:
-            parts.append(f',"peer":{int(row[6])}')
-        if row[9] is not None:
-            parts.append(',"line":' + _js(where_of(row[9])))
-        parts.append("}}")
-        return "".join(parts)
+        # Everything but seq, tid, ts and dur repeats from step to step (the same op, group,
+        # shape, dtype, peer and line): that part is formatted once and looked up by one key.
+        key = (name, cat, row[2], row[4], row[5], row[6], row[9], st)
+        try:
+            fixed = self._fixed.get(key)
+        except TypeError:  # an unhashable shape or dtype: format it every time
+            fixed, key = None, None
+        if fixed is None:
+            parts = [f'{{"name":{_js(name)},"ph":"X","pid":{self.rank},"cat":"{cat}",'
+                     f'"args":{{{_group_json(row[2])},"state":{_js(st)}']
+            if row[4] is not None:
+                parts.append(',"shape":' + _shape_json(row[4]))
+            if row[5] is not None:
+                parts.append(',"dtype":' + _js(_dtype_name(row[5])))
+            if row[6] >= 0:
+                parts.append(f',"peer":{int(row[6])}')
+            if row[9] is not None:
+                parts.append(',"line":' + _js(where_of(row[9])))
+            parts.append(',"seq":')
+            fixed = "".join(parts)
+            if key is not None and len(self._fixed) < 100_000:
+                self._fixed[key] = fixed
+        return f'{fixed}{int(row[3])}}},"tid":{tid},"ts":{(t - self.epoch_ns) / 1e3:.3f},"dur":{dur / 1e3:.3f}}}'
 
     def _meta(self) -> dict[str, Any]:
         return {"format": FORMAT, "rank": self.rank, "job": job_id(),

@@ -87,9 +87,18 @@ def _jsonable_shape(shape: Any) -> list[int] | None:
         return None
 
 
-def op_json(o: Op, line: str | None = None) -> dict[str, Any]:
-    """One entry of a flight record (times: this process's wall clock, nanoseconds)."""
-    name, ranks, grank = describe_group(o.group)
+def op_json(o: Op, line: str | None = None, groups: dict[int, Any] | None = None) -> dict[str, Any]:
+    """One entry of a flight record (times: this process's wall clock, nanoseconds).
+
+    ``groups`` caches ``describe_group`` by group identity across the entries of one dump.
+    """
+    if groups is None:
+        name, ranks, grank = describe_group(o.group)
+    else:
+        hit = groups.get(id(o.group))
+        if hit is None or hit[0] is not o.group:
+            hit = groups[id(o.group)] = (o.group, describe_group(o.group))
+        name, ranks, grank = hit[1]
     return {
         "id": o.id, "seq": int(o.seq), "op": str(o.op), "group": name, "group_ranks": ranks,
         "group_rank": grank, "shape": _jsonable_shape(o.shape),
@@ -151,13 +160,14 @@ def _record(rec: Recorder, reason: str) -> dict[str, Any]:
         if o.state == STARTED:
             newest[o.thread] = o
     entries = []
+    groups: dict[int, Any] = {}
     for o in ops:
         line = None
         t = threads.get(o.thread)
         if o.line is None and t is not None and t["in_hpcdp"] and newest.get(o.thread) is o:
             line = t["line"]
-        entries.append(op_json(o, line))
-    seen = [r for o in ops for r in (describe_group(o.group)[1] or ())]
+        entries.append(op_json(o, line, groups))
+    seen = [r for _, d in groups.values() for r in (d[1] or ())]
     world = max(world_size_seen[0], rec.rank + 1, max(seen, default=-1) + 1)
     return {
         "format": FORMAT,
@@ -191,21 +201,23 @@ def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None 
         del _reasons[:-20]
         d = trace_dir(directory)
         written: list[str] = []
-        recs = all_recorders() if rank is None else [recorder(rank)]
+        recs = [r for r in (all_recorders() if rank is None else [recorder(rank)]) if r.capacity]
         try:
-            if os.path.lexists(d) and not os.path.isdir(d):
+            # nothing recorded here (recording off, or hpcdp never used): no directory either
+            if recs and os.path.lexists(d) and not os.path.isdir(d):
                 raise NotADirectoryError(f"HPCDP_TRACE_DIR {d!r} exists and is not a directory")
-            os.makedirs(d, exist_ok=True)
+            if recs:
+                os.makedirs(d, exist_ok=True)
             for rec in recs:
-                if rec.capacity == 0:
-                    continue
                 path = record_path(d, rec.rank)
                 tmp = os.path.join(d, f".flight-rank{rec.rank}.{os.getpid()}.{threading.get_ident()}.tmp")
                 # never through a symlink planted under the temporary name (os.replace then
                 # swaps the name itself, never a file a link at ``path`` points to)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
                 with os.fdopen(fd, "w") as fh:
-                    json.dump(_record(rec, reason), fh, default=str)
+                    # dumps, not dump: one call into the C encoder (json.dump streams through the
+                    # pure-Python one, several times slower, and a dump sits on the error path)
+                    fh.write(json.dumps(_record(rec, reason), default=str))
                 os.replace(tmp, path)
                 written.append(path)
         except Exception as exc:  # noqa: BLE001 - reported; the caller has a worse error to raise

@@ -14,7 +14,11 @@ Contract for the collective layer (the only caller on the hot path)::
     if rec is not None:
         rec.end(tok)
 
-``begin``/``end`` are plain closures stored on the instance (no method binding, no lock). Each
+``begin``/``end`` are plain closures stored on the instance (no method binding, no lock). The
+blocking allreduce fast path, the one place where a Python call is a measurable share of the
+operation, inlines them through ``Recorder.inline`` (the row layout below is that contract):
+``rows[t % cap] = (t, op, group, seq, shape, dtype, peer, start_ns, thread, where)`` at the
+start, ``ends[t % cap] = (t, end_ns, state, where)`` at the end if ``rows[t % cap][0] == t``. Each
 ring slot is replaced by one tuple store, atomic under the GIL, and an end is paired with its
 begin by token, so threads may begin and end operations concurrently and a slot that a newer
 operation took over is never misattributed.
@@ -139,6 +143,9 @@ class Recorder:
         self._timeline: Any = None
         self.begin: Callable[..., int]
         self.end: Callable[..., None]
+        #: (rows, ends, next token, clock, thread ident, capacity) while ``begin`` would only store
+        #: a row (no source lines, no timeline), else None: see ``inline_slots``
+        self.inline: tuple[Any, ...] | None = None
         self._build()
 
     def attach_timeline(self, timeline: Any) -> None:
@@ -152,6 +159,7 @@ class Recorder:
 
     def _build(self) -> None:
         cap = self.capacity
+        self.inline = None
         if cap == 0:
             self.begin = lambda *a, **k: 0
             self.end = lambda *a, **k: None
@@ -207,6 +215,8 @@ class Recorder:
 
         self.begin = begin
         self.end = end
+        if not (self.lines or tl is not None):
+            self.inline = (rows, ends, nxt, clock, ident, cap)
 
     def snapshot(self) -> list[Op]:
         """The retained operations, oldest first (safe while other threads record)."""

@@ -108,7 +108,7 @@ def gather_arrivals(group: Any, *, rec: Recorder | None = None, since: int = 0, 
     if me < 0:
         raise ValueError(f"gather_arrivals: this rank is not a member of group {group.name}")
     grank = group.ranks[me]
-    rec = rec if rec is not None else _recorder_of(grank)
+    rec = rec if rec is not None else _group_recorder(group)
     off = clock_offset_ns(grank)
     ops = [o for o in rec.snapshot() if o.id > since and o.seq > 0 and _same_group(o.group, group)]
     ops = ops[-window:]
@@ -129,6 +129,12 @@ def gather_arrivals(group: Any, *, rec: Recorder | None = None, since: int = 0, 
         arr[:, r] = [col[int(q)] for q in seqs]
     return StragglerReport(str(group.name), tuple(int(r) for r in group.ranks), seqs,
                            [names.get(int(q), "?") for q in seqs], arr)
+
+
+def _group_recorder(group: Any) -> Recorder:
+    """The recorder ``group``'s collectives write to (a group made before ``reset`` keeps its own)."""
+    rec = getattr(group, "_rec", None)
+    return rec if isinstance(rec, Recorder) else _recorder_of(group.ranks[group.rank])
 
 
 class StragglerReporter:
@@ -165,7 +171,7 @@ class StragglerReporter:
     def report(self) -> StragglerReport:
         """Gather now (collective) and print on group rank 0."""
         g = self.group
-        rec = _recorder_of(g.ranks[g.rank])
+        rec = _group_recorder(g)
         rep = gather_arrivals(g, rec=rec, since=self._since, window=self.window, timeout=self.timeout)
         self._since = rec.total()  # the gather's own all_gather is not a straggler signal
         self.last = rep
