@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -297,3 +298,41 @@ def test_overlapping_events_use_a_bounded_number_of_lanes() -> None:
     tids = {e["tid"] for e in out if e["ph"] == "X"}
     assert len(tids) == MAX_LANES + 1
     assert sum(1 for e in out if e["ph"] == "M") == MAX_LANES
+
+
+def test_span_and_mark_args_round_trip(tmp_path) -> None:
+    """Span, mark and counter args are formatted without the JSON encoder when they are plain
+    scalars: what a reader parses back must equal what was recorded, odd values included."""
+    tl = _chrome.Timeline(0, str(tmp_path), flush_every=1000)
+    cases = [
+        {"bucket": 3, "bytes": 1 << 40, "neg": -7},
+        {"f": 0.1, "tiny": 1e-300, "big": 1.5e300, "whole": 2.0, "flag": True, "off": False,
+         "none": None},
+        {"text": 'quote " backslash \\ tab \t nl \n é 日本 \x00', "": "empty key"},
+        {"nan": float("nan")},                       # not JSON: the encoder's NaN, as before
+        {"arr": [1, 2], "nested": {"a": (1, 2)}},    # not scalars: the encoder
+        {"odd": object()},                           # default=str
+        {3: "int key"},
+    ]
+    for i, args in enumerate(cases):
+        tl.instant(f"mark {i}", "test", args)
+        tl.complete("span é", "te\"st", 1000, 3500, args)
+        tl.counter("ctr", "test", {"n": i, "x": 0.5})
+    tl.instant("no args", "test", None)
+    tl.close()
+    evs = _load(tl.path)["traceEvents"]
+    marks = [e for e in evs if e["ph"] == "i" and e["name"].startswith("mark")]
+    spans = [e for e in evs if e["ph"] == "X"]
+    assert len(marks) == len(spans) == len(cases)
+    for e, s, args in zip(marks, spans, cases):
+        assert e["s"] == "t" and e["cat"] == "test" and s["cat"] == 'te"st' and s["name"] == "span é"
+        assert s["dur"] == pytest.approx(2.5)
+        for got in (e["args"], s["args"]):
+            if "nan" in args:
+                assert math.isnan(got["nan"])
+            elif "odd" in args:
+                assert got["odd"].startswith("<object object")
+            else:
+                assert got == json.loads(json.dumps(args)), (got, args)
+    assert [e["args"] for e in evs if e["ph"] == "C"] == [{"n": i, "x": 0.5} for i in range(len(cases))]
+    assert "args" not in next(e for e in evs if e["name"] == "no args")

@@ -26,12 +26,14 @@ else
 fi
 [ -e "${JOBS[0]}" ] || die "no job scripts in $REPO/jobs"
 
-# What jobs inherit from this shell: the repository's venv and a scratch checkpoint root, and
+# What jobs inherit from this shell: the repository's venv, scratch checkpoint and trace roots, and
 # none of the rank/launcher variables a test harness may have left set.
 unset HPCDP_BACKEND RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT HPCDP_MASTER_ADDR \
     HPCDP_MASTER_PORT HPCDP_SECRET HPCDP_RESTART_COUNT
 export HPCDP_VENV="${HPCDP_VENV:-$REPO/.venv}"
 export HPCDP_CKPT_ROOT="$STATE/ckpt"
+# SIGUSR1 (the preemption job) also makes ranks write their flight records: not into the repo.
+export HPCDP_TRACE_DIR="$STATE/trace"
 
 # The values of the `# ci: KEY ...` lines of job $1 (one per line).
 directive() { sed -n "s/^# ci: $2 //p" "$1"; }

@@ -31,7 +31,34 @@ __all__ = [
 
 FORMAT = "hpcdp.trace/1"
 F = TypeVar("F", bound=Callable[..., Any])
-_encode = json.JSONEncoder(default=str, separators=(",", ":")).encode
+
+
+def _make_encode() -> Callable[[Any], str]:
+    """Compact JSON with ``default=str``, through one C encoder built once.
+
+    ``JSONEncoder.encode`` builds a new C encoder on every call (about 3 us here, more than
+    the rest of recording an event); the timeline encodes one small dict per span or mark.
+    """
+    enc = json.JSONEncoder(default=str, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # no _json accelerator: the pure-Python encoder
+        return enc.encode
+    markers: dict[int, Any] = {}  # circular-reference check, emptied again by every call
+    lock = threading.Lock()
+    it = make(markers, enc.default, json.encoder.encode_basestring_ascii, None, ":", ",",
+              False, False, True)
+
+    def encode(obj: Any) -> str:
+        with lock:
+            try:
+                return "".join(it(obj, 0))
+            finally:
+                markers.clear()  # after an error (a circular value), the ids left behind
+
+    return encode
+
+
+_encode = _make_encode()
 _dtype_names: dict[Any, str] = {}
 _group_names: dict[int, tuple[Any, str]] = {}
 
@@ -79,6 +106,30 @@ def _js(value: Any) -> str:
     return hit
 
 
+_quote = json.encoder.encode_basestring_ascii
+
+
+def _args_json(args: dict[Any, Any]) -> str:
+    """A span's or mark's ``args`` as JSON: scalars formatted here (the common case, several
+    times faster than an encoder call), anything else through ``_encode``."""
+    parts = []
+    for k, v in args.items():
+        t = type(v)
+        if type(k) is not str:
+            return _encode(args)
+        if t is int:
+            parts.append(f"{_js(k)}:{v}")
+        elif t is float and v - v == 0:  # finite (JSON has no nan/inf: the encoder's spelling)
+            parts.append(f"{_js(k)}:{v!r}")
+        elif t is bool or v is None:
+            parts.append(f"{_js(k)}:{'null' if v is None else 'true' if v else 'false'}")
+        elif t is str:
+            parts.append(f"{_js(k)}:{_quote(v)}")
+        else:
+            return _encode(args)
+    return "{" + ",".join(parts) + "}"
+
+
 class _State:
     """``state.on`` is the one attribute other layers check before building trace events."""
 
@@ -114,8 +165,11 @@ class Timeline:
         self.epoch_ns = now_ns()
         self._buf: list[tuple[Any, ...]] = []
         self._tids: dict[Any, int] = {}
+        self._local = threading.local()
         #: the fixed part of recorder events, by what it depends on (see ``_text``)
         self._fixed: dict[tuple[Any, ...], str] = {}
+        #: the fixed start of span/mark/counter events, by (ph, name, cat)
+        self._heads: dict[tuple[str, str, str], str] = {}
         self._lock = threading.Lock()
         self._fh: Any = None
         self.closed = False
@@ -124,8 +178,19 @@ class Timeline:
     def _tid(self, ident: int | None = None) -> int:
         """Small tid of a thread. Keyed by the Thread object where it is the caller, because the
         OS reuses the idents of finished threads."""
+        loc = self._local  # the calling thread's tid, cached in a thread-local (the hot path)
+        tid = getattr(loc, "tid", None)
+        if tid is not None and (ident is None or ident == loc.ident):
+            return tid  # type: ignore[no-any-return]
+        if ident is None or ident == threading.get_ident():
+            loc.ident = threading.get_ident()
+            loc.tid = tid = self._slow_tid(loc.ident)
+            return tid
+        return self._slow_tid(ident)
+
+    def _slow_tid(self, ident: int) -> int:
         cur = threading.current_thread()
-        key: Any = cur if ident is None or ident == cur.ident else ident
+        key: Any = cur if ident == cur.ident else ident
         tid = self._tids.get(key)
         if tid is None:
             with self._lock:
@@ -163,6 +228,16 @@ class Timeline:
     def _text(self, ev: tuple[Any, ...]) -> str:
         """One event as JSON; recorder rows (the bulk) are formatted directly, off the hot path."""
         ph, name, cat, t, dur, tid, args = ev
+        if ph != "M" and (args is None or type(args) is dict):  # spans, marks, counters
+            head = self._heads.get((ph, name, cat))
+            if head is None:
+                head = (f'{{"name":{_js(name)},"ph":"{ph}","pid":{self.rank},"cat":{_js(cat)}'
+                        + (',"s":"t"' if ph == "i" else ""))
+                if len(self._heads) < 10_000:
+                    self._heads[(ph, name, cat)] = head
+            dur_s = f',"dur":{dur / 1e3:.3f}' if ph == "X" else ""
+            args_s = "" if not args else ',"args":' + _args_json(args)
+            return f'{head},"tid":{tid},"ts":{(t - self.epoch_ns) / 1e3:.3f}{dur_s}{args_s}}}'
         if not isinstance(args, tuple):
             out: dict[str, Any] = {"name": name, "ph": ph, "pid": self.rank, "tid": tid}
             if ph != "M":
