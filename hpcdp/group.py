@@ -16,7 +16,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _debug, trace
-from ._arrays import contiguous, is_cupy, overlaps, xp_of
+from ._arrays import contiguous, is_cupy, xp_of
+from ._group_buffers import finish_into, reduction_plan, result_buffer
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
 from ._validate import check_array, check_divisible, check_out, check_rank, check_timeout
@@ -52,27 +53,6 @@ _FAST_OPS: dict[Any, ReduceOp] = {}
 for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
     _FAST_OPS[_o] = _o
     _FAST_OPS[_o.value] = _o
-
-
-def _reduction_plan(x: Any, buf: Any, rop: ReduceOp, n: int, xp: Any,
-                    inplace: bool) -> tuple[Any, Any, ReduceOp, Callable[[Any], None] | None]:
-    """(send, receive buffer for the backend, backend op, post-step) of a reduction.
-
-    ``mean`` is a sum then a division; on float16 both happen in float32 and round once, so a
-    sum that overflows half precision still averages to what numpy's ``mean`` gives.
-    """
-    if rop is not ReduceOp.MEAN:
-        return (buf if inplace else contiguous(x)), buf, rop, None
-    if x.dtype != np.float16:
-        return ((buf if inplace else contiguous(x)), buf, ReduceOp.SUM,
-                lambda b: xp.divide(b, n, out=b, casting="unsafe"))
-    wide = xp.empty(buf.shape, np.float32) if buf is not None else None
-
-    def post(b: Any) -> None:
-        xp.divide(wide, n, out=wide)
-        b[...] = wide
-
-    return x.astype(np.float32), wide, ReduceOp.SUM, post
 
 
 class ProcessGroup(PointToPoint, ObjectCollectives):
@@ -228,30 +208,8 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             raise TypeError(f"{where}: the {self.backend.name} backend takes numpy arrays; "
                             "move cupy arrays to the host (x.get()) or use the MPI backend")
 
-    def _result_buffer(self, where: str, out: Any, shape: tuple, dtype: np.dtype, xp: Any,
-                       x: Any = None) -> tuple[Any, Any]:
-        """(user-visible result, contiguous buffer the backend writes).
-
-        ``out`` that overlaps ``x`` without being ``x`` itself gets a separate buffer: MPI
-        rejects aliased buffers and other transports would read half-written input.
-        """
-        if out is None:
-            buf = xp.empty(shape, dtype)
-            return buf, buf
-        check_out(where, out, shape, dtype, xp)
-        aliased = x is not None and out is not x and overlaps(out, x)
-        return out, (out if out.flags.c_contiguous and not aliased else xp.empty(shape, dtype))
-
-    @staticmethod
-    def _finish_into(result: Any, buf: Any, post: Callable[[Any], None] | None = None) -> Callable[[], Any]:
-        def finish() -> Any:
-            if post is not None:
-                post(buf)
-            if buf is not result:
-                result[...] = buf
-            return result
-
-        return finish
+    _result_buffer = staticmethod(result_buffer)
+    _finish_into = staticmethod(finish_into)
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
@@ -319,7 +277,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
         t = self._timeout_of("allreduce", timeout)
         seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
-        send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
+        send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
         rflat = rbuf.reshape(-1)
         req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
         return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
@@ -368,7 +326,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             result = buf = None
         t = self._timeout_of("reduce", timeout)
         seq, tok = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
-        send, rbuf, bop, post = _reduction_plan(x, buf, rop, self.size, xp,
+        send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp,
                                                 is_root and out is x and buf is x)
         rflat = None if rbuf is None else rbuf.reshape(-1)
         sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
@@ -456,7 +414,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         t = self._timeout_of("reduce_scatter", timeout)
         seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
-        send, rbuf, bop, post = _reduction_plan(x, buf, rop, n, xp, False)
+        send, rbuf, bop, post = reduction_plan(x, buf, rop, n, xp, False)
         req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
         return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
 

@@ -1,6 +1,8 @@
 """Host staging of cupy buffers for an MPI library that cannot read device memory."""
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -12,7 +14,36 @@ from .base import Request
 if TYPE_CHECKING:
     from .mpi import MPIBackend
 
-__all__ = ["Staging", "staged"]
+__all__ = ["Staging", "cuda_aware", "staged"]
+
+
+def cuda_aware() -> bool:
+    """Whether the MPI library takes device pointers (``HPCDP_CUDA_AWARE=0/1`` overrides)."""
+    env = os.environ.get("HPCDP_CUDA_AWARE")
+    if env is not None:
+        return env.strip() not in ("0", "false", "no", "")
+    return _query_cuda_support()
+
+
+@functools.lru_cache(maxsize=1)
+def _query_cuda_support() -> bool:
+    from .mpi import get_mpi
+
+    MPI = get_mpi()
+    q = getattr(MPI, "Query_cuda_support", None)
+    if q is not None:
+        try:
+            return bool(q())
+        except Exception:  # noqa: BLE001 - not implemented by this MPI
+            pass
+    import ctypes
+
+    try:  # Open MPI's extension, found in the already-loaded libmpi
+        fn = ctypes.CDLL(None).MPIX_Query_cuda_support
+        fn.restype = ctypes.c_int
+        return bool(fn())
+    except (AttributeError, OSError):
+        return False
 
 
 class Staging:

@@ -41,7 +41,7 @@ from ..ops import ReduceOp
 from . import _mpi_requests as _rq
 from . import _mpi_tuning
 from ._mpi_notices import Notices
-from ._mpi_staging import Staging, staged
+from ._mpi_staging import Staging, cuda_aware, staged
 from .base import Backend, Request
 
 __all__ = ["MPIBackend", "create_world", "cuda_aware", "set_max_message_elements", "get_mpi"]
@@ -86,33 +86,6 @@ def get_mpi() -> Any:
         _MPI = MPI
         _rq.bind(MPI)
     return _MPI
-
-
-def cuda_aware() -> bool:
-    """Whether the MPI library takes device pointers (``HPCDP_CUDA_AWARE=0/1`` overrides)."""
-    env = os.environ.get("HPCDP_CUDA_AWARE")
-    if env is not None:
-        return env.strip() not in ("0", "false", "no", "")
-    return _query_cuda_support()
-
-
-@functools.lru_cache(maxsize=1)
-def _query_cuda_support() -> bool:
-    MPI = get_mpi()
-    q = getattr(MPI, "Query_cuda_support", None)
-    if q is not None:
-        try:
-            return bool(q())
-        except Exception:  # noqa: BLE001 - not implemented by this MPI
-            pass
-    import ctypes
-
-    try:  # Open MPI's extension, found in the already-loaded libmpi
-        fn = ctypes.CDLL(None).MPIX_Query_cuda_support
-        fn.restype = ctypes.c_int
-        return bool(fn())
-    except (AttributeError, OSError):
-        return False
 
 
 def _datatypes() -> dict[np.dtype, Any]:
