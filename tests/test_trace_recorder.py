@@ -93,6 +93,36 @@ def test_lines_mode_records_every_callers_line() -> None:
     assert o.line.startswith(f"{HERE}:{here} (test_lines_mode_records_every_callers_line)")
 
 
+def test_pinned_line_names_the_call_around_what_it_starts() -> None:
+    """Operations started deep inside a ``pinned_line`` block take the block's line (DDP's backward:
+    one shallow stack walk instead of one deep walk per bucket); outside it, their own caller's."""
+    trace.configure(lines=True)
+    rec = Recorder(0, 8, lines=True)
+
+    def deep(n: int) -> int:
+        return deep(n - 1) if n else rec.begin("allreduce", "world", 1)
+
+    pin = sys._getframe().f_lineno + 1
+    with trace.pinned_line():
+        rec.end(deep(5))
+        with trace.pinned_line():  # nested: the outer call stays the user's line
+            rec.end(deep(3))
+    rec.end(deep(2))
+    inner = deep.__code__.co_firstlineno + 1
+    lines = [o.line for o in rec.snapshot()]
+    assert lines[0].startswith(f"{HERE}:{pin} ") and lines[1].startswith(f"{HERE}:{pin} "), lines
+    assert lines[2].startswith(f"{HERE}:{inner} (deep)"), lines
+
+
+def test_pinned_line_costs_nothing_without_lines() -> None:
+    trace.configure(lines=False)
+    rec = Recorder(0, 8, lines=True)
+    with trace.pinned_line():
+        tok = rec.begin("allreduce", "world", 1); here = sys._getframe().f_lineno  # noqa: E702
+    rec.end(tok)
+    assert rec.snapshot()[0].line.startswith(f"{HERE}:{here} ")
+
+
 def test_capacity_zero_is_off() -> None:
     rec = Recorder(0, 0)
     assert rec.begin("allreduce", "world", 1) == 0

@@ -209,7 +209,7 @@ class DDP:
         sync = self._require_sync
         reducer = self._reducer
         reducer.begin_pass(sync)
-        with trace.span("backward", "ddp", sync=sync):
+        with trace.span("backward", "ddp", sync=sync), trace.pinned_line():
             try:
                 # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
                 run = getattr(self.module, "run_backward", None)

@@ -14,12 +14,13 @@ from ._clock import ClockSync, clock_offset_ns, estimate_clock_offset, set_clock
 from ._dump import dump, install, on_error, trace_dir
 from ._recorder import (
     COMPLETED, FAILED, STARTED, TIMED_OUT, Recorder, active_recorder, bind_rank, configure,
-    hide_frames, recorder, reset,
+    hide_frames, pinned_line, recorder, reset,
 )
 from ._straggler import StragglerReport, StragglerReporter, gather_arrivals, report_stragglers, step
 
 __all__ = [
     "recorder", "active_recorder", "Recorder", "configure", "reset", "bind_rank", "hide_frames",
+    "pinned_line",
     "install", "dump", "on_error",
     "trace_dir", "STARTED", "COMPLETED", "TIMED_OUT", "FAILED", "span", "instant", "counter",
     "enable", "disable", "enabled", "state", "timeline", "flush_timelines", "close_timelines",

@@ -93,11 +93,38 @@ def where_of(where: tuple[Any, int] | None) -> str | None:
 
 
 def _caller(depth: int) -> tuple[Any, int] | None:
+    pinned = getattr(_tls, "line", None)
+    if pinned is not None:  # inside ``pinned_line``: the user's call that started it all
+        return pinned  # type: ignore[no-any-return]
     try:
         f = user_frame(sys._getframe(depth + 1))
     except ValueError:
         return None
     return None if f is None else (f.f_code, f.f_lineno)
+
+
+class pinned_line:
+    """``with pinned_line():`` operations started inside, on this thread, take the source line of
+    the user's call around it instead of each walking up the stack to find it.
+
+    For layers that start operations deep inside the user's one call (DDP's backward launches
+    bucket allreduces from gradient hooks twenty frames down): one shallow walk instead of many
+    deep ones. Does nothing unless source lines are being recorded.
+    """
+
+    __slots__ = ("_prev", "_set")
+
+    def __enter__(self) -> "pinned_line":
+        self._set = _setting("lines")
+        if self._set:
+            self._prev = getattr(_tls, "line", None)
+            if self._prev is None:
+                _tls.line = _caller(1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._set:
+            _tls.line = self._prev
 
 
 @dataclass(frozen=True)
