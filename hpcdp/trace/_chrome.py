@@ -130,6 +130,13 @@ def _args_json(args: dict[Any, Any]) -> str:
     return "{" + ",".join(parts) + "}"
 
 
+class _ThreadTid(threading.local):
+    """A timeline's tid for the calling thread (class defaults: no AttributeError to catch)."""
+
+    tid: int | None = None
+    ident: int | None = None
+
+
 class _State:
     """``state.on`` is the one attribute other layers check before building trace events."""
 
@@ -165,7 +172,7 @@ class Timeline:
         self.epoch_ns = now_ns()
         self._buf: list[tuple[Any, ...]] = []
         self._tids: dict[Any, int] = {}
-        self._local = threading.local()
+        self._local = _ThreadTid()
         #: the fixed part of recorder events, by what it depends on (see ``_text``)
         self._fixed: dict[tuple[Any, ...], str] = {}
         #: the fixed start of span/mark/counter events, by (ph, name, cat)
@@ -179,7 +186,7 @@ class Timeline:
         """Small tid of a thread. Keyed by the Thread object where it is the caller, because the
         OS reuses the idents of finished threads."""
         loc = self._local  # the calling thread's tid, cached in a thread-local (the hot path)
-        tid = getattr(loc, "tid", None)
+        tid = loc.tid
         if tid is not None and (ident is None or ident == loc.ident):
             return tid  # type: ignore[no-any-return]
         if ident is None or ident == threading.get_ident():

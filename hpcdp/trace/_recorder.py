@@ -93,7 +93,7 @@ def where_of(where: tuple[Any, int] | None) -> str | None:
 
 
 def _caller(depth: int) -> tuple[Any, int] | None:
-    pinned = getattr(_tls, "line", None)
+    pinned = _tls.line
     if pinned is not None:  # inside ``pinned_line``: the user's call that started it all
         return pinned  # type: ignore[no-any-return]
     try:
@@ -117,7 +117,7 @@ class pinned_line:
     def __enter__(self) -> "pinned_line":
         self._set = _setting("lines")
         if self._set:
-            self._prev = getattr(_tls, "line", None)
+            self._prev = _tls.line
             if self._prev is None:
                 _tls.line = _caller(1)
         return self
@@ -275,7 +275,15 @@ class Recorder:
 
 _recorders: dict[int, Recorder] = {}
 _lock = threading.Lock()
-_tls = threading.local()
+class _Local(threading.local):
+    """Per-thread state; class-level defaults, because a missing attribute makes every
+    ``getattr(_tls, name, None)`` raise and catch an AttributeError (a microsecond here)."""
+
+    rank: int | None = None   # ``bind_rank``
+    line: Any = None          # ``pinned_line``
+
+
+_tls = _Local()
 _process_rank: list[int] = [0]
 #: the largest world size ``install`` was told (dumps name it; 0 = unknown)
 world_size_seen: list[int] = [0]
@@ -315,7 +323,7 @@ def bind_rank(rank: int | None) -> None:
 
 def current_rank() -> int:
     """This thread's bound rank, else the process's (from ``install``), else 0."""
-    r = getattr(_tls, "rank", None)
+    r = _tls.rank
     return _process_rank[0] if r is None else r
 
 
