@@ -118,16 +118,20 @@ class PointToPoint:
                 and 0 <= peer < self.size and peer != self.rank and 0 <= tag <= self._max_tag
                 and x.dtype in _SUPPORTED and x.flags.c_contiguous)
 
+    def _p2p_blocking(self, op: str, key: str, post: Any, x: np.ndarray, peer: int, tag: int,
+                      timeout: float | None) -> None:
+        """A blocking send/recv that passed ``_p2p_fast``: posted and waited on without ``Work``."""
+        t = self._timeout if timeout is None else self._timeout_of(op, timeout)
+        name = self._p2p_name(op, key, peer, tag)
+        rec = self._rec
+        tok = rec.begin(op, self, 0, x.shape, x.dtype, peer) if rec is not None else 0
+        req = self._post(name, 0, post, x if x.ndim == 1 else x.reshape(-1), peer, tag, tok=tok)
+        self._wait_recorded(name, req, t, rec, tok)
+
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
         if self._p2p_fast(x, dst, tag):
-            t = self._timeout if timeout is None else self._timeout_of("send", timeout)
-            name = self._p2p_name("send", "dst", dst, tag)
-            rec = self._rec
-            tok = rec.begin("send", self, 0, x.shape, x.dtype, dst) if rec is not None else 0
-            req = self._post(name, 0, self.backend.send, x if x.ndim == 1 else x.reshape(-1), dst, tag,
-                             tok=tok)
-            self._wait_recorded(name, req, t, rec, tok)
+            self._p2p_blocking("send", "dst", self.backend.send, x, dst, tag, timeout)
             return None
         if dst == self.rank:
             raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
@@ -142,13 +146,7 @@ class PointToPoint:
         sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
         """
         if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
-            t = self._timeout if timeout is None else self._timeout_of("recv", timeout)
-            name = self._p2p_name("recv", "src", src, tag)
-            rec = self._rec
-            tok = rec.begin("recv", self, 0, buf.shape, buf.dtype, src) if rec is not None else 0
-            req = self._post(name, 0, self.backend.recv, buf if buf.ndim == 1 else buf.reshape(-1), src, tag,
-                             tok=tok)
-            self._wait_recorded(name, req, t, rec, tok)
+            self._p2p_blocking("recv", "src", self.backend.recv, buf, src, tag, timeout)
             return buf
         if buf is None or src == -1 or tag == -1 or return_status:
             from ._p2p import recv_any

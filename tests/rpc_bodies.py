@@ -221,6 +221,11 @@ def body_call_forms(rank: int) -> list[str]:
     check(fails, rref.rpc_async(timeout=5).size().wait() == 10, "rpc_async()")
     r2 = rref.remote().size()
     check(fails, r2.owner_name() == to and r2.to_here() == 10, "rref.remote() of a method")
+    # The owner's acknowledgement of the REMOTE leaves by its control queue, replies to calls by
+    # its pool: a call's reply may arrive first, so the flag may lag it, but not by long.
+    until = time.monotonic() + 5
+    while not rref.confirmed_by_owner() and time.monotonic() < until:
+        time.sleep(0.001)
     check(fails, rref.confirmed_by_owner(), "confirmed after use")
     val = rpc.remote(to, add, args=(5, 6))
     check(fails, val.to_here(timeout=10) == 11, "remote(fn).to_here")

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import HpcdpError
-from .base import Request
+from .base import Request, poll_until
 
 if TYPE_CHECKING:
     from .mpi import MPIBackend
@@ -207,25 +207,9 @@ _TESTS_PER_CLOCK = 8
 
 
 def wait_until(test: Callable[[], bool], deadline: float | None) -> bool:
-    """``test()`` until it is true or ``deadline`` passed (then one last ``test()``); answers
-    other groups' questions meanwhile, and yields the CPU once the wait grows long."""
-    now = time.monotonic
-    start = now()
-    while True:
-        n = _TESTS_PER_CLOCK
-        while n:
-            if test():
-                return True
-            n -= 1
-        serve_all()
-        t = now()
-        if deadline is not None and t >= deadline:
-            return test()
-        waited = t - start
-        if waited > 0.5:
-            time.sleep(2e-4)
-        elif waited > 2e-3:
-            time.sleep(0)
+    """``test()`` until it is true or ``deadline`` passed; answers other groups' questions
+    meanwhile (``poll_until`` with this module's clock interval)."""
+    return poll_until(test, deadline, serve_all, _TESTS_PER_CLOCK)
 
 
 def _register(r: MPIRequest) -> None:

@@ -63,19 +63,20 @@ class CompletedRequest(Request):
 
 
 def poll_until(test: Callable[[], bool], deadline: float | None,
-               idle: Callable[[], None] | None = None) -> bool:
+               idle: Callable[[], None] | None = None, every: int = 64) -> bool:
     """Spin on ``test`` briefly for latency, then yield the CPU between polls.
 
     MPI and sockets progress only while polled, so the loop never sleeps long; oversubscribed
-    ranks (4 ranks on 2 cores) need the yields to let their peers run. ``idle`` runs after every
-    64 tests (it may raise, to stop waiting: a peer said it left).
+    ranks (4 ranks on 2 cores) need the yields to let their peers run. ``idle`` runs, and the
+    clock is read, after every ``every`` tests (``idle`` may raise, to stop waiting: a peer said
+    it left); fewer where one test may yield the CPU (MPI under ``--oversubscribe``).
     """
     if test():
         return True
     now = time.monotonic
     start = now()
     while True:
-        n = 64  # (a while loop measured faster than for/range between MPI tests)
+        n = every  # (a while loop measured faster than for/range between MPI tests)
         while n:
             if test():
                 return True

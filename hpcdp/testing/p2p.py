@@ -1,6 +1,8 @@
 """Point-to-point conformance bodies: tag matching, large messages, timeouts, bad buffers."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import hpcdp
@@ -38,16 +40,21 @@ def body_p2p(rank: int) -> list[str]:
     return fails
 
 
-def body_p2p_timeout(rank: int) -> list[str]:
-    """A blocking recv with nobody sending times out naming the call; bad buffers still raise."""
+def body_p2p_timeout(rank: int, max_elapsed: float | None = None) -> list[str]:
+    """A blocking recv with nobody sending times out naming the call, not before its 0.5 s (nor
+    after ``max_elapsed`` seconds, when given); bad buffers still raise."""
     fails: list[str] = []
     if hpcdp.world_size() > 1 and rank == 0:
+        t0 = time.monotonic()
         try:
             hpcdp.recv(np.empty(3), 1, tag=3, timeout=0.5)
             fails.append("recv with no sender returned")
         except hpcdp.CommTimeoutError as exc:
             if "recv(src=1, tag=3)" not in str(exc) or "rank 0" not in str(exc):
                 fails.append(f"recv timeout message unclear: {exc}")
+            took = time.monotonic() - t0
+            if took < 0.4 or (max_elapsed is not None and took > max_elapsed):
+                fails.append(f"recv timed out after {took:.2f} s, asked 0.5 s")
     ro = np.zeros(3)
     ro.flags.writeable = False
     for label, fn in (("read-only recv buffer", lambda: hpcdp.recv(ro, 0 if rank else 1 % max(1, hpcdp.world_size()))),
