@@ -224,9 +224,10 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         except TypeError:  # unhashable: the general path says what is wrong with it
             rop = None
         if (rop is not None and self._fast and not async_op and type(x) is _ndarray
-                and x.dtype in _FAST_DTYPES and (xf := x.flags).c_contiguous and (out is None or (
+                and (xd := x.dtype) in _FAST_DTYPES and (xf := x.flags).c_contiguous
+                and (out is None or (
                     type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
-                    and (out is x or (f.owndata and xf.owndata and out.dtype is x.dtype
+                    and (out is x or (f.owndata and xf.owndata and out.dtype is xd
                                       and out.shape == x.shape))))):
             t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
             if out is None:  # small: a copy reduced in place is cheaper than empty + separate
@@ -240,12 +241,12 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
                 ring = rec.inline
                 if ring is None:
-                    tok = rec.begin("allreduce", self, seq, x.shape, x.dtype, -1)
+                    tok = rec.begin("allreduce", self, seq, x.shape, xd, -1)
                 else:
-                    tok = ring[2]()
-                    slot = tok % ring[5]
-                    ring[0][slot] = (tok, "allreduce", self, seq, x.shape, x.dtype, -1, ring[3](), ring[4](),
-                                     None)
+                    rows, ends, nxt, clock, ident, cap = ring
+                    tok = nxt()
+                    slot = tok % cap
+                    rows[slot] = (tok, "allreduce", self, seq, x.shape, xd, -1, clock(), ident(), None)
             try:
                 if x.ndim == 1:
                     req = self.backend.allreduce_blocking(send, out, rop, t)
@@ -262,9 +263,9 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 trace.on_error(rec, tok, err)
                 raise err
             if ring is not None:
-                row = ring[0][slot]
+                row = rows[slot]
                 if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
-                    ring[1][slot] = (tok, ring[3](), _COMPLETED, None)
+                    ends[slot] = (tok, clock(), _COMPLETED, None)
             elif rec is not None:
                 rec.end(tok)
             return out

@@ -48,7 +48,9 @@ class Tuner:
     """The algorithm variable and the lock every Iallreduce posting holds while it reads it.
 
     Posting, with ``lock`` held: a ring-sized call ``set(1)``, posts, ``set(0)``; any other call
-    ``set(0)`` if ``current`` is not 0 (a failed reset), then posts.
+    ``set(0)`` if ``current`` is not 0 (a failed reset), then posts. A small call from a process
+    with no thread but the main one (``_thread._count() == 0``) and ``current`` 0 posts without
+    the lock: no other thread exists to be between a set and its post.
     """
 
     def __init__(self, lib: Any, handle: ctypes.c_void_p) -> None:
