@@ -247,6 +247,26 @@ def test_timeline_is_thread_safe(tmp_path) -> None:
     assert len(evs) == 1800 and len({e["tid"] for e in evs}) == 6
 
 
+def test_flush_time_is_counted_and_args_render_by_type(tmp_path) -> None:
+    """``flush_ns`` grows with each chunk written (benchmarks add it back); args keep their
+    JSON types (True is not 1, 1.0 is not 1) and non-scalar args go through the encoder."""
+    tl = _chrome.Timeline(0, str(tmp_path), flush_every=2)
+    assert tl.flush_ns == 0
+    tl.complete("a", "x", 0, 1000, {"flag": True, "n": 1, "f": 1.5, "s": 'q"', "none": None})
+    tl.instant("b", "x", {"n": 1, "flag": False, "shape": (2, 3)})
+    first = tl.flush_ns
+    assert first > 0  # the second event filled a chunk
+    tl.instant("c", "x", {"inf": math.inf})
+    tl.close()
+    assert tl.flush_ns > first
+    evs = {e["name"]: e for e in _load(tl.path)["traceEvents"]}
+    assert evs["a"]["args"] == {"flag": True, "n": 1, "f": 1.5, "s": 'q"', "none": None}
+    assert type(evs["a"]["args"]["flag"]) is bool and type(evs["a"]["args"]["n"]) is int
+    assert evs["a"]["dur"] == 1.0
+    assert evs["b"]["args"] == {"n": 1, "flag": False, "shape": [2, 3]}
+    assert evs["c"]["args"]["inf"] == "inf"  # a string: JSON has no infinity
+
+
 def test_merge_and_plot_drop_malformed_events(tmp_path) -> None:
     _write_rank(tmp_path, 0, 0, [("forward", 0, 2_000_000)])
     path = tmp_path / "trace-rank0.json"
@@ -309,7 +329,7 @@ def test_span_and_mark_args_round_trip(tmp_path) -> None:
         {"f": 0.1, "tiny": 1e-300, "big": 1.5e300, "whole": 2.0, "flag": True, "off": False,
          "none": None},
         {"text": 'quote " backslash \\ tab \t nl \n é 日本 \x00', "": "empty key"},
-        {"nan": float("nan")},                       # not JSON: the encoder's NaN, as before
+        {"nan": float("nan")},                       # JSON has no NaN: written as "nan"
         {"arr": [1, 2], "nested": {"a": (1, 2)}},    # not scalars: the encoder
         {"odd": object()},                           # default=str
         {3: "int key"},
@@ -329,7 +349,7 @@ def test_span_and_mark_args_round_trip(tmp_path) -> None:
         assert s["dur"] == pytest.approx(2.5)
         for got in (e["args"], s["args"]):
             if "nan" in args:
-                assert math.isnan(got["nan"])
+                assert got["nan"] == "nan"
             elif "odd" in args:
                 assert got["odd"].startswith("<object object")
             else:

@@ -69,8 +69,10 @@ class _Trainer:
 def _trial(tr: _Trainer, mode: str, steps: int, directory: str) -> tuple[float, int]:
     """(seconds per step on the slowest rank, operations recorded per step) in ``mode``.
 
-    A trial's figure is its median step plus, when traced, the time to write the timeline spread
-    over the steps: medians shrug off the steps another process preempted (this machine is shared).
+    A trial's figure is its median step plus, when traced, all the time spent writing the
+    timeline (the chunks flushed during the trial and the final flush and close) spread over the
+    steps: medians shrug off the steps another process preempted (this machine is shared), and
+    would also drop the few steps that flushed a chunk, so that time is added back explicitly.
     """
     g = tr.group
     rec = g._rec  # the recorder the collective layer writes to
@@ -79,7 +81,9 @@ def _trial(tr: _Trainer, mode: str, steps: int, directory: str) -> tuple[float, 
     if mode == "recorder off":
         g._rec = None
     elif mode == "traced":
-        trace.enable(directory)
+        # a directory of its own, as a job's first trace: not the truncation of the previous
+        # trial's file, a per-trial cost that a job pays once
+        trace.enable(tempfile.mkdtemp(dir=directory))
     try:
         g.barrier()
         before = rec.total() if rec is not None else 0
@@ -87,10 +91,12 @@ def _trial(tr: _Trainer, mode: str, steps: int, directory: str) -> tuple[float, 
             t0 = clock()
             tr.step()
             per_step[i] = clock() - t0
+        tl = trace.timeline() if mode == "traced" else None
+        flushed = tl.flush_ns / 1e9 if tl is not None else 0.0  # chunks written during the steps
         t0 = clock()
         if mode == "traced":
             trace.disable()  # flushes and closes the timeline: part of tracing's cost
-        tail = clock() - t0
+        tail = clock() - t0 + flushed
         ops = (rec.total() - before) if rec is not None and mode != "recorder off" else 0
     finally:
         g._rec = rec
