@@ -177,6 +177,70 @@ def test_allreduce_algorithm_is_chosen_whatever_the_import_order(tmp_path, first
     assert seen == [want] * 2, (seen, out)
 
 
+_THREADED_POSTS = """
+    import json, threading
+    import numpy as np
+    import hpcdp
+
+    g = hpcdp.init("mpi", timeout=60)
+    small, big = hpcdp.new_group([0, 1]), hpcdp.new_group([0, 1])
+    tuner = g.backend._nbc
+    seen = {"tuned": tuner is not None}
+    if tuner is not None:
+        class Counting:  # counts the posts that took the algorithm lock
+            def __init__(self, lock):
+                self.lock, self.n = lock, 0
+            def acquire(self, *a):
+                self.n += 1
+                return self.lock.acquire(*a)
+            def release(self):
+                self.lock.release()
+            def __enter__(self):
+                self.acquire()
+                return self
+            def __exit__(self, *exc):
+                self.release()
+        tuner.lock = Counting(tuner.lock)
+        for i in range(200):  # alone: small posts skip the lock
+            small.allreduce(np.full(2, i, np.float32))
+        seen["alone"] = tuner.lock.n
+        bad = []
+
+        def rings():  # 128 KiB: ring, set and reset around each post
+            for i in range(40):
+                r = big.allreduce(np.full(1 << 14, i, np.float64))
+                if not (r == 2 * i).all():
+                    bad.append(("big", i))
+
+        t = threading.Thread(target=rings)
+        t.start()
+        i = 0
+        while t.is_alive() or i < 200:
+            r = small.allreduce(np.full(2, i, np.float32))
+            if not (r == 2 * i).all():
+                bad.append(("small", i))
+            i += 1
+        t.join()
+        seen["bad"] = bad
+        seen["locked"] = tuner.lock.n > 40  # the small posts took it while the thread lived
+        seen["left"] = tuner.current
+    with open(f"result-{g.rank}.txt", "w") as fh:
+        json.dump(seen, fh)
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_small_allreduces_beside_a_posting_thread_take_the_algorithm_lock(tmp_path) -> None:
+    """The only thread posts small allreduces without the algorithm lock; once another thread
+    exists (here one posting ring-sized allreduces on another group) they take it again, so no
+    small call is posted while the variable says ring: every result is right, nothing hangs."""
+    rc, out = _job(tmp_path, _THREADED_POSTS)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    seen = [json.loads(text) for text in _results(tmp_path)]
+    assert seen == [{"tuned": True, "alone": 0, "bad": [], "locked": True, "left": 0}] * 2, (seen, out)
+
+
 # Rank 0 gives up on a ring-sized allreduce that rank 1, told rank 0 left, never posts; then a
 # new group. Before the fix rank 0 left libnbc's algorithm variable at ring and rank 1 at the
 # default, and MPI's own allreduce inside Comm_split (context ids) hung between the two.
