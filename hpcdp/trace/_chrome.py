@@ -175,6 +175,8 @@ class Timeline:
         self.path = trace_path(directory, self.rank)
         self.flush_every = max(1, int(flush_every))
         self.epoch_ns = now_ns()
+        #: the one list events are appended to, by the methods below and, inlined, by ``span``,
+        #: ``instant`` and ``Recorder.end`` (hot paths); ``flush`` takes from it, never replaces it
         self._buf: list[tuple[Any, ...]] = []
         self._tids: dict[Any, int] = {}
         self._local = _ThreadTid()
@@ -462,7 +464,11 @@ class span:
         if tl is not None:
             self._tl = None
             args = self.args if tp is None else dict(self.args, error=tp.__name__)
-            tl.complete(self.name, self.cat, self._t0, now_ns(), args or None)
+            t0 = self._t0
+            buf = tl._buf  # (``Timeline.complete`` inlined: spans run several times a step)
+            buf.append(("X", self.name, self.cat, t0, now_ns() - t0, tl._tid(), args or None))
+            if len(buf) >= tl.flush_every:
+                tl.flush()
         return False
 
     def __call__(self, fn: F) -> F:
@@ -482,8 +488,11 @@ def instant(name: str, cat: str = "mark", **args: Any) -> None:
     """A point in time on the current rank's timeline (e.g. "bucket 3 ready")."""
     if state.on:
         tl = timeline()
-        if tl is not None:
-            tl.instant(name, cat, args or None)
+        if tl is not None:  # (``Timeline.instant`` inlined: DDP marks every bucket)
+            buf = tl._buf
+            buf.append(("i", name, cat, now_ns(), 0, tl._tid(), args or None))
+            if len(buf) >= tl.flush_every:
+                tl.flush()
 
 
 def counter(name: str, cat: str = "counter", **values: float) -> None:

@@ -56,7 +56,11 @@ DEFAULT_CAPACITY = 2048
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _inside: dict[str, bool] = {}
-_hidden: set[Any] = set()
+#: ids of the code objects ``hide_frames`` names, kept alive in ``_hidden_codes`` (so no id is
+#: reused). By id, not by value: hashing a code object hashes its constants, nested functions'
+#: code included, every time (3 us for a short script's ``<module>``, on every line capture).
+_hidden: set[int] = set()
+_hidden_codes: list[Any] = []
 
 
 def hide_frames(fn: Any) -> Any:
@@ -65,7 +69,9 @@ def hide_frames(fn: Any) -> Any:
     For wrappers around hpcdp calls (a framework adapter, a test helper), so that recorded
     lines point at the wrapper's caller.
     """
-    _hidden.add(getattr(fn, "__code__", fn))
+    code = getattr(fn, "__code__", fn)
+    _hidden_codes.append(code)
+    _hidden.add(id(code))
     return fn
 
 
@@ -78,7 +84,7 @@ def user_frame(f: Any) -> Any:
         hit = inside.get(fn)
         if hit is None:
             hit = inside[fn] = os.path.abspath(fn).startswith(_PKG_DIR)
-        if not hit and code not in hidden:
+        if not hit and id(code) not in hidden:
             return f
         f = f.f_back
     return None
@@ -115,11 +121,13 @@ class pinned_line:
     __slots__ = ("_prev", "_set")
 
     def __enter__(self) -> "pinned_line":
-        self._set = _setting("lines")
-        if self._set:
-            self._prev = _tls.line
-            if self._prev is None:
-                _tls.line = _caller(1)
+        on = _settings.get("lines")  # (``_setting`` once it is set: this runs every backward)
+        self._set = on = _setting("lines") if on is None else on
+        if on:
+            self._prev = prev = _tls.line
+            if prev is None:
+                f = user_frame(sys._getframe(1))
+                _tls.line = None if f is None else (f.f_code, f.f_lineno)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -209,19 +217,21 @@ class Recorder:
             if tl is not None:
                 tl.op_event(row, t1, state)
 
-        if tl is None:
-            def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
-                """Mark operation ``token`` finished; a failure also records where it was called."""
-                if state is COMPLETED:
-                    i = token % cap
-                    row = rows[i]
-                    if row is not None and row[0] == token:
-                        ends[i] = (token, _c(), COMPLETED, None)
-                else:
-                    finish(token, state, _c())
-        else:
-            def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
-                """Mark operation ``token`` finished; a failure also records where it was called."""
+        def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
+            """Mark operation ``token`` finished; a failure also records where it was called."""
+            if state is COMPLETED:  # (``finish`` inlined: the common case, every operation)
+                i = token % cap
+                row = rows[i]
+                if row is not None and row[0] == token:
+                    t1 = _c()
+                    ends[i] = (token, t1, COMPLETED, None)
+                    if tl is not None:  # (``Timeline.op_event`` inlined)
+                        buf = tl._buf
+                        buf.append(("X", row[1], "collective" if row[3] else "p2p", row[7], t1 - row[7],
+                                    tl._tid(row[8]), (row, COMPLETED)))
+                        if len(buf) >= tl.flush_every:
+                            tl.flush()
+            else:
                 finish(token, state, _c())
 
         if self.lines or tl is not None:
