@@ -101,25 +101,6 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
     return rec if ok else None
 
 
-class _Sent(Request):
-    """The transport's send of a framed message; holds the frame until the send is done."""
-
-    def __init__(self, req: Request, frame: Any) -> None:
-        self.req, self.frame = req, frame
-
-    def test(self) -> bool:
-        return self.req.test()
-
-    def wait(self, timeout: float | None) -> bool:
-        return self.req.wait(timeout)
-
-    def pending(self) -> str:
-        return self.req.pending()
-
-    def abandon(self) -> bool | None:
-        return self.req.abandon()
-
-
 def p2p_sender(group: "ProcessGroup", name: str, shape: tuple[int, ...]
                ) -> Callable[[Any, int, int], Request]:
     """A drop-in for ``backend.send`` that sends ``header + bytes`` (call it where the user's
@@ -135,7 +116,7 @@ def p2p_sender(group: "ProcessGroup", name: str, shape: tuple[int, ...]
         frame = xp.zeros(HEADER_BYTES + flat.nbytes, np.uint8)
         frame[: len(head)] = xp.asarray(np.frombuffer(head, np.uint8))
         frame[HEADER_BYTES:] = flat.reshape(-1).view(np.uint8)
-        return _Sent(backend.send(frame, dst, tag), frame)
+        return backend.send(frame, dst, tag)  # (every backend keeps the frame until sent)
 
     return send
 

@@ -9,6 +9,7 @@ import numpy as np
 from . import trace
 from ._arrays import _SUPPORTED, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender
+from ._group_buffers import finish_into
 from ._validate import check_array, check_rank, check_tag
 from .errors import HpcdpError
 from .work import Work, wait_for
@@ -36,7 +37,6 @@ class PointToPoint:
     _check_module: Callable[[str, Any], None]
     _timeout_of: Callable[[str, Any], float]
     _post: Callable[..., "Request"]
-    _finish_into: Callable[..., Callable[[], Any]]
 
     def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
         where = self._where(op)
@@ -86,7 +86,7 @@ class PointToPoint:
         recv = (self.backend.recv if self._debug == "off"
                 else p2p_receiver(self, name, buf.shape, check))
         req = self._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
-        return Work(self, name, 0, req, self._finish_into(buf, tmp), None, tok)
+        return Work(self, name, 0, req, finish_into(buf, tmp), None, tok)
 
     def probe(self, src: int = -1, tag: int = -1, *, timeout: float | None = None) -> Any:
         """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
+from . import trace
 from ._debug_p2p import payload_nbytes
 from ._validate import check_rank, check_tag, check_timeout
 from .backends.base import ANY_SOURCE, ANY_TAG, poll_until
@@ -153,8 +154,6 @@ def probe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None,
                                    f"{'any rank' if src == ANY_SOURCE else f'rank {src}'} with "
                                    f"{'any tag' if tag == ANY_TAG else f'tag {tag}'} within {t:g} s")
     except HpcdpError as exc:
-        from . import trace
-
         trace.on_error(rec, tok, exc)
         raise
     if rec is not None:

@@ -131,9 +131,10 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
 
 def _start_tracing(group: ProcessGroup) -> None:
     """Arm the flight-record dumps for this rank; with ``HPCDP_TRACE`` line the clocks up
-    (collective); with ``HPCDP_STRAGGLER=N`` start the straggler report (see ``hpcdp.trace``)."""
+    (collective; not for ranks that are threads of one process, which share its clock); with
+    ``HPCDP_STRAGGLER=N`` start the straggler report (see ``hpcdp.trace``)."""
     trace.install(group.ranks[group.rank], group.size)
-    if trace.enabled():
+    if trace.enabled() and not group.backend.shares_process:
         trace.estimate_clock_offset(group)
     trace._straggler.from_env(group)
 

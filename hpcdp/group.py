@@ -208,9 +208,6 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             raise TypeError(f"{where}: the {self.backend.name} backend takes numpy arrays; "
                             "move cupy arrays to the host (x.get()) or use the MPI backend")
 
-    _result_buffer = staticmethod(result_buffer)
-    _finish_into = staticmethod(finish_into)
-
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                   async_op: bool = False, timeout: float | None = None) -> Any:
@@ -275,13 +272,13 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         self._check_module(where, x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
+        result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
         t = self._timeout_of("allreduce", timeout)
         seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
         rflat = rbuf.reshape(-1)
         req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
-        return self._run("allreduce", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
+        return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
 
     # torch spelling
     all_reduce = allreduce
@@ -306,7 +303,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
         req = self._post("broadcast", seq, self.backend.broadcast, buf.reshape(-1), root, tok=tok)
-        return self._run("broadcast", seq, req, self._finish_into(target, buf), async_op, t, tok)
+        return self._run("broadcast", seq, req, finish_into(target, buf), async_op, t, tok)
 
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
@@ -320,7 +317,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
-            result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
+            result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
         else:  # checked here too: a bad out= must not leave only the root raising
             if out is not None:
                 check_out(where, out, x.shape, x.dtype, xp)
@@ -332,7 +329,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         rflat = None if rbuf is None else rbuf.reshape(-1)
         sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
         req = self._post("reduce", seq, self.backend.reduce, sflat, rflat, bop, root, tok=tok)
-        finish = self._finish_into(result, buf, post) if is_root else (lambda: None)
+        finish = finish_into(result, buf, post) if is_root else (lambda: None)
         return self._run("reduce", seq, req, finish, async_op, t, tok)
 
     def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
@@ -342,11 +339,11 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         check_array(where, x)
         self._check_module(where, x)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
+        result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         t = self._timeout_of("all_gather", timeout)
         seq, tok = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
         req = self._post("all_gather", seq, self.backend.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
-        return self._run("all_gather", seq, req, self._finish_into(result, buf), async_op, t, tok)
+        return self._run("all_gather", seq, req, finish_into(result, buf), async_op, t, tok)
 
     allgather = all_gather
 
@@ -360,7 +357,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
-            result, buf = self._result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
+            result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         else:  # checked here too: a bad out= must not leave only the root raising
             if out is not None:
                 check_out(where, out, (self.size, *x.shape), x.dtype, xp)
@@ -369,7 +366,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         seq, tok = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
         req = self._post("gather", seq, self.backend.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
-        finish = self._finish_into(result, buf) if is_root else (lambda: None)
+        finish = finish_into(result, buf) if is_root else (lambda: None)
         return self._run("gather", seq, req, finish, async_op, t, tok)
 
     def scatter(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
@@ -394,12 +391,12 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
             self._check_module(where, x)
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
-        result, buf = self._result_buffer(where, out, shape, dtype, xp, x)
+        result, buf = result_buffer(where, out, shape, dtype, xp, x)
         t = self._timeout_of("scatter", timeout)
         seq, tok = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
         send = contiguous(x).reshape(self.size, -1) if is_root else None
         req = self._post("scatter", seq, self.backend.scatter, send, buf.reshape(-1), root, tok=tok)
-        return self._run("scatter", seq, req, self._finish_into(result, buf), async_op, t, tok)
+        return self._run("scatter", seq, req, finish_into(result, buf), async_op, t, tok)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                        async_op: bool = False, timeout: float | None = None) -> Any:
@@ -411,13 +408,13 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
+        result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
         t = self._timeout_of("reduce_scatter", timeout)
         seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         send, rbuf, bop, post = reduction_plan(x, buf, rop, n, xp, False)
         req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
-        return self._run("reduce_scatter", seq, req, self._finish_into(result, buf, post), async_op, t, tok)
+        return self._run("reduce_scatter", seq, req, finish_into(result, buf, post), async_op, t, tok)
 
     def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
@@ -427,14 +424,14 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         self._check_module(where, x)
         check_divisible(where, x, self.size)
         xp = xp_of(x)
-        result, buf = self._result_buffer(where, out, x.shape, x.dtype, xp, x)
+        result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
         if buf is x:  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
         t = self._timeout_of("all_to_all", timeout)
         seq, tok = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
         n = self.size
         req = self._post("all_to_all", seq, self.backend.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
-        return self._run("all_to_all", seq, req, self._finish_into(result, buf), async_op, t, tok)
+        return self._run("all_to_all", seq, req, finish_into(result, buf), async_op, t, tok)
 
     alltoall = all_to_all
 

@@ -75,20 +75,23 @@ class Work:
             self._raise(exc)
         return self._complete()
 
-    def is_completed(self) -> bool:
-        """Make progress without blocking; True once ``wait()`` would return at once."""
-        if self._done:
-            return True
-        if self._error is not None:
-            return True
+    def _progress(self, seconds: float) -> None:
+        """Test (``seconds == 0``) or wait without abandoning; a transport error becomes this
+        call's outcome, as ``wait()`` would make it."""
         try:
-            if self._req.test():
-                self._complete()
+            done = self._req.test() if seconds == 0 else self._req.wait(seconds)
         except HpcdpError as exc:
             self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
             self._fail(annotate(exc, self._where()))
-            return True
-        return self._done
+            return
+        if done:
+            self._complete()
+
+    def is_completed(self) -> bool:
+        """Make progress without blocking; True once ``wait()`` would return at once."""
+        if not self._done and self._error is None:
+            self._progress(0)
+        return self._done or self._error is not None
 
     def wait_for(self, seconds: float) -> bool:
         """Wait up to ``seconds`` and say whether the call is done, without giving it up.
@@ -97,18 +100,10 @@ class Work:
         stays in flight, to be waited for again (schedulers that interleave several calls).
         A transport error is raised as ``wait()`` would.
         """
-        if self._done:
-            return True
+        if not self._done and self._error is None:
+            self._progress(0.0 if seconds == 0 else check_timeout(f"{self._where()}: wait_for()", seconds))
         if self._error is not None:
             raise self._error
-        t = 0.0 if seconds == 0 else check_timeout(f"{self._where()}: wait_for()", seconds)
-        try:
-            done = self._req.test() if t == 0.0 else self._req.wait(t)
-        except HpcdpError as exc:
-            self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
-            self._raise(annotate(exc, self._where()))
-        if done:
-            self._complete()
         return self._done
 
     def result(self) -> Any:

@@ -7,6 +7,7 @@ import tempfile
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:  # test bodies are imported by reference in spawned processes
     sys.path.insert(0, HERE)
 
@@ -20,6 +21,19 @@ from hpcdp.testing import run_mpi, run_ranks, spawn_backends  # noqa: E402,F401 
 from hpcdp.testing.fixtures import mpi_world, shared_tmp_path  # noqa: E402,F401 - fixtures
 
 SPAWN_BACKENDS = spawn_backends()
+
+#: what would make a job a test launches join this process's job (or pick its backend)
+LAUNCH_VARS = ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE")
+
+
+def job_env(*drop: str, **settings: str) -> dict[str, str]:
+    """The environment of a job or command a test launches: this checkout importable, mpirun
+    allowed as root, ``settings`` added, none of ``LAUNCH_VARS`` nor of ``drop``."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **settings)
+    for k in LAUNCH_VARS + drop:
+        env.pop(k, None)
+    return env
 
 
 @pytest.fixture

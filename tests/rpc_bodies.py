@@ -6,6 +6,7 @@ failure messages (empty when all is well) or a small dict, so one body serves ev
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 import threading
 import time
@@ -18,7 +19,9 @@ import hpcdp
 import hpcdp.rpc as rpc
 from hpcdp._arrays import SUPPORTED_DTYPES
 from hpcdp.errors import CommTimeoutError, HpcdpError, PeerFailureError
-from hpcdp.rpc import _context
+from hpcdp.rpc import _context, _protocol as P
+from hpcdp.rpc._agent import _Pending
+from hpcdp.rpc._wire import pack_envelope
 
 
 # -- what peers may call ----------------------------------------------------------------------
@@ -174,6 +177,22 @@ def raises(fails: list[str], exc: type, fn: Any, label: str, match: str = "") ->
     return None
 
 
+def raw_request(dst: int, kind: int, fields: list, body: bytes, buffers: tuple = (),
+                timeout: float = 10.0) -> Any:
+    """A request sent as raw bytes through the transport, past every check of the sender; its
+    future (failed after ``timeout`` seconds when no reply comes)."""
+    agent = _context.current("test")
+    mid = next(agent._ids)
+    fut = rpc.Future(f"raw {P.NAMES.get(kind, kind)}", agent)
+    with agent._lock:
+        agent._pending[mid] = _Pending(fut, dst, fut.what, timeout, False)
+        heapq.heappush(agent._deadlines, (time.monotonic() + timeout, mid))
+    agent.transport.send(dst, pack_envelope([kind, mid, *fields]), body,
+                         [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
+                          for b in buffers])
+    return fut
+
+
 def wait_until(pred: Any, seconds: float = 10.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -223,10 +242,7 @@ def body_call_forms(rank: int) -> list[str]:
     check(fails, r2.owner_name() == to and r2.to_here() == 10, "rref.remote() of a method")
     # The owner's acknowledgement of the REMOTE leaves by its control queue, replies to calls by
     # its pool: a call's reply may arrive first, so the flag may lag it, but not by long.
-    until = time.monotonic() + 5
-    while not rref.confirmed_by_owner() and time.monotonic() < until:
-        time.sleep(0.001)
-    check(fails, rref.confirmed_by_owner(), "confirmed after use")
+    check(fails, wait_until(rref.confirmed_by_owner, 5), "confirmed after use")
     val = rpc.remote(to, add, args=(5, 6))
     check(fails, val.to_here(timeout=10) == 11, "remote(fn).to_here")
     local = rpc.remote(me.name, Table, args=(4,))

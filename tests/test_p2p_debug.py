@@ -132,15 +132,11 @@ def test_env_one_turns_the_p2p_check_on(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("body", [body_mismatches, body_missing_header], ids=lambda b: b.__name__)
 @pytest.mark.parametrize("backend", spawn_backends())
-def test_p2p_mismatch_named(backend: str) -> None:
-    check(run_ranks(backend, 2, body_mismatches, timeout=20))
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", spawn_backends())
-def test_receiver_without_header(backend: str) -> None:
-    check(run_ranks(backend, 2, body_missing_header, timeout=20))
+def test_p2p_mismatch_named(backend: str, body) -> None:
+    """A mismatched send and receive are named; so is a receiver whose sender sent no header."""
+    check(run_ranks(backend, 2, body, timeout=20))
 
 
 @pytest.mark.timeout(600)

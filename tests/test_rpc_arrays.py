@@ -5,8 +5,6 @@ allocated for it; on simulated and TCP ranks here, and on the MPI world under mp
 from __future__ import annotations
 
 import hashlib
-import heapq
-import time
 import tracemalloc
 
 import msgpack
@@ -17,10 +15,10 @@ import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import check
 from hpcdp._arrays import SUPPORTED_DTYPES
-from hpcdp.rpc import _codec as C, _context, _protocol as P
-from hpcdp.rpc._agent import _Pending
-from hpcdp.rpc._wire import RECV_BUFFERS, RecvBuffers, _calibrate, pack_envelope
+from hpcdp.rpc import _codec as C, _protocol as P
+from hpcdp.rpc._wire import RECV_BUFFERS, RecvBuffers, _calibrate
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -101,7 +99,7 @@ def body_big_arrays(rank: int) -> list[str]:
     for k, (a, b) in enumerate(held):
         B.check(fails, b.tobytes() == np.ascontiguousarray(a).tobytes(),
                 f"received array {k} ({a.dtype} {a.shape}) changed after later messages")
-    if hpcdp.get_default_group().backend.name != "sim":  # sim hands arrays over in memory
+    if not hpcdp.get_default_group().backend.shares_process:  # sim: arrays handed over in memory
         B.check(fails, rpc.rpc_sync(to, recv_buffers_reused) > 0 and RECV_BUFFERS.reused > 0,
                 "no receive buffer was ever reused")
     hpcdp.barrier()
@@ -115,23 +113,15 @@ def body_oversized_allocates_nothing(rank: int) -> list[str]:
     n = 32 << 20
     fails = B.start(rank, rpc_timeout=30,
                     limits=rpc.Limits(max_message_bytes=1 << 20) if rank == 1 else None)
-    agent = _context.current("test")
     if rank == 1:
         tracemalloc.start()
-        tracemalloc.reset_peak()
+        tracemalloc.reset_peak()  # tracing already on (-X tracemalloc): start() kept its peak
         base = tracemalloc.get_traced_memory()[0]
     hpcdp.barrier()
     if rank == 0:
         body = msgpack.packb([C.TUPLE, [C.TUPLE, [C.NDARRAY, "uint8", [n], 0]], [C.DICT]])
         for _ in range(2):
-            mid = next(agent._ids)
-            fut = rpc.Future("oversized", agent)
-            with agent._lock:
-                agent._pending[mid] = _Pending(fut, 1, fut.what, 30.0, False)
-                heapq.heappush(agent._deadlines, (time.monotonic() + 30.0, mid))
-            data = np.ones(n, np.uint8)
-            agent.transport.send(1, pack_envelope([P.CALL, mid, "echo"]), body,
-                                 [memoryview(data)])
+            fut = B.raw_request(1, P.CALL, ["echo"], body, (np.ones(n, np.uint8),), timeout=30.0)
             B.raises(fails, rpc.RemoteError, fut.wait, "oversized announcement",
                      "exceeds the limit")
     hpcdp.barrier()
@@ -139,7 +129,7 @@ def body_oversized_allocates_nothing(rank: int) -> list[str]:
         peak = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
         # simulated ranks share one process: the sender's own array is counted there too
-        if hpcdp.get_default_group().backend.name != "sim":
+        if not hpcdp.get_default_group().backend.shares_process:
             B.check(fails, peak < n // 8,
                     f"{peak} bytes allocated for a refused {n}-byte array")
     got = rpc.rpc_sync(B.peer(rank), B.add, args=(np.ones(3), 1))
@@ -191,32 +181,22 @@ def test_receive_buffers_reused_only_when_nothing_refers_to_them() -> None:
     small, off = RecvBuffers(8 * n), RecvBuffers(0)
     for p, size in ((small, RecvBuffers.MIN - 1), (off, n)):
         a = p.take(size)
-        where = addr(a)
         del a
         b = p.take(size)
         assert p.reused == 0 and not p._entries and b.size == size
 
 
-def _ok(results: list) -> None:
-    bad = {r: f for r, f in enumerate(results) if f}
-    assert not bad, bad
+#: big arrays whose receive buffers are reused; an oversized one that allocates nothing
+BODIES = [body_big_arrays, body_oversized_allocates_nothing]
 
 
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__)
 @pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_big_arrays_reused_buffers(backend: str) -> None:
-    _ok(run_ranks(backend, 2, body_big_arrays, timeout=60, join_timeout=180))
-
-
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_oversized_array_allocates_nothing(backend: str) -> None:
-    _ok(run_ranks(backend, 2, body_oversized_allocates_nothing, timeout=60, join_timeout=180))
+def test_array_bodies(backend: str, body) -> None:
+    check(run_ranks(backend, 2, body, timeout=60, join_timeout=180))
 
 
 @pytest.mark.mpi(min_size=2)
-def test_big_arrays_mpi(mpi_world) -> None:
-    _ok(run_mpi(body_big_arrays))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_oversized_array_allocates_nothing_mpi(mpi_world) -> None:
-    _ok(run_mpi(body_oversized_allocates_nothing))
+@pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__)
+def test_array_bodies_mpi(mpi_world, body) -> None:
+    check(run_mpi(body))

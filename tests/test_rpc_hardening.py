@@ -19,6 +19,7 @@ import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import check
 from hpcdp.errors import CommTimeoutError, ProtocolError
 from hpcdp.rpc import _codec as C, _context, _protocol as P
 from hpcdp.rpc._agent import _Pending
@@ -234,7 +235,7 @@ def test_crossfire(backend: str) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_crossfire_mpi(mpi_world) -> None:
     res = run_mpi(body_crossfire)
-    assert all(r == [] for r in res), res
+    check(res)
 
 
 @pytest.mark.parametrize("backend", SPAWN_BACKENDS)
@@ -252,13 +253,13 @@ def test_blocking_callees_never_stop_serving(backend: str) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_hardening_mpi(mpi_world) -> None:
     res = run_mpi(body_hardening)
-    assert all(r == [] for r in res), res
+    check(res)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_blocking_callees_never_stop_serving_mpi(mpi_world) -> None:
     res = run_mpi(body_handoff)
-    assert all(r == [] for r in res), res
+    check(res)
 
 
 def body_forged_mpi_head(rank: int) -> list[str]:
@@ -284,7 +285,7 @@ def body_forged_mpi_head(rank: int) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 def test_forged_head_mpi(mpi_world) -> None:
     res = run_mpi(body_forged_mpi_head)
-    assert all(r == [] for r in res), res
+    check(res)
 
 
 def body_heads_reserve_nothing(rank: int) -> list[str]:
@@ -336,7 +337,7 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 def test_heads_reserve_nothing_mpi(mpi_world) -> None:
     res = run_mpi(body_heads_reserve_nothing)
-    assert all(r == [] for r in res), res
+    check(res)
 
 
 _LEFT: list[Any] = []  # sends a receiver refused: never completed, kept alive
@@ -363,7 +364,7 @@ def body_mismatched_chunk(rank: int) -> list[str]:
             RECV_BUFFERS.clear()  # a buffer taken now would be new memory, and traced
             reused = RECV_BUFFERS.reused
             tracemalloc.start()
-            tracemalloc.reset_peak()
+            tracemalloc.reset_peak()  # tracing already on (-X tracemalloc): start() kept its peak
             base = tracemalloc.get_traced_memory()[0]
         hpcdp.barrier()
         if rank == 0:
@@ -397,4 +398,4 @@ def body_mismatched_chunk(rank: int) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 def test_mismatched_chunk_mpi(mpi_world) -> None:
     res = run_mpi(body_mismatched_chunk)
-    assert all(r == [] for r in res), res
+    check(res)

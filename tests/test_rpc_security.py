@@ -3,11 +3,9 @@ forged messages from an authenticated peer, oversized and deeply nested payloads
 name a class to build, and connections to the RPC port that do not authenticate."""
 from __future__ import annotations
 
-import heapq
 import os
 import socket
 import struct
-import time
 from typing import Any
 
 import msgpack
@@ -20,27 +18,12 @@ import rpc_bodies as B
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
 from hpcdp.errors import ProtocolError
 from hpcdp.rpc import _codec as C, _context, _protocol as P
-from hpcdp.rpc._agent import _Pending
 from hpcdp.rpc._wire import pack_envelope
 
 pytestmark = pytest.mark.timeout(240)
 
 SMALL = dict(max_message_bytes=1 << 20, max_body_bytes=64 << 10, max_depth=16,
              max_elements=1000)
-
-
-def raw_request(dst: int, kind: int, fields: list, body: bytes, buffers: tuple = ()) -> Any:
-    """A request sent as raw bytes through the transport, past every check of the sender."""
-    agent = _context.current("test")
-    mid = next(agent._ids)
-    fut = rpc.Future(f"raw {P.NAMES.get(kind, kind)}", agent)
-    with agent._lock:
-        agent._pending[mid] = _Pending(fut, dst, fut.what, 10.0, False)
-        heapq.heappush(agent._deadlines, (time.monotonic() + 10.0, mid))
-    agent.transport.send(dst, pack_envelope([kind, mid, *fields]), body,
-                         [memoryview(np.ascontiguousarray(b).reshape(-1).view(np.uint8))
-                          for b in buffers])
-    return fut
 
 
 def args_body(*items: Any) -> bytes:
@@ -98,7 +81,7 @@ def forge_rref_protocol(owner: int, rid: list, fid: list) -> list[str]:
         ("malformed CALL", P.CALL, [5], "malformed CALL"),
     ]:
         body = args_body() if kind in (P.REMOTE, P.RCALL) else b"\xc0"
-        refused(fails, raw_request(owner, kind, fields, body), label, match)
+        refused(fails, B.raw_request(owner, kind, fields, body), label, match)
     return fails
 
 
@@ -160,7 +143,7 @@ def body_security(rank: int) -> list[str]:
              (), "owns no RRef"),
             ("garbage body", ["echo"], b"\xc1", (), "malformed message body"),
         ]:
-            refused(fails, raw_request(1, P.CALL, fields, body, bufs), label, match)
+            refused(fails, B.raw_request(1, P.CALL, fields, body, bufs), label, match)
         # forged replies: a request of ours to worker0 (ourselves) answered by worker1
         slow = rpc.rpc_async("worker0", B.sleep_then, args=(2.0, "real"))
         agent = _context.current("test")

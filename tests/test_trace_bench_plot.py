@@ -10,10 +10,10 @@ from dataclasses import asdict
 
 import pytest
 
+from conftest import job_env
 from hpcdp.bench import _plot
 from hpcdp.bench._common import Row
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -77,7 +77,7 @@ def test_plot_files_and_both_clis(tmp_path) -> None:
     src.write_text("\n".join(json.dumps(r) for r in _rows()) + "\n\n")
     out = _plot.plot_files([str(src)], str(tmp_path / "direct.png"))
     assert open(out, "rb").read(8) == PNG and os.path.getsize(out) > 20_000
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = job_env()
     for cmd in (["-m", "hpcdp.trace", "plot-bench"], ["-m", "hpcdp.bench._plot"]):
         png = tmp_path / f"{cmd[1]}.png"
         p = subprocess.run([sys.executable, *cmd, str(src), "-o", str(png)], capture_output=True, text=True,
@@ -127,9 +127,7 @@ def test_deeply_nested_line_is_reported_with_file_and_line(tmp_path) -> None:
 
 @pytest.mark.timeout(180)
 def test_pipeline_benchmark_draws_its_plot(tmp_path) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
-        env.pop(k, None)
+    env = job_env()
     png = tmp_path / "pipeline.png"
     p = subprocess.run([sys.executable, "-m", "hpcdp.bench", "pipeline", "--ranks", "2", "--microbatches", "2",
                         "--trials", "1", "--t-f", "0.5", "--t-i", "0.5", "--t-w", "0.5", "--plot", str(png)],
@@ -169,9 +167,7 @@ def test_plot_sink_keeps_what_it_forwards() -> None:
 @pytest.mark.timeout(180)
 def test_trace_benchmark_runs_and_draws_its_plot(tmp_path) -> None:
     """``python -m hpcdp.bench trace`` end to end on one simulated rank (the figures are noise here)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE", "HPCDP_TRACE"):
-        env.pop(k, None)
+    env = job_env("HPCDP_TRACE", "HPCDP_TRACE_DIR")  # not the scratch one conftest sets
     png, js = tmp_path / "trace.png", tmp_path / "rows.jsonl"
     p = subprocess.run([sys.executable, "-m", "hpcdp.bench", "trace", "--trials", "2", "--steps", "3",
                         "--calls", "20", "--json", str(js), "--plot", str(png)],

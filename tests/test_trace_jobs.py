@@ -15,7 +15,8 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import job_env
+
 
 JOB = textwrap.dedent('''
     import os, sys, time
@@ -54,15 +55,6 @@ def _line(marker: str) -> int:
     return next(i for i, t in enumerate(JOB.split("\n"), 1) if marker in t)
 
 
-def _env(tmp_path, tracing: bool = True) -> dict[str, str]:
-    env = dict(os.environ, HPCDP_TRACE_DIR=str(tmp_path / "trace"), HPCDP_TRACE="1" if tracing else "0",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
-        env.pop(k, None)
-    return env
-
-
 LAUNCH = {
     "sim": lambda script: [sys.executable, script],
     "tcp": lambda script: [sys.executable, "-m", "hpcdp.run", "-n", "4", script],
@@ -77,7 +69,7 @@ def test_skipped_collective_is_found(tmp_path, backend: str, tracing: bool) -> N
     """With HPCDP_TRACE=1 every line is recorded; without, the lines come from the error path."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
-    env = _env(tmp_path, tracing)
+    env = job_env(HPCDP_TRACE_DIR=str(tmp_path / "trace"), HPCDP_TRACE="1" if tracing else "0")
     job = subprocess.run(LAUNCH[backend](str(script)), capture_output=True, text=True, timeout=180,
                          env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
     out = job.stdout + job.stderr

@@ -16,9 +16,8 @@ import hpcdp
 from hpcdp import trace
 from hpcdp.errors import CommTimeoutError
 
-from conftest import SPAWN_BACKENDS, run_ranks
+from conftest import SPAWN_BACKENDS, job_env, run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
@@ -163,12 +162,8 @@ LAUNCH = {
 def test_ddp_job_timeline_stragglers_and_checkpoint_spans(tmp_path, launcher: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(JOB)
-    env = dict(os.environ, HPCDP_TRACE="1", HPCDP_STRAGGLER="2", CKPT=str(tmp_path / "ckpt"),
-               HPCDP_TRACE_DIR=str(tmp_path / "trace"), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("HPCDP_BACKEND", "HPCDP_MASTER_ADDR", "MASTER_ADDR", "RANK", "WORLD_SIZE"):
-        env.pop(k, None)
+    env = job_env(HPCDP_TRACE="1", HPCDP_STRAGGLER="2", CKPT=str(tmp_path / "ckpt"),
+                  HPCDP_TRACE_DIR=str(tmp_path / "trace"))
     job = subprocess.run(LAUNCH[launcher](str(script)), capture_output=True, text=True, timeout=200,
                          env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
     out = job.stdout + job.stderr

@@ -109,7 +109,7 @@ class MPIRequest(Request):
         if self.test():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        return wait_until(self.test, deadline)
+        return poll_until(self.test, deadline, serve_all, _TESTS_PER_CLOCK)  # answering others
 
     def pending(self) -> str:
         if self.index:
@@ -149,16 +149,13 @@ class MPIRequest(Request):
 
 
 class Chain(Request):
-    """``req``, then host-side work (``then``) once it completed; ``on_abandon`` runs instead
-    when the request is given up on, and ``then`` never runs after that (a staged receive must
-    not copy back late). ``then`` runs once even when two threads (DDP's progress thread and a
+    """``req``, then host-side work (``then``) once it completed; ``then`` never runs after the
+    request is given up on (a staged receive must not copy back late). ``then`` runs once even when two threads (DDP's progress thread and a
     ``wait``) see the request complete together: staging's ``then`` gives pinned buffers back to
     a pool, and twice would hand one buffer to two later operations."""
 
-    def __init__(self, req: Request, then: Callable[[], None],
-                 on_abandon: Callable[[], None] | None = None) -> None:
+    def __init__(self, req: Request, then: Callable[[], None]) -> None:
         self.req, self.then, self.done = req, then, False
-        self.on_abandon = on_abandon
         self.keep: Any = ()
         self._once = threading.Lock()
 
@@ -191,8 +188,6 @@ class Chain(Request):
             if self.done:
                 return True
             self.then = _nothing
-            if self.on_abandon is not None:
-                self.on_abandon()
         return None
 
 
@@ -205,11 +200,6 @@ def _nothing() -> None:
 #: ranks on a loaded 2-core machine), so 64 could outlast a deadline by a second.
 _TESTS_PER_CLOCK = 8
 
-
-def wait_until(test: Callable[[], bool], deadline: float | None) -> bool:
-    """``test()`` until it is true or ``deadline`` passed; answers other groups' questions
-    meanwhile (``poll_until`` with this module's clock interval)."""
-    return poll_until(test, deadline, serve_all, _TESTS_PER_CLOCK)
 
 
 def _register(r: MPIRequest) -> None:

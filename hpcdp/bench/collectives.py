@@ -25,7 +25,7 @@ import numpy as np
 import hpcdp
 
 from ._common import JsonSink, Row, busbw_factor, fmt_size, interleaved, pretouch, print_header, print_row, sizes
-from ._plot import add_plot_argument, maybe_plot
+from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -185,10 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     dtype = np.dtype(args.dtype)
-    sink = JsonSink(args.json if rank == 0 else None)
+    sink = PlotSink(JsonSink(args.json if rank == 0 else None))  # rank 0's rows, for --plot
     ops = [o for o in args.ops.split(",") if o]
     rows: list[Row] = []
-    extra: list[dict[str, Any]] = []  # latency and summary rows, for --plot
     if rank == 0:
         print(f"# hpcdp {hpcdp.__version__} collectives vs mpi4py, {n} ranks, {dtype}, "
               f"{args.trials} interleaved trials, median ratio t(hpcdp)/t(mpi4py), "
@@ -232,10 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(f"  {case.nbytes:>10} {lat[-1][1]:>10.2f} {lat[-1][2]:>10.2f} "
                       f"{lat[-1][3]:>+8.2f} {lat[-1][4]:>+8.2f}")
-                extra.append({"bench": "latency", "op": "allreduce", "size": case.nbytes,
-                              "time_us": lat[-1][1], "base_time_us": lat[-1][2], "diff_us": lat[-1][3],
-                              "diff_median_call_us": lat[-1][4], "import_order": order})
-                sink.write(extra[-1])
+                sink.write({"bench": "latency", "op": "allreduce", "size": case.nbytes,
+                            "time_us": lat[-1][1], "base_time_us": lat[-1][2], "diff_us": lat[-1][3],
+                            "diff_median_call_us": lat[-1][4], "import_order": order})
     # A5: an 8 B ndarray collective vs mpi4py's pickle path
     x8 = np.ones(2, np.float32)
     a5 = interleaved(lambda: _latency_trial(lambda: comm.allreduce(x8), 2000, comm),
@@ -262,12 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# Avg bus bandwidth    : {statistics.mean(busbw) if busbw else 0:.4f} GB/s")
         for k, (v, target) in summary.items():
             print(f"# {k}: {v:.3f} (target {target}; import order {order})")
-            extra.append({"bench": "summary", "name": k, "value": v, "target": target, "ranks": n,
-                          "import_order": order})
-            sink.write(extra[-1])
+            sink.write({"bench": "summary", "name": k, "value": v, "target": target, "ranks": n,
+                        "import_order": order})
         print(f"# sizes {fmt_size(args.min_size)} - {fmt_size(args.max_size)}; "
               "pickle allreduce 8 B: %.2f us, hpcdp: %.2f us" % (a5.base_median * 1e6, a5.cand_median * 1e6))
-        maybe_plot(args, [*rows, *extra], title=f"hpcdp collectives vs mpi4py, {n} ranks ({order})")
+        maybe_plot(args, sink.rows, title=f"hpcdp collectives vs mpi4py, {n} ranks ({order})")
     sink.close()
     return 0
 

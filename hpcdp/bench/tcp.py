@@ -20,8 +20,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["main_tcp", "run_b1", "run_b2"]
 from ._plot import add_plot_argument, maybe_plot
+
+__all__ = ["main_tcp", "run_b1", "run_b2"]
 
 
 def _raw_pair(rank: int) -> socket.socket:

@@ -32,7 +32,7 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim, trace
 
-from ._common import JsonSink
+from ._common import JsonSink, interleaved
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
@@ -130,12 +130,10 @@ def latency(group: Any, *, trials: int, calls: int) -> dict[str, Any]:
         raise RuntimeError("python -m hpcdp.bench trace: the flight recorder is off "
                            "(HPCDP_FLIGHT_RECORDER=0); nothing to compare")
     _latency_trial(group, True, calls)  # warm-up
-    on, off = [], []
-    for i in range(trials):
-        for mode in ((True, False) if i % 2 == 0 else (False, True)):
-            (on if mode else off).append(_latency_trial(group, mode, calls))
-    diffs = [a - b for a, b in zip(on, off)]
-    return {"on": on, "off": off, "diff": statistics.median(diffs), "diffs": diffs}
+    tr = interleaved(lambda: _latency_trial(group, False, calls),
+                     lambda: _latency_trial(group, True, calls), trials)
+    diffs = [on - off for off, on in zip(tr.base, tr.cand)]
+    return {"on": tr.cand, "off": tr.base, "diff": statistics.median(diffs), "diffs": diffs}
 
 
 def measure(group: Any, *, trials: int, steps: int, hidden: int, batch: int,

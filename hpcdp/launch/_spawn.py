@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable
 
 from .. import trace
-from .._world import _set_thread_default
+from .._world import _set_thread_default, _start_tracing
 from ..errors import HpcdpError, PeerFailureError
 from ..backends import backend_spawner, spawnable_backends
 from ..group import ProcessGroup
@@ -61,8 +61,7 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, .
         group = ProcessGroup(make(r), name="world", timeout=timeout)
         _set_thread_default(group, "sim")
         try:
-            trace.install(r, world_size)  # this thread is rank r: its recorder, its dumps
-            trace._straggler.from_env(group)
+            _start_tracing(group)  # this thread is rank r: its recorder, its dumps
             results[r] = fn(r, *args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - reported by spawn
             errors[r] = exc

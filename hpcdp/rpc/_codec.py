@@ -50,12 +50,12 @@ _TYPES_HELP = ("None, bool, int, float, complex, str, bytes, list, tuple, dict, 
                "scalars of hpcdp's dtypes, RRefs and @rpc.register-ed dataclasses")
 
 
-def _env_int(name: str, default: int) -> int:
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
     raw = os.environ.get(name, "")
     if not raw:
         return default
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"{name}={raw!r}: expected a whole number >= 1")
+    if not raw.strip().isdigit() or int(raw) < minimum:
+        raise ValueError(f"{name}={raw!r}: expected a whole number >= {minimum}")
     return int(raw)
 
 
@@ -263,7 +263,7 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 class _Decoder:
-    __slots__ = ("limits", "buffers", "hook", "used", "count", "seen", "rrefs_seen")
+    __slots__ = ("limits", "buffers", "hook", "used", "count", "seen", "seen_cap", "rrefs_seen")
 
     def __init__(self, limits: Limits, buffers: Sequence[Any],
                  hook: Callable[[list], Any] | None) -> None:
@@ -271,6 +271,9 @@ class _Decoder:
         self.used = [False] * len(buffers)
         self.count = 0
         self.seen = 0
+        #: msgpack items allowed before ``count_list`` gives up: tags, field names and shapes
+        #: count too
+        self.seen_cap = 2 * limits.max_elements + 64
         self.rrefs_seen: set[int] = set()
 
     def salvage(self, tree: Any) -> None:
@@ -294,7 +297,7 @@ class _Decoder:
     def count_list(self, lst: list) -> list:
         # msgpack calls this as each array completes, so a flood of items stops early
         self.seen += len(lst)
-        if self.seen > 2 * self.limits.max_elements + 64:  # tags, field names, shapes count too
+        if self.seen > self.seen_cap:
             raise ProtocolError(f"message has more than {self.limits.max_elements} elements")
         return lst
 
@@ -420,7 +423,7 @@ def decode(body: Any, buffers: Sequence[Any], limits: Limits,
             _check_lengths(body)
         # each item takes a byte at least: a body this short cannot trip the count (and a
         # Python call per array is a good part of decoding a small message)
-        hook = d.count_list if nb > 2 * limits.max_elements + 64 else None
+        hook = d.count_list if nb > d.seen_cap else None
         tree = msgpack.unpackb(body, use_list=True, raw=False, strict_map_key=True,
                                list_hook=hook, ext_hook=_reject_ext, max_map_len=0,
                                max_array_len=min(limits.max_elements + 2, nb), max_ext_len=0)

@@ -18,7 +18,6 @@ nothing refers to it any more (see ``RecvBuffers``).
 """
 from __future__ import annotations
 
-import os
 import struct
 import sys
 import threading
@@ -28,7 +27,7 @@ import msgpack
 import numpy as np
 
 from ..errors import ProtocolError
-from ._codec import Limits, _packer
+from ._codec import Limits, _env_int, _packer
 
 __all__ = ["PREFIX", "MAX_ENVELOPE", "Frame", "pack_prefix", "parse_prefix", "check_sizes",
            "pack_envelope", "unpack_envelope", "RecvBuffers", "RECV_BUFFERS"]
@@ -185,14 +184,5 @@ class RecvBuffers:
             self._bytes = 0
 
 
-def _cache_bytes() -> int:
-    raw = os.environ.get("HPCDP_RPC_RECV_CACHE", "")
-    if not raw:
-        return 128 << 20
-    if not raw.strip().isdigit():
-        raise ValueError(f"HPCDP_RPC_RECV_CACHE={raw!r}: expected a number of bytes (0: off)")
-    return int(raw)
-
-
 #: shared by every transport of the process (simulated ranks are threads of one process)
-RECV_BUFFERS = RecvBuffers(_cache_bytes())
+RECV_BUFFERS = RecvBuffers(_env_int("HPCDP_RPC_RECV_CACHE", 128 << 20, minimum=0))

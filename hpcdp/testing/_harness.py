@@ -72,7 +72,12 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
         raised = None
     finally:
         _world._set_thread_default(outer)
-    everyone = parent.all_gather_object(mine)
+    try:
+        everyone = parent.all_gather_object(mine)
+    finally:
+        # its communicators (and those of groups the body made) would otherwise stay polled by
+        # every later wait of the job
+        group.shutdown()
     failed = [f"rank {r} raised {text}" for r, (kind, text) in enumerate(everyone)
               if kind == "raised"]
     if failed:

@@ -23,7 +23,7 @@ from typing import Any, Callable, TypeVar
 from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
 from ._dump import describe_group, job_id, on_dump, trace_dir
 from ._recorder import (
-    _process_rank, _tls, _truthy, all_recorders, configure, timeline_factory, where_of,
+    _truthy, all_recorders, configure, current_rank, timeline_factory, where_of,
 )
 
 __all__ = [
@@ -175,8 +175,8 @@ class Timeline:
         self.path = trace_path(directory, self.rank)
         self.flush_every = max(1, int(flush_every))
         self.epoch_ns = now_ns()
-        #: the one list events are appended to, by the methods below and, inlined, by ``span``,
-        #: ``instant`` and ``Recorder.end`` (hot paths); ``flush`` takes from it, never replaces it
+        #: the one list events are appended to; ``flush`` takes from it, never replaces it (a
+        #: thread appending to a replaced list would lose its event)
         self._buf: list[tuple[Any, ...]] = []
         self._tids: dict[Any, int] = {}
         self._local = _ThreadTid()
@@ -224,28 +224,18 @@ class Timeline:
         if len(self._buf) >= self.flush_every:
             self.flush()
 
-    # (``_add`` inlined in the three below: they run several times a training step)
     def op_event(self, row: tuple[Any, ...], t1: int, st: str) -> None:
         """A recorder row (see ``Recorder``) that just ended, as an 'X' event."""
-        buf = self._buf
-        buf.append(("X", row[1], "collective" if row[3] else "p2p", row[7], t1 - row[7],
-                    self._tid(row[8]), (row, st)))
-        if len(buf) >= self.flush_every:
-            self.flush()
+        self._add(("X", row[1], "collective" if row[3] else "p2p", row[7], t1 - row[7],
+                   self._tid(row[8]), (row, st)))
 
     def complete(self, name: str, cat: str, t0_ns: int, t1_ns: int,
                  args: dict[str, Any] | None = None) -> None:
         """A span from ``t0_ns`` to ``t1_ns`` (``now_ns`` readings) on the calling thread."""
-        buf = self._buf
-        buf.append(("X", name, cat, t0_ns, t1_ns - t0_ns, self._tid(), args))
-        if len(buf) >= self.flush_every:
-            self.flush()
+        self._add(("X", name, cat, t0_ns, t1_ns - t0_ns, self._tid(), args))
 
     def instant(self, name: str, cat: str, args: dict[str, Any] | None = None) -> None:
-        buf = self._buf
-        buf.append(("i", name, cat, now_ns(), 0, self._tid(), args))
-        if len(buf) >= self.flush_every:
-            self.flush()
+        self._add(("i", name, cat, now_ns(), 0, self._tid(), args))
 
     def counter(self, name: str, cat: str, values: dict[str, float]) -> None:
         self._add(("C", name, cat, now_ns(), 0, self._tid(), values))
@@ -385,12 +375,7 @@ def timeline(rank: int | None = None) -> Timeline | None:
     """The timeline of ``rank`` (default: the current rank), or None when tracing is off."""
     if not state.on:
         return None
-    if rank is None:  # (``current_rank()`` inlined: spans and marks call this every time)
-        r = _tls.rank
-        if r is None:
-            r = _process_rank[0]
-    else:
-        r = int(rank)
+    r = current_rank() if rank is None else int(rank)
     tl = _timelines.get(r)
     if tl is None:
         with _lock:
@@ -464,11 +449,7 @@ class span:
         if tl is not None:
             self._tl = None
             args = self.args if tp is None else dict(self.args, error=tp.__name__)
-            t0 = self._t0
-            buf = tl._buf  # (``Timeline.complete`` inlined: spans run several times a step)
-            buf.append(("X", self.name, self.cat, t0, now_ns() - t0, tl._tid(), args or None))
-            if len(buf) >= tl.flush_every:
-                tl.flush()
+            tl.complete(self.name, self.cat, self._t0, now_ns(), args or None)
         return False
 
     def __call__(self, fn: F) -> F:
@@ -488,11 +469,8 @@ def instant(name: str, cat: str = "mark", **args: Any) -> None:
     """A point in time on the current rank's timeline (e.g. "bucket 3 ready")."""
     if state.on:
         tl = timeline()
-        if tl is not None:  # (``Timeline.instant`` inlined: DDP marks every bucket)
-            buf = tl._buf
-            buf.append(("i", name, cat, now_ns(), 0, tl._tid(), args or None))
-            if len(buf) >= tl.flush_every:
-                tl.flush()
+        if tl is not None:
+            tl.instant(name, cat, args or None)
 
 
 def counter(name: str, cat: str = "counter", **values: float) -> None:

@@ -121,13 +121,11 @@ class pinned_line:
     __slots__ = ("_prev", "_set")
 
     def __enter__(self) -> "pinned_line":
-        on = _settings.get("lines")  # (``_setting`` once it is set: this runs every backward)
-        self._set = on = _setting("lines") if on is None else on
-        if on:
-            self._prev = prev = _tls.line
-            if prev is None:
-                f = user_frame(sys._getframe(1))
-                _tls.line = None if f is None else (f.f_code, f.f_lineno)
+        self._set = _setting("lines")
+        if self._set:
+            self._prev = _tls.line
+            if self._prev is None:
+                _tls.line = _caller(1)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -179,7 +177,7 @@ class Recorder:
         self.begin: Callable[..., int]
         self.end: Callable[..., None]
         #: (rows, ends, next token, clock, thread ident, capacity) while ``begin`` would only store
-        #: a row (no source lines, no timeline), else None: see ``inline_slots``
+        #: a row (no source lines, no timeline), else None: the layout in the module docstring
         self.inline: tuple[Any, ...] | None = None
         self._build()
 
@@ -225,12 +223,8 @@ class Recorder:
                 if row is not None and row[0] == token:
                     t1 = _c()
                     ends[i] = (token, t1, COMPLETED, None)
-                    if tl is not None:  # (``Timeline.op_event`` inlined)
-                        buf = tl._buf
-                        buf.append(("X", row[1], "collective" if row[3] else "p2p", row[7], t1 - row[7],
-                                    tl._tid(row[8]), (row, COMPLETED)))
-                        if len(buf) >= tl.flush_every:
-                            tl.flush()
+                    if tl is not None:
+                        tl.op_event(row, t1, COMPLETED)
             else:
                 finish(token, state, _c())
 
