@@ -94,6 +94,9 @@ class _SlowRequest:
         self.clock.t += 1e-3
         return self.n >= self.at and bool(self.real.Test(*status))
 
+    def Start(self) -> None:  # a persistent request
+        self.real.Start()
+
     def __bool__(self) -> bool:
         return True
 
@@ -111,11 +114,13 @@ class _SlowComm:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("road", ["persistent", "iallreduce"])
 def test_latency_path_gives_up_at_its_deadline_when_tests_are_slow(
-        mpi_world, monkeypatch: pytest.MonkeyPatch) -> None:
+        mpi_world, monkeypatch: pytest.MonkeyPatch, road: str) -> None:
     """1 s timeout, the peer arrives after 1.5 s of 1 ms Tests: the call must report a timeout
     (before the fix its 1024-Test spin ran 1.024 s uncounted, then waited a full second more,
-    and returned success at 1.5 s)."""
+    and returned success at 1.5 s). Both roads: a small call's persistent request, and the
+    ``Iallreduce`` of an MPI without them."""
     from hpcdp.backends import _mpi_requests as rq
     from hpcdp.backends import base, mpi
     from hpcdp.ops import ReduceOp
@@ -126,6 +131,16 @@ def test_latency_path_gives_up_at_its_deadline_when_tests_are_slow(
     real_comm = be.comm
     slow = _SlowComm(real_comm, clock, at=1500)
     x = np.ones(2)
+    slot = real_req = None
+    if road == "persistent":
+        assert be._small is not None
+        be.allreduce_blocking(x, x, ReduceOp.SUM, 1.0)  # makes the request, on the real comm
+        slot = be._fast[x.dtype][1][ReduceOp.SUM][1][x.size]
+        real_req = slot.req
+        slot.req = _SlowRequest(real_req, clock, at=1500)
+        slow.posted.append(slot.req)
+    else:
+        be._small = None
     try:
         with monkeypatch.context() as m:
             m.setattr(mpi, "_monotonic", clock.monotonic)
@@ -139,4 +154,7 @@ def test_latency_path_gives_up_at_its_deadline_when_tests_are_slow(
         be.comm = real_comm
         for r in slow.posted:  # let it complete now, so shutdown frees the communicators
             r.at = 0
+        rq.drain(rq.pending_of(be), 5.0)
+        if slot is not None:
+            slot.req = real_req
         be.shutdown()

@@ -56,18 +56,22 @@ _LEAVE = """
 
     hpcdp.init("mpi", timeout=60)
     if hpcdp.rank() == 0:
-        work = hpcdp.allreduce(np.ones(4 << 20), async_op=True)
+        work = hpcdp.allreduce(np.ones({count}), async_op=True)
         pending_recv = hpcdp.irecv(np.empty(1 << 16), 1, tag=5)   # never sent: withdrawn at exit
         {leave}
     else:
         time.sleep({delay})
         try:
-            text = f"rank 1 result {{hpcdp.allreduce(np.ones(4 << 20))[0]}}"
+            text = f"rank 1 result {{hpcdp.allreduce(np.ones({count}))[0]}}"
         except hpcdp.PeerFailureError as exc:
             text = f"rank 1 told: {{exc}}"
         with open("result-1.txt", "w") as fh:
             fh.write(text)
 """
+
+
+# 32 MiB: an Iallreduce; 3 elements: a persistent request (``_mpi_persistent``)
+_COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persistent"])
 
 
 @pytest.mark.timeout(CAP + 30)
@@ -76,9 +80,11 @@ _LEAVE = """
     ("raise RuntimeError('rank 0 gives up')", 1),
     ("hpcdp.finalize(); sys.exit(0)", 0),
 ])
-def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str, code: int) -> None:
+@_COUNTS
+def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str, code: int,
+                                                           count: str) -> None:
     """Rank 1 joins within the exit grace period: the operation completes, both exit cleanly."""
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5))
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5, count=count))
     _no_crash(rc, out)
     assert rc == code, out
     if code == 0:
@@ -89,10 +95,11 @@ def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str
 
 @pytest.mark.timeout(CAP + 30)
 @pytest.mark.parametrize("leave", ["sys.exit(0)", "hpcdp.finalize(); sys.exit(0)"])
-def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str) -> None:
+@_COUNTS
+def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str, count: str) -> None:
     """Rank 1 joins only after rank 0 stopped waiting: rank 0 kept the buffer alive through
     MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout."""
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=4.0))
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=4.0, count=count))
     _no_crash(rc, out)
     assert rc == 0, out
     [told] = _results(tmp_path)
@@ -187,11 +194,13 @@ _THREADED_POSTS = """
     tuner = g.backend._nbc
     seen = {"tuned": tuner is not None}
     if tuner is not None:
-        class Counting:  # counts the posts that took the algorithm lock
+        main = threading.get_ident()
+
+        class Counting:  # counts the main thread's acquisitions of the algorithm lock
             def __init__(self, lock):
                 self.lock, self.n = lock, 0
             def acquire(self, *a):
-                self.n += 1
+                self.n += threading.get_ident() == main
                 return self.lock.acquire(*a)
             def release(self):
                 self.lock.release()
@@ -215,14 +224,20 @@ _THREADED_POSTS = """
         t = threading.Thread(target=rings)
         t.start()
         i = 0
-        while t.is_alive() or i < 200:
-            r = small.allreduce(np.full(2, i, np.float32))
-            if not (r == 2 * i).all():
-                bad.append(("small", i))
-            i += 1
+        while True:
+            for _ in range(20):
+                r = small.allreduce(np.full(2, i, np.float32))
+                if not (r == 2 * i).all():
+                    bad.append(("small", i))
+                i += 1
+            # stop together: each rank sees its own thread end at its own moment, and a rank
+            # that posted one call more than its peer would wait for it until the timeout
+            alive = small.allreduce(np.full(2, float(t.is_alive()), np.float32))
+            if i >= 200 and alive[0] == 0:
+                break
         t.join()
         seen["bad"] = bad
-        seen["locked"] = tuner.lock.n > 40  # the small posts took it while the thread lived
+        seen["beside"] = tuner.lock.n - seen["alone"]  # taken by small posts beside the thread
         seen["left"] = tuner.current
     with open(f"result-{g.rank}.txt", "w") as fh:
         json.dump(seen, fh)
@@ -230,15 +245,27 @@ _THREADED_POSTS = """
 
 
 @pytest.mark.timeout(CAP + 30)
-def test_small_allreduces_beside_a_posting_thread_take_the_algorithm_lock(tmp_path) -> None:
-    """The only thread posts small allreduces without the algorithm lock; once another thread
-    exists (here one posting ring-sized allreduces on another group) they take it again, so no
-    small call is posted while the variable says ring: every result is right, nothing hangs."""
-    rc, out = _job(tmp_path, _THREADED_POSTS)
+@pytest.mark.parametrize("persistent", ["1", "0"])
+def test_small_allreduces_beside_a_posting_thread_take_the_algorithm_lock(tmp_path,
+                                                                        persistent: str) -> None:
+    """No small allreduce runs an algorithm that another thread's ring-sized post chose: every
+    result is right, nothing hangs, while a thread posts ring allreduces on another group.
+
+    Persistent requests (the default) read libnbc's algorithm variable once, when made, under
+    the lock: the main thread takes it once (one request) and never again. Without them
+    (``HPCDP_MPI_PERSISTENT=0``) each small ``Iallreduce`` reads it when posted: the only
+    thread posts without the lock, and takes it again once another thread exists."""
+    rc, out = _job(tmp_path, _THREADED_POSTS, env={"HPCDP_MPI_PERSISTENT": persistent})
     _no_crash(rc, out)
     assert rc == 0, out
     seen = [json.loads(text) for text in _results(tmp_path)]
-    assert seen == [{"tuned": True, "alone": 0, "bad": [], "locked": True, "left": 0}] * 2, (seen, out)
+    for s in seen:
+        assert s["tuned"] and s["bad"] == [] and s["left"] == 0, (seen, out)
+        if persistent == "1":
+            assert s["alone"] == 1 and s["beside"] == 0, (seen, out)
+        else:
+            assert s["alone"] == 0 and s["beside"] > 0, (seen, out)
+    assert len(seen) == 2, out
 
 
 # Rank 0 gives up on a ring-sized allreduce that rank 1, told rank 0 left, never posts; then a
@@ -344,3 +371,37 @@ def test_collective_size_mismatch_is_an_hpcdp_error_on_every_rank(tmp_path, n: i
     assert seen, outs
     for msg in seen:
         assert "allreduce #" in msg and "different sizes" in msg, msg
+
+
+# Rank 1 joins an allreduce only after the others gave up on it (it is told they left and
+# never posts), on a group of its own that is then shut down; then a communicator whose
+# context id this rank picks alone. Before the fix rank 1 freed the group's communicator while
+# the others' abandoned calls still sent to it, and Open MPI handed those messages to the next
+# communicator given that context id: rank 1 crashed in Comm_dup (7 of 7 runs of
+# tests/test_mpi_harness.py on 4 ranks).
+_FREED_WHILE_SENT_TO = """
+    import sys
+    import numpy as np
+    import hpcdp
+    from hpcdp.backends import mpi
+    from hpcdp.testing import run_mpi
+    sys.path.insert(0, {tests!r})
+    from test_mpi_harness import _time_out_on_the_default_group, _sum
+
+    g = hpcdp.init("mpi", timeout=60)
+    for round in range(2):
+        run_mpi(_time_out_on_the_default_group)
+        run_mpi(_sum)
+        own = mpi.MPIBackend(mpi.get_mpi().COMM_SELF.Dup(), [g.rank])
+        own.shutdown()
+    with open(f"result-{{g.rank}}.txt", "w") as fh:
+        fh.write(str(run_mpi(_sum)[0]))
+"""
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_late_rank_does_not_free_a_communicator_its_peers_still_send_on(tmp_path) -> None:
+    rc, out = _job(tmp_path, _FREED_WHILE_SENT_TO.format(tests=os.path.join(ROOT, "tests")), n=4)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    assert _results(tmp_path) == ["10.0"] * 4, out

@@ -20,6 +20,7 @@ import ctypes
 import sys
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import HpcdpError
@@ -28,7 +29,8 @@ from .base import Request, poll_until
 if TYPE_CHECKING:
     from .mpi import MPIBackend
 
-__all__ = ["MPIRequest", "Chain", "bind", "drain", "reap", "pending_of", "register_backend"]
+__all__ = ["MPIRequest", "Chain", "Lifetime", "bind", "drain", "reap", "pending_of",
+           "register_backend"]
 
 #: seconds ``finalize`` and interpreter exit wait for operations still in flight
 EXIT_GRACE = 2.0
@@ -202,6 +204,63 @@ _TESTS_PER_CLOCK = 8
 
 
 
+class Lifetime:
+    """Mixin of ``MPIBackend``: shutting a group down without freeing what MPI may still use."""
+
+    comm: Any
+    _notice: Any
+    _p2p: Any
+    _small: Any
+    ranks: tuple[int, ...]
+    rank: int
+    # from ``Notices``, earlier in the backend's bases
+    close_notices: Callable[[], None]
+    announce: Callable[[int, str], None]
+    notice_waiting: Callable[[], bool]
+
+    def before_finalize(self) -> None:
+        """Withdraw the notice receive and free idle persistent requests; what still runs is
+        kept alive (MPI may write into it until it completes, or through MPI_Finalize)."""
+        self.close_notices()
+        if self._small is not None:
+            busy = self._small.close()
+            if busy:
+                keep_forever(busy)
+
+    def shutdown(self) -> None:
+        """Finish (or hand to the exit handler) what is in flight, then free the communicators.
+
+        A communicator with a collective still in flight is not freed: libnbc would progress it
+        on freed state (a segfault). Its requests stay registered, so their buffers stay alive.
+        Nor is one whose peer left: the peer's abandoned calls may still send to this rank, and
+        Open MPI hands messages for a freed communicator to the next one given its context id
+        (a late rank crashed in its next ``Comm_dup``).
+        """
+        MPI = _MPI
+        if self.comm == MPI.COMM_NULL:
+            return
+        comms = (self._notice, self._p2p, self.comm)
+        if not MPI.Is_finalized():
+            left = drain(pending_of(self), EXIT_GRACE)
+            first = min((r for r in left if r.index), key=lambda r: r.index, default=None)
+            if first is not None:
+                self.announce(first.index, f"finalized with {first.what} unfinished")
+            peer_left = self.notice_waiting()
+            self.before_finalize()
+            if left or peer_left:
+                keep_forever(comms)
+            if left:
+                warnings.warn(f"hpcdp.finalize (rank {self.ranks[self.rank]}): "
+                              f"{len(left)} MPI operation(s) still in flight "
+                              f"({', '.join(sorted({r.what for r in left}))})",
+                              RuntimeWarning, stacklevel=3)
+            elif not peer_left:
+                for c in comms:
+                    c.Free()
+        self.comm = self._p2p = self._notice = MPI.COMM_NULL
+        _LIVE.discard(self)
+
+
 def _register(r: MPIRequest) -> None:
     global _reap_at
     _PENDING[id(r)] = r
@@ -285,7 +344,7 @@ def _at_exit() -> None:
             if first is not None:
                 be.announce(first.index, f"exited with {first.what} unfinished")
         for be in list(_LIVE):
-            be.close_notices()
+            be.before_finalize()
         left = drain(pending_of(None), 0.05)  # the notices just sent
         if left:
             keep_forever(left)

@@ -7,22 +7,17 @@ past MPI's 2**31-1 count limit work. cupy arrays go to MPI directly when it is C
 staged through reused pinned host buffers otherwise.
 
 Why nonblocking calls polled against a deadline, and not blocking MPI calls guarded by a watchdog
-thread that aborts the job at the deadline (PyTorch's NCCL watchdog): measured on 2 ranks bound to
-cores, an ``Iallreduce`` polled with ``Test`` costs +1.4 us over the blocking ``Allreduce`` at
-8 B - 1 KiB (inside A2's +3 us), and with libnbc's ring (``_mpi_tuning``) 0.5-0.8x its time at
-1-16 MiB (A1 asks >= 0.97 of its bandwidth). So the deadline costs little, and it buys what an
-abort cannot: a ``CommTimeoutError`` the caller can catch, naming the call and the ranks that did
-not arrive (asked in a roll call on a side communicator), the group's other ranks told at once
-that this rank left (``announce``), and late ranks failing at once instead of a second timeout.
-
-Where an 8 B allreduce's microseconds went (2 ranks, this shared machine): ``Iallreduce`` + a
-``Test`` loop +0.5-1.4 us over ``Allreduce``; the latency path spun only 64 Tests before falling
-into the deadline-checked wait (any peer a few us late cost that), in a for/range loop (0.3-0.6 us
-slower than ``while not req.Test()``); the group's ``np.may_share_memory`` check 0.7 us. The
-whole Python path now costs 2.0 us of CPU over ``Allreduce`` on one rank (2.6 us before).
+thread that aborts the job at the deadline (PyTorch's NCCL watchdog): a ``CommTimeoutError`` the
+caller can catch, naming the call and the ranks that did not arrive (asked in a roll call on a
+side communicator), the group's other ranks told at once that this rank left (``announce``), and
+late ranks failing at once instead of a second timeout. What it costs, measured on 2 ranks bound
+to cores: small allreduces start persistent requests (``_mpi_persistent``), 1.0 us against
+``Allreduce``'s 1.3 us at 8 B (an ``Iallreduce`` + ``Test`` took 1.9 us); from 8 KiB up libnbc's
+ring (``_mpi_tuning``) beats ``Allreduce`` by 0.5-0.8x of its time at 1-16 MiB.
 
 The side channel (notices, roll calls) is ``_mpi_notices``; request lifetime, finalize and
-interpreter exit are ``_mpi_requests``; libnbc's algorithm choice is ``_mpi_tuning``.
+interpreter exit are ``_mpi_requests`` (``Lifetime``: shutdown); libnbc's algorithm choice is
+``_mpi_tuning``.
 """
 from __future__ import annotations
 
@@ -41,6 +36,7 @@ from ..errors import BackendUnavailableError, HpcdpError
 from ..ops import ReduceOp
 from . import _mpi_requests as _rq
 from . import _mpi_tuning
+from ._mpi_persistent import Slots, SmallRequest, initializer
 from ._mpi_notices import Notices
 from ._mpi_staging import Staging, cuda_aware, staged
 from .base import Backend, Request
@@ -152,7 +148,7 @@ def _chunks(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
-class MPIBackend(Notices, Backend):
+class MPIBackend(Notices, _rq.Lifetime, Backend):
     """A group of ranks on one MPI communicator (a private duplicate, never the user's)."""
 
     name = "mpi"
@@ -183,10 +179,13 @@ class MPIBackend(Notices, Backend):
             ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.PROD: MPI.LAND,
             ReduceOp.MIN: MPI.LAND,
         }
-        #: dtype -> (MPI datatype, op -> MPI op) for ``allreduce_blocking``; float16 is absent
-        self._fast = {dt: (t, {op: self._op(op, dt) for op in self._ops})
+        #: dtype -> (MPI datatype, op -> (MPI op, count -> persistent request)) for small
+        #: allreduces (``_mpi_persistent``); float16 is absent (reduced as float32)
+        self._fast = {dt: (t, {op: (self._op(op, dt), {}) for op in self._ops})
                       for dt, t in self._types.items() if dt != np.float16}
         self._nbc = _mpi_tuning.tuner()
+        init = initializer(MPI)
+        self._small = None if init is None else Slots(self, init)
         self._index = 0  # collectives posted on this group: the same count on every rank
         self._open_notices(MPI)  # "left" notices and roll calls on a third communicator
         _rq.register_backend(self)
@@ -241,6 +240,13 @@ class MPIBackend(Notices, Backend):
     def _allreduce(self, sendbuf, recvbuf, op):
         if sendbuf.dtype == np.float16:
             return self._half_staged(self._allreduce, sendbuf, recvbuf, op)
+        n = recvbuf.size
+        if self._small is not None and 0 < n <= _MAX_COUNT and recvbuf.nbytes < _RING_MIN:
+            # every small allreduce, blocking or not: the choice must be the same on all ranks
+            t, ops = self._fast[recvbuf.dtype]
+            mop, table = ops[op]
+            slot = table.get(n) or self._small.make(table, n, recvbuf.dtype, t, mop)
+            return SmallRequest.post(self, slot, sendbuf, recvbuf, self._index)
         mop = self._op(op, sendbuf.dtype)
         inplace = sendbuf is recvbuf
         reqs = []
@@ -251,24 +257,42 @@ class MPIBackend(Notices, Backend):
         return self._coll(reqs, "allreduce")
 
     def allreduce_blocking(self, sendbuf, recvbuf, op, timeout):
-        # Small allreduces are latency-bound: one Iallreduce and a short Test spin, without
-        # the wrappers (cupy staging, chunking, float16) that the callers of this path exclude.
+        # Latency-bound: under RING_MIN a persistent request started (``_mpi_persistent``),
+        # else one Iallreduce, then a short Test spin; without the wrappers (cupy staging,
+        # chunking, float16) that the callers of this path exclude.
         fast = self._fast.get(recvbuf.dtype)
-        if fast is None or recvbuf.size > _MAX_COUNT:
+        n = recvbuf.size
+        if fast is None or n > _MAX_COUNT:
             return super().allreduce_blocking(sendbuf, recvbuf, op, timeout)
-        t, mop = fast[0], fast[1][op]
+        mop, table = fast[1][op]
         self._index = index = self._index + 1
         if self._left is not None:  # a peer already left this group: fail before posting
             self.check_notices(index)
-        s = _MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+        small, nbytes = self._small, recvbuf.nbytes
         try:
-            req = self._iallreduce(s, [recvbuf, t], mop, recvbuf.nbytes)
+            if small is not None and n and nbytes < _RING_MIN:
+                slot = table.get(n) or small.make(table, n, recvbuf.dtype, fast[0], mop)
+                if slot.tail is not None:  # an async call still runs on it: this one queues
+                    slow = SmallRequest.post(self, slot, sendbuf, recvbuf, index)
+                    slow.keep = (sendbuf, recvbuf)
+                    return None if slow.wait(timeout) else slow
+                slot.sbuf[...] = sendbuf
+                req = slot.req
+                req.Start()
+                out = slot.rbuf
+            else:
+                t = fast[0]
+                s = _MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
+                req = self._iallreduce(s, [recvbuf, t], mop, nbytes)
+                out = None
             n = _SPIN  # (a while loop on req.Test() measured 0.3-0.6 us faster than for/range)
             while not req.Test():
                 n -= 1
                 if not n:
                     break
             else:
+                if out is not None:
+                    recvbuf[...] = out
                 if self._nview[0]:  # a notice landed: answer it, or fail if a peer left
                     self.check_notices(index)
                 return None
@@ -283,6 +307,8 @@ class MPIBackend(Notices, Backend):
                     if not n:
                         break
                 else:
+                    if out is not None:
+                        recvbuf[...] = out
                     if self._nview[0]:
                         self.check_notices(index)
                     return None
@@ -290,7 +316,10 @@ class MPIBackend(Notices, Backend):
                     break
         except _MPI.Exception as exc:
             raise self.mpi_error(exc, "allreduce", index) from None
-        slow = _rq.MPIRequest(self, [req], "allreduce", index)
+        if out is None:
+            slow = _rq.MPIRequest(self, [req], "allreduce", index)
+        else:
+            slow = slot.tail = SmallRequest(self, slot, None, recvbuf, index, started=True)
         slow.keep = (sendbuf, recvbuf)  # MPI owns them until the request completes
         return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
 
@@ -456,34 +485,6 @@ class MPIBackend(Notices, Backend):
             return MPIBackend(sub, [self.ranks[r] for r in ranks])
         except MPI.Exception as exc:
             raise self.mpi_error(exc, "new_group", 0) from None
-
-    def shutdown(self) -> None:
-        """Finish (or hand to the exit handler) what is in flight, then free the communicators.
-
-        A communicator with a collective still in flight is not freed: libnbc would progress it
-        on freed state (a segfault). Its requests stay registered, so their buffers stay alive.
-        """
-        MPI = get_mpi()
-        if self.comm == MPI.COMM_NULL:
-            return
-        comms = (self._notice, self._p2p, self.comm)
-        if not MPI.Is_finalized():
-            left = _rq.drain(_rq.pending_of(self), _rq.EXIT_GRACE)
-            first = min((r for r in left if r.index), key=lambda r: r.index, default=None)
-            if first is not None:
-                self.announce(first.index, f"finalized with {first.what} unfinished")
-            self.close_notices()
-            if left:
-                _rq.keep_forever(comms)
-                warnings.warn(f"hpcdp.finalize (rank {self.ranks[self.rank]}): "
-                              f"{len(left)} MPI operation(s) still in flight "
-                              f"({', '.join(sorted({r.what for r in left}))})",
-                              RuntimeWarning, stacklevel=3)
-            else:
-                for c in comms:
-                    c.Free()
-        self.comm = self._p2p = self._notice = MPI.COMM_NULL
-        _rq._LIVE.discard(self)
 
 
 def create_world(**_: Any) -> MPIBackend:
