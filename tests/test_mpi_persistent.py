@@ -162,3 +162,54 @@ def test_requests_retire_oldest_first_and_results_stay_right(mpi_world) -> None:
     cap = _mpi_persistent.MAX_SLOTS
     for o in run_mpi(_retired, timeout=30.0):
         assert o == {"bad": [], "kept": cap, "held": 1, "left": 0}, o
+
+
+def _waited_in_another_order(rank: int) -> list[str]:
+    """The same calls, waited on in another order: rank 0 waits for the queued call first,
+    rank 1 first makes a blocking call of another shape, during which its queued call must
+    start (libnbc would have progressed an ``Iallreduce`` on its own)."""
+    g = hpcdp.get_default_group()
+    n, bad = g.size, []
+    w1 = g.allreduce(_mine(rank, 3, base=1.0), async_op=True)
+    w2 = g.allreduce(_mine(rank, 3, base=2.0), async_op=True)  # queued behind w1
+    if rank == 0:
+        got2 = w2.wait()
+        other = g.allreduce(_mine(rank, 7))
+    else:
+        other = g.allreduce(_mine(rank, 7))
+        got2 = w2.wait()
+    bad += [] if np.array_equal(got2, _want(n, 3, base=2.0)) else [f"queued: {got2}"]
+    bad += [] if np.array_equal(other, _want(n, 7)) else [f"other: {other}"]
+    bad += [] if np.array_equal(w1.wait(), _want(n, 3, base=1.0)) else ["first"]
+    return bad
+
+
+@pytest.mark.mpi(min_size=2)
+def test_queued_calls_start_while_the_rank_waits_for_another(mpi_world) -> None:
+    assert run_mpi(_waited_in_another_order, timeout=20.0) == [[]] * mpi_world.size
+
+
+class _Tagged(np.ndarray):
+    """An ndarray subclass (as memmap and masked arrays are)."""
+
+
+def _many_and_subclasses(rank: int) -> list[str]:
+    """80 async calls of one shape in flight (the pending table reaps while they register),
+    then subclass arrays in and out."""
+    g = hpcdp.get_default_group()
+    n, bad = g.size, []
+    works = [g.allreduce(_mine(rank, 2, base=float(i)), async_op=True) for i in range(80)]
+    bad += [f"#{i}" for i, w in enumerate(works)
+            if not np.array_equal(w.wait(), _want(n, 2, base=float(i)))]
+    x = _mine(rank, 5).view(_Tagged)
+    got = g.allreduce(x, async_op=True).wait()
+    bad += [] if np.array_equal(np.asarray(got), _want(n, 5)) else [f"subclass in: {got}"]
+    out = np.zeros(5).view(_Tagged)
+    g.allreduce(_mine(rank, 5), out=out)
+    bad += [] if np.array_equal(np.asarray(out), _want(n, 5)) else [f"subclass out: {out}"]
+    return bad
+
+
+@pytest.mark.mpi(min_size=2)
+def test_many_calls_in_flight_and_array_subclasses(mpi_world) -> None:
+    assert run_mpi(_many_and_subclasses, timeout=20.0) == [[]] * mpi_world.size

@@ -92,14 +92,14 @@ def _openmpi4(MPI: Any) -> Init | None:
 
 
 def copy_in(dst: np.ndarray, src: Any) -> None:
-    if type(src) is np.ndarray:
+    if isinstance(src, np.ndarray):  # subclasses too (memmap, masked arrays)
         dst[...] = src
     else:  # a cupy array handed to CUDA-aware MPI: small, so through the host like the rest
         src.get(out=dst)
 
 
 def copy_out(dst: Any, src: np.ndarray) -> None:
-    if type(dst) is np.ndarray:
+    if isinstance(dst, np.ndarray):
         dst[...] = src
     else:
         dst.set(src)
@@ -126,6 +126,17 @@ class Slots:
         self.by: dict[Any, dict[Any, dict[int, Slot]]] = {}
         self.order: list[tuple[dict[int, Slot], int]] = []  # creation order, for retiring
         self.retired: list[Slot] = []  # retired while a call still ran on them
+        self.waiting: set[Slot] = set()  # slots with a call queued behind a running one
+
+    def advance(self) -> None:
+        """Under ``_LOCK``: test each running call that has one queued behind it, so queued
+        calls start even while this rank waits for something else."""
+        for slot in list(self.waiting):
+            tail = slot.tail
+            if tail is None or tail.started:
+                self.waiting.discard(slot)
+            else:
+                tail._poll()
 
     def make(self, table: dict[int, Slot], n: int, dtype: np.dtype, t: Any, mop: Any) -> Slot:
         """A new slot for ``n`` elements (the miss path; the same call on every rank)."""
@@ -181,17 +192,23 @@ def _free(slot: Slot) -> None:
 class SmallRequest(_rq.MPIRequest):
     """An allreduce on a slot: started at once when the slot is idle, else queued behind the
     slot's last call and started when that completes. Completion copies the result out before
-    it says done, so a thread that sees ``done`` reads a finished array."""
+    it says done, so a thread that sees ``done`` reads a finished array.
+
+    A queued call starts only when this rank sees the call before it complete, which libnbc
+    would have done on its own for an ``Iallreduce``: every wait of this process (``serve_all``
+    in ``poll_until``) therefore also advances the queues (``Slots.advance``), so a rank blocked
+    in another call still starts the calls its peers wait for."""
 
     __slots__ = ("slot", "send", "recv", "started", "prev", "next")
 
     def __init__(self, be: "MPIBackend", slot: Slot, send: Any, recv: Any, index: int,
                  started: bool = False) -> None:
-        super().__init__(be, [slot.req], "allreduce", index)
+        # (set before registering: registering may reap, which polls this request)
         self.slot, self.send, self.recv = slot, send, recv
         self.started = started
         self.prev: SmallRequest | None = None
         self.next: SmallRequest | None = None
+        super().__init__(be, [slot.req], "allreduce", index)
 
     @classmethod
     def post(cls, be: "MPIBackend", slot: Slot, send: Any, recv: Any, index: int
@@ -203,9 +220,17 @@ class SmallRequest(_rq.MPIRequest):
             prev = slot.tail
             slot.tail = r
             if prev is None or prev.done:
-                r._launch()
+                try:
+                    r._launch()
+                except Exception as exc:
+                    r._fail(exc)
+                    raise r.error from None
+                except BaseException as exc:  # KeyboardInterrupt: the call never started
+                    r._fail(exc)
+                    raise
             else:
                 r.prev, prev.next = prev, r
+                be._small.waiting.add(slot)
         return r
 
     def _launch(self) -> None:
@@ -215,12 +240,24 @@ class SmallRequest(_rq.MPIRequest):
         slot.req.Start()
         self.started = True
 
+    def _fail(self, exc: BaseException) -> None:
+        """Starting failed: this call and those queued behind it end with an error."""
+        if isinstance(exc, _rq._MPI.Exception):
+            self.error = self.be.mpi_error(exc, self.what, self.index)
+        else:
+            self.error = HpcdpError(f"allreduce #{self.index}: could not start "
+                                    f"({type(exc).__name__}: {exc})")
+        self.slot.broken = f"allreduce #{self.index} could not start"
+        self._fail_queue()
+
     def _poll(self) -> None:
         """Under ``_LOCK``: test; on completion copy out, then start the next call queued."""
         if not self.started:
-            prev = self.prev
-            if prev is not None and not prev.done:
-                prev._poll()  # it starts this one when it completes
+            head = self.prev
+            while head is not None and head.prev is not None:
+                head = head.prev
+            if head is not None and not head.done:
+                head._poll()  # the running call: on completion it starts the one after it
             if not self.started:
                 return
         try:
@@ -234,22 +271,22 @@ class SmallRequest(_rq.MPIRequest):
         slot = self.slot
         if self.error is None and self.recv is not None:
             copy_out(self.recv, slot.rbuf)
+        elif self.error is not None:
+            slot.broken = f"allreduce #{self.index} on this group failed"
         self.recv = None
         nxt, self.next = self.next, None
         if slot.tail is self:
             slot.tail = None
         if nxt is not None:
             nxt.prev = None
-            if self.error is not None or slot.broken:
-                slot.broken = slot.broken or f"an earlier allreduce on this group failed ({self.error})"
-                nxt.error = self.error or HpcdpError(f"allreduce #{nxt.index}: {slot.broken}")
+            if slot.broken:
+                nxt.error = HpcdpError(f"allreduce #{nxt.index}: {slot.broken}")
                 nxt._fail_queue()
             else:
                 try:
                     nxt._launch()
-                except _rq._MPI.Exception as exc:
-                    nxt.error = self.be.mpi_error(exc, nxt.what, nxt.index)
-                    nxt._fail_queue()
+                except Exception as exc:  # noqa: BLE001 - ends that call, not this one
+                    nxt._fail(exc)
         self.keep = ()
         _rq._PENDING.pop(id(self), None)
         self.done = True

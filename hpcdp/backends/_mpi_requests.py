@@ -330,6 +330,10 @@ def serve_all() -> None:
     for be in list(_LIVE):
         if be.notice_waiting():
             be.check_notices(0)
+        small = be._small
+        if small is not None and small.waiting:
+            with _LOCK:
+                small.advance()
 
 
 def _at_exit() -> None:

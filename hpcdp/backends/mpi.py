@@ -269,10 +269,11 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
         if self._left is not None:  # a peer already left this group: fail before posting
             self.check_notices(index)
         small, nbytes = self._small, recvbuf.nbytes
+        out = None  # the persistent request's result buffer, once started
         try:
             if small is not None and n and nbytes < _RING_MIN:
                 slot = table.get(n) or small.make(table, n, recvbuf.dtype, fast[0], mop)
-                if slot.tail is not None:  # an async call still runs on it: this one queues
+                if slot.tail is not None or slot.broken:  # an async call runs on it: queue
                     slow = SmallRequest.post(self, slot, sendbuf, recvbuf, index)
                     slow.keep = (sendbuf, recvbuf)
                     return None if slow.wait(timeout) else slow
@@ -284,7 +285,6 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 t = fast[0]
                 s = _MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
                 req = self._iallreduce(s, [recvbuf, t], mop, nbytes)
-                out = None
             n = _SPIN  # (a while loop on req.Test() measured 0.3-0.6 us faster than for/range)
             while not req.Test():
                 n -= 1
@@ -316,6 +316,10 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                     break
         except _MPI.Exception as exc:
             raise self.mpi_error(exc, "allreduce", index) from None
+        except BaseException:  # KeyboardInterrupt in the spin: the request may still run
+            if out is not None and slot.tail is None:
+                slot.tail = SmallRequest(self, slot, None, None, index, started=True)
+            raise
         if out is None:
             slow = _rq.MPIRequest(self, [req], "allreduce", index)
         else:
