@@ -121,9 +121,7 @@ class Slots:
     """A group's persistent allreduces by (dtype, count, op), made and retired in call order."""
 
     def __init__(self, be: "MPIBackend", init: Init) -> None:
-        self.be, self.init = be, init
-        #: dtype -> op -> count -> Slot (plain ints and dicts: the hit path hashes no tuple)
-        self.by: dict[Any, dict[Any, dict[int, Slot]]] = {}
+        self.be, self.init = be, init  # (the slots live in MPIBackend._fast: dtype, op, count)
         self.order: list[tuple[dict[int, Slot], int]] = []  # creation order, for retiring
         self.retired: list[Slot] = []  # retired while a call still ran on them
         self.waiting: set[Slot] = set()  # slots with a call queued behind a running one

@@ -285,23 +285,12 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 t = fast[0]
                 s = _MPI.IN_PLACE if sendbuf is recvbuf else [sendbuf, t]
                 req = self._iallreduce(s, [recvbuf, t], mop, nbytes)
-            n = _SPIN  # (a while loop on req.Test() measured 0.3-0.6 us faster than for/range)
-            while not req.Test():
-                n -= 1
-                if not n:
-                    break
-            else:
-                if out is not None:
-                    recvbuf[...] = out
-                if self._nview[0]:  # a notice landed: answer it, or fail if a peer left
-                    self.check_notices(index)
-                return None
-            # The deadline counts from here: the _SPIN Tests before took microseconds (tens
-            # of milliseconds at worst, when every Test yields the CPU).
-            now = _monotonic()
-            deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
-            while not self._nview[0]:  # a notice goes to the slow path, which handles it
-                n = _SPIN
+            # Spins of _SPIN Tests until done, a notice lands, or _SPIN_S passed. The deadline
+            # counts from the first spin's end: its Tests took microseconds (tens of
+            # milliseconds at worst, when every Test yields the CPU).
+            stop = None
+            while True:
+                n = _SPIN  # (a while loop on req.Test() was 0.3-0.6 us faster than for/range)
                 while not req.Test():
                     n -= 1
                     if not n:
@@ -309,10 +298,15 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 else:
                     if out is not None:
                         recvbuf[...] = out
-                    if self._nview[0]:
+                    if self._nview[0]:  # a notice landed: answer it, or fail if a peer left
                         self.check_notices(index)
                     return None
-                if _monotonic() >= stop:
+                now = _monotonic()
+                if stop is None:
+                    deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
+                elif now >= stop:
+                    break
+                if self._nview[0]:  # a notice goes to the slow path, which handles it
                     break
         except _MPI.Exception as exc:
             raise self.mpi_error(exc, "allreduce", index) from None
