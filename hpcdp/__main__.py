@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import platform
 import sys
 
@@ -30,7 +31,7 @@ def info() -> dict[str, str]:
         "detected backend": hpcdp._world.detect_backend(),
     }
     try:
-        from hpcdp.backends.mpi import cuda_aware, get_mpi
+        from hpcdp.backends.mpi import get_mpi
 
         MPI = get_mpi()
         out["MPI library"] = MPI.Get_library_version().splitlines()[0].strip()
@@ -38,7 +39,12 @@ def info() -> dict[str, str]:
         out["MPI thread level"] = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
                                    MPI.THREAD_SERIALIZED: "serialized",
                                    MPI.THREAD_MULTIPLE: "multiple"}.get(MPI.Query_thread(), "?")
-        out["MPI CUDA-aware"] = str(cuda_aware())
+        if importlib.util.find_spec("cupy") is None:
+            out["MPI CUDA-aware"] = "not probed (cupy is not installed)"
+        else:  # a child process sends device memory to itself (backends/_mpi_staging.py)
+            from hpcdp.backends._mpi_staging import describe
+
+            out["MPI CUDA-aware"] = describe().split(": ", 1)[1]
     except Exception as exc:  # noqa: BLE001
         out["MPI library"] = f"not available ({exc})"
     try:

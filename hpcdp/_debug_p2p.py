@@ -112,10 +112,11 @@ def p2p_sender(group: "ProcessGroup", name: str, shape: tuple[int, ...]
 
     def send(flat: Any, dst: int, tag: int) -> Request:
         head = _header(name, group.rank, flat.dtype, tuple(shape), flat.nbytes, line)
-        xp = xp_of(flat)
+        # (a backend that reads host memory only gets a host frame: cupy data staged here)
+        xp = xp_of(flat) if backend.accepts_cupy else np
         frame = xp.zeros(HEADER_BYTES + flat.nbytes, np.uint8)
         frame[: len(head)] = xp.asarray(np.frombuffer(head, np.uint8))
-        frame[HEADER_BYTES:] = flat.reshape(-1).view(np.uint8)
+        frame[HEADER_BYTES:] = (flat if xp is not np else to_host(flat)).reshape(-1).view(np.uint8)
         return backend.send(frame, dst, tag)  # (every backend keeps the frame until sent)
 
     return send
@@ -163,7 +164,8 @@ class _Queue:
                     hit = self.backend.probe(src, tag)
                     if hit is None:
                         return
-                    head.scratch = xp_of(head.flat).empty(int(hit[2]), np.uint8)
+                    xp = xp_of(head.flat) if self.backend.accepts_cupy else np
+                    head.scratch = xp.empty(int(hit[2]), np.uint8)
                     head.inner = self.backend.recv(head.scratch, src, tag)
                 if not head.inner.test():
                     return
@@ -256,7 +258,7 @@ class _Recv(Request):
             raise CollectiveMismatchError(
                 f"a send and its receive do not match (HPCDP_DEBUG):\n"
                 f"  rank {self.src}: {rec['op']} of {them} at {rec['line']}\n  {me}")
-        self.flat.reshape(-1).view(np.uint8)[...] = self.scratch[HEADER_BYTES:]
+        self.flat.reshape(-1).view(np.uint8)[...] = xp_of(self.flat).asarray(self.scratch[HEADER_BYTES:])
         self.scratch = None
         self.done = True
 

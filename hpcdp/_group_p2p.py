@@ -34,7 +34,7 @@ class PointToPoint:
     _timeout: float
     _where: Callable[[str], str]
     _usable: Callable[[str], None]
-    _check_module: Callable[[str, Any], None]
+    _transport: Callable[[Any], Any]
     _timeout_of: Callable[[str, Any], float]
     _post: Callable[..., "Request"]
 
@@ -44,7 +44,6 @@ class PointToPoint:
         peer = check_rank(where, peer_name, peer, self.size)
         tag = check_tag(where, tag, self._max_tag)
         check_array(where, x)
-        self._check_module(where, x)
         return where, peer, tag
 
     def _p2p_name(self, op: str, peer_name: str, peer: int, tag: int) -> str:
@@ -66,7 +65,7 @@ class PointToPoint:
         rec = self._rec
         tok = rec.begin("send", self, 0, x.shape, x.dtype, dst) if rec is not None else 0
         # HPCDP_DEBUG: the message carries a header its receive checks (_debug_p2p)
-        send = self.backend.send if self._debug == "off" else p2p_sender(self, name, x.shape)
+        send = self._transport(x).send if self._debug == "off" else p2p_sender(self, name, x.shape)
         req = self._post(name, 0, send, buf.reshape(-1), dst, tag, tok=tok)
         return Work(self, name, 0, req, lambda: None, None, tok)
 
@@ -83,7 +82,7 @@ class PointToPoint:
         name = self._p2p_name("recv", "src", src, tag)
         rec = self._rec
         tok = rec.begin("recv", self, 0, buf.shape, buf.dtype, src) if rec is not None else 0
-        recv = (self.backend.recv if self._debug == "off"
+        recv = (self._transport(buf).recv if self._debug == "off"
                 else p2p_receiver(self, name, buf.shape, check))
         req = self._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
         return Work(self, name, 0, req, finish_into(buf, tmp), None, tok)

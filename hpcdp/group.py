@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _debug, trace
 from ._arrays import contiguous, is_cupy, xp_of
+from .backends._staging import HostStaged
 from ._group_buffers import finish_into, reduction_plan, result_buffer
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
@@ -84,6 +85,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         self._rec = (trace.active_recorder(self._members[backend.rank])
                      if backend is not None else None)
         self._fast = False  # whether blocking allreduces may take the latency path
+        self._host_staged: HostStaged | None = None  # made at the first cupy call (_transport)
         self._refresh_fast()
 
     @property
@@ -203,10 +205,17 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
     def _where(self, op: str) -> str:
         return f"{op} (rank {self.rank} of group {self.name})"
 
-    def _check_module(self, where: str, x: Any) -> None:
-        if self.backend is not None and not self.backend.accepts_cupy and is_cupy(x):
-            raise TypeError(f"{where}: the {self.backend.name} backend takes numpy arrays; "
-                            "move cupy arrays to the host (x.get()) or use the MPI backend")
+    def _transport(self, x: Any) -> Any:
+        """The backend to post ``x`` on: the group's own, or, for a cupy array on a backend
+        that reads host memory only (TCP, simulated ranks), a view of it that stages device
+        arrays through pinned host buffers (``backends._staging``)."""
+        be = self.backend
+        if be is None or be.accepts_cupy or not is_cupy(x):
+            return be
+        staged = self._host_staged
+        if staged is None:
+            staged = self._host_staged = HostStaged(be)
+        return staged
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
@@ -269,7 +278,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         where = self._where("allreduce")
         rop = as_op(op, where)
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
@@ -277,7 +286,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
         rflat = rbuf.reshape(-1)
-        req = self._post("allreduce", seq, self.backend.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
+        req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
         return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
 
     # torch spelling
@@ -289,7 +298,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         where = self._where("broadcast")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         xp = xp_of(x)
         if out is not None:
             target = check_out(where, out, x.shape, x.dtype, xp)
@@ -302,7 +311,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
-        req = self._post("broadcast", seq, self.backend.broadcast, buf.reshape(-1), root, tok=tok)
+        req = self._post("broadcast", seq, be.broadcast, buf.reshape(-1), root, tok=tok)
         return self._run("broadcast", seq, req, finish_into(target, buf), async_op, t, tok)
 
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
@@ -312,7 +321,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         rop = as_op(op, where)
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         xp = xp_of(x)
         is_root = self.rank == root
@@ -328,7 +337,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                                                 is_root and out is x and buf is x)
         rflat = None if rbuf is None else rbuf.reshape(-1)
         sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
-        req = self._post("reduce", seq, self.backend.reduce, sflat, rflat, bop, root, tok=tok)
+        req = self._post("reduce", seq, be.reduce, sflat, rflat, bop, root, tok=tok)
         finish = finish_into(result, buf, post) if is_root else (lambda: None)
         return self._run("reduce", seq, req, finish, async_op, t, tok)
 
@@ -337,12 +346,12 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         """Stack every rank's ``x``: shape ``(size, *x.shape)``."""
         where = self._where("all_gather")
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         t = self._timeout_of("all_gather", timeout)
         seq, tok = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
-        req = self._post("all_gather", seq, self.backend.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
+        req = self._post("all_gather", seq, be.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
         return self._run("all_gather", seq, req, finish_into(result, buf), async_op, t, tok)
 
     allgather = all_gather
@@ -353,7 +362,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         where = self._where("gather")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
@@ -365,7 +374,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         t = self._timeout_of("gather", timeout)
         seq, tok = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
-        req = self._post("gather", seq, self.backend.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
+        req = self._post("gather", seq, be.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
         finish = finish_into(result, buf) if is_root else (lambda: None)
         return self._run("gather", seq, req, finish, async_op, t, tok)
 
@@ -388,14 +397,14 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
                 raise ValueError(f"{where}: out= must have at least one axis")
         else:
             check_array(where, x)
-            self._check_module(where, x)
             part = check_divisible(where, x, self.size)
             shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
+        be = self._transport(x if x is not None else out)
         result, buf = result_buffer(where, out, shape, dtype, xp, x)
         t = self._timeout_of("scatter", timeout)
         seq, tok = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
         send = contiguous(x).reshape(self.size, -1) if is_root else None
-        req = self._post("scatter", seq, self.backend.scatter, send, buf.reshape(-1), root, tok=tok)
+        req = self._post("scatter", seq, be.scatter, send, buf.reshape(-1), root, tok=tok)
         return self._run("scatter", seq, req, finish_into(result, buf), async_op, t, tok)
 
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
@@ -404,7 +413,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         where = self._where("reduce_scatter")
         rop = as_op(op, where)
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
         xp = xp_of(x)
@@ -413,7 +422,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         send, rbuf, bop, post = reduction_plan(x, buf, rop, n, xp, False)
-        req = self._post("reduce_scatter", seq, self.backend.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
+        req = self._post("reduce_scatter", seq, be.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
         return self._run("reduce_scatter", seq, req, finish_into(result, buf, post), async_op, t, tok)
 
     def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
@@ -421,7 +430,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         """Part j of ``x`` (axis 0) goes to rank j; part i of the result came from rank i."""
         where = self._where("all_to_all")
         check_array(where, x)
-        self._check_module(where, x)
+        be = self._transport(x)
         check_divisible(where, x, self.size)
         xp = xp_of(x)
         result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
@@ -430,7 +439,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         t = self._timeout_of("all_to_all", timeout)
         seq, tok = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
         n = self.size
-        req = self._post("all_to_all", seq, self.backend.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
+        req = self._post("all_to_all", seq, be.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
         return self._run("all_to_all", seq, req, finish_into(result, buf), async_op, t, tok)
 
     alltoall = all_to_all

@@ -18,18 +18,25 @@ from hpcdp.testing._cases import (  # noqa: F401 - re-exported for the tests
     reference, shapes,
 )
 from hpcdp.testing.collective import body_collective  # noqa: F401
+from hpcdp.testing.failure import tell_late_rank, wait_until_others_gave_up
 
 
-def body_sleepy_timeout(rank: int, late: int, sleep: float, timeout: float,
-                        per_call: bool = False) -> dict[str, Any]:
-    """Rank ``late`` sleeps past the others' timeout; they must raise CommTimeoutError in time.
+def body_late_timeout(rank: int, late: int, timeout: float, per_call: bool = False,
+                      wait: float = 60.0) -> dict[str, Any]:
+    """Rank ``late`` joins an allreduce only after the others gave up on it: they must raise
+    CommTimeoutError, not before ``timeout``.
 
+    Ordered by messages (``hpcdp.testing.failure``), not by a sleep longer than the timeout: on a
+    loaded machine an on-time rank can reach the call late enough that a sleeping rank is not
+    late any more, and a fixed sleep makes every run as slow as the worst case. An on-time rank
+    that comes late to the call may hear first that another on-time rank gave up
+    (``peer-failure``, ``peers`` naming it; see ``on_time_ok``): as correct an answer.
     ``per_call``: the group waits 30 s and the call passes ``timeout=`` itself.
     """
     group = hpcdp.new_group(list(range(hpcdp.world_size())), timeout=30.0 if per_call else timeout)
     out: dict[str, Any] = {"rank": rank}
     if rank == late:
-        time.sleep(sleep)
+        wait_until_others_gave_up(late, wait)
     t0 = time.monotonic()
     try:
         hpcdp.allreduce(np.ones(4), group=group, timeout=timeout if per_call else None)
@@ -40,9 +47,23 @@ def body_sleepy_timeout(rank: int, late: int, sleep: float, timeout: float,
     except PeerFailureError as exc:
         out["result"] = "peer-failure"
         out["message"] = str(exc)
+        out["peers"] = list(exc.peers)
     out["elapsed"] = time.monotonic() - t0
+    if rank != late:  # whatever happened above: the late rank must not wait for us in vain
+        tell_late_rank(late, wait)
     hpcdp.barrier()  # the world group is still healthy
     return out
+
+
+def on_time_ok(o: dict[str, Any], late: int, timeout: float) -> bool:
+    """Whether on-time rank ``o["rank"]``'s answer in ``body_late_timeout`` is right: its own
+    timeout, not before ``timeout``, naming the call and itself; or the news that another
+    on-time rank gave up after its timeout."""
+    if o["result"] == "timeout":
+        return (o["elapsed"] >= 0.95 * timeout and "allreduce #" in o["message"]
+                and "timed out" in o["message"] and f"(rank {o['rank']} of" in o["message"])
+    return (o["result"] == "peer-failure" and late not in o["peers"]
+            and ("timed out" in o["message"] or "timeout" in o["message"]))
 
 
 def body_mismatch(rank: int, group: Any = None) -> str:

@@ -1,6 +1,11 @@
 """FSDP checkpoints: Shards at global names, and round trips across strategies and world sizes
 (FSDP 4 -> FSDP 3, -> DDP 2, -> a plain model in one process, and the reverse), model and
-optimizer state, checked by training on after loading and comparing with uninterrupted training."""
+optimizer state, checked by training on after loading and comparing with uninterrupted training.
+
+After a reload every rank's own parameters are compared (its shards, or its replica), not only
+what rank 0 gathers: rank 0's ``full_state_dict`` is built from the first replica's shards alone,
+and a DDP rank whose optimizer state loaded wrong drifts from rank 0 without changing rank 0's
+parameters."""
 from __future__ import annotations
 
 import os
@@ -44,10 +49,11 @@ def _plain_load_by_name(opt: Any, model: nn.Module, osd: dict[str, Any]) -> None
 
 
 def body_ckpt_segment(rank: int, kind: str, start: int, stop: int, load_from: str | None,
-                      save_to: str | None, group: Any = None) -> dict[str, np.ndarray] | None:
+                      save_to: str | None, group: Any = None) -> dict[str, Any]:
     """Train steps [start, stop) under ``kind`` ("fsdp:<strategy>", "ddp" or "plain"), loading the
-    model and optimizer from ``load_from`` first and saving them to ``save_to`` after; return the
-    whole parameters on rank 0 of the group (None elsewhere)."""
+    model and optimizer from ``load_from`` first and saving them to ``save_to`` after; return
+    ``{"held": what this rank holds (see _held), "full": rank 0's full_state_dict under FSDP
+    (None elsewhere)}``."""
     from hpcdp.checkpoint import load, save
 
     g = group or hpcdp.get_default_group()
@@ -90,15 +96,50 @@ def body_ckpt_segment(rank: int, kind: str, start: int, stop: int, load_from: st
     if save_to is not None:
         save(save_to, {"model": w.state_dict() if w is not None else model.state_dict(), "optim": osd(),
                        "step": stop}, group=g)
-    if isinstance(w, FSDP):
-        full = w.full_state_dict()
-        return full if r == 0 else None
-    return snapshot(model) if r == 0 else None
+    full = w.full_state_dict() if isinstance(w, FSDP) else None   # collective: every rank
+    return {"held": _held(w if isinstance(w, FSDP) else None, model),
+            "full": full if r == 0 else None}
+
+
+def _held(fsdp: FSDP | None, model: nn.Module) -> dict[str, tuple[tuple[int, ...], np.ndarray]]:
+    """Each parameter and buffer as this rank holds it: ``(offsets, block)``, the block of the
+    global array at ``offsets`` (an FSDP Shard), or the whole array at offset 0 (a replica)."""
+    from hpcdp.checkpoint import Shard
+
+    out = {}
+    for k, v in (fsdp.state_dict() if fsdp is not None else snapshot(model)).items():
+        if isinstance(v, Shard):
+            out[k] = (tuple(v.offsets), np.array(v.local, copy=True))
+        else:
+            a = np.array(v, copy=True)
+            out[k] = ((0,) * a.ndim, a)
+    return out
+
+
+def compare_ranks(want: dict[str, np.ndarray], per_rank: list[Any], tol: float,
+                  what: str) -> list[str]:
+    """Every rank's held blocks against the matching blocks of ``want``, and rank 0's
+    ``full_state_dict`` where there is one (a rank outside the group reports None)."""
+    fails: list[str] = []
+    for r, res in enumerate(per_rank):
+        if res is None:
+            continue
+        held = res["held"]
+        if set(held) != set(want):
+            fails.append(f"{what}: rank {r} holds {sorted(held)}, want {sorted(want)}")
+        for k, (off, block) in held.items():
+            if k in want:
+                part = want[k][tuple(slice(o, o + n) for o, n in zip(off, block.shape))]
+                fails += compare({k: part}, {k: block}, tol, f"{what}, rank {r} at {off}")
+        if res["full"] is not None:
+            fails += compare(want, res["full"], tol, f"{what}, rank {r}'s full_state_dict")
+    return fails
 
 
 def reference_params(steps: int) -> dict[str, np.ndarray]:
     """One process, the whole batch, ``steps`` AdamW steps."""
-    return body_ckpt_segment(0, "plain", 0, steps, None, None, group=_SelfGroup())  # type: ignore[return-value]
+    held = body_ckpt_segment(0, "plain", 0, steps, None, None, group=_SelfGroup())["held"]
+    return {k: block for k, (_, block) in held.items()}
 
 
 class _SelfGroup:
@@ -167,8 +208,9 @@ def want() -> dict:
 def test_round_trip(saver: tuple, loader: tuple, want: dict, tmp_path) -> None:
     path = str(tmp_path / "ck" / "step-2")
     run_ranks("sim", saver[1], body_ckpt_segment, saver[0], 0, 2, None, path)
-    got = run_ranks("sim", loader[1], body_ckpt_segment, loader[0], 2, 3, path, None)[0]
-    fails = compare(want, got, 1e-10, f"{saver} -> {loader}, then one more step")
+    got = run_ranks("sim", loader[1], body_ckpt_segment, loader[0], 2, 3, path, None)
+    assert len(got) == loader[1]
+    fails = compare_ranks(want, got, 1e-10, f"{saver} -> {loader}, then one more step")
     assert not fails, "\n".join(fails)
 
 
@@ -188,8 +230,7 @@ def _mpi_round_trip(rank: int, path: str) -> list[str]:
         sub = hpcdp.new_group(list(range(size)))
         if rank < size:
             got = body_ckpt_segment(rank, kind, 2, 3, path, None, group=sub)
-            if rank == 0:
-                fails += compare(ref, got, 1e-10, f"FSDP {n} -> {kind} {size}")
+            fails += compare_ranks(ref, [None] * rank + [got], 1e-10, f"FSDP {n} -> {kind} {size}")
     return fails
 
 

@@ -100,6 +100,33 @@ def test_in_process_mode_reports_unhandled_error(tmp_path) -> None:
     assert "Traceback" in res.stderr and "ValueError: bad input" in res.stderr
 
 
+# Ranks run through the bootstrap (hpcdp/launch/_boot.py), which must be invisible to the script:
+# ``__main__``, argv, ``sys.path[0]`` (the script's directory, or the cwd for -m), sibling imports,
+# the preemption signals unblocked again (and the exit code of ``sys.exit``, tested above).
+AS_PYTHON_RUNS_IT = """
+    import os, signal, sys
+    import helper
+    print(__name__, sys.argv[1:], sys.path[0] == EXPECTED_PATH0, helper.VALUE,
+          sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+                 if s in (signal.SIGUSR1, signal.SIGUSR2)), flush=True)
+"""
+
+
+@pytest.mark.parametrize("module", [False, True])
+def test_ranks_see_the_script_as_python_runs_it(tmp_path, module: bool) -> None:
+    (tmp_path / "helper.py").write_text("VALUE = 'helper-ok'\n")
+    path0 = "os.getcwd()" if module else "os.path.dirname(os.path.realpath(__file__))"
+    (tmp_path / "job.py").write_text(textwrap.dedent(AS_PYTHON_RUNS_IT).replace(
+        "EXPECTED_PATH0", path0))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    target = ["-m", "job"] if module else [str(tmp_path / "job.py")]
+    res = subprocess.run([sys.executable, "-m", "hpcdp.run", "-n", "2", *target, "--lr", "0.1"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.splitlines()) == [
+        f"[rank {r}] __main__ ['--lr', '0.1'] True helper-ok []" for r in range(2)], res.stderr
+
+
 @pytest.mark.parametrize("spec, hosts", [
     ("node[01-03],gpu7", ["node01", "node02", "node03", "gpu7"]),
     ("a1", ["a1"]),

@@ -143,6 +143,7 @@ def _retired(rank: int) -> dict[str, Any]:
     small, n = g.backend._small, g.size
     cap = _mpi_persistent.MAX_SLOTS
     bad: list[str] = []
+    g.allreduce(_mine(rank, 1))  # a shape's first call is checked, not run on its requests
     running = g.allreduce(_mine(rank, 1, base=7.0), async_op=True)  # the oldest: retired first
     for rnd in range(2):
         for k in range(2, cap + 10):
@@ -213,3 +214,66 @@ def _many_and_subclasses(rank: int) -> list[str]:
 @pytest.mark.mpi(min_size=2)
 def test_many_calls_in_flight_and_array_subclasses(mpi_world) -> None:
     assert run_mpi(_many_and_subclasses, timeout=20.0) == [[]] * mpi_world.size
+
+
+def _ops_differ_once(rank: int) -> dict[str, Any]:
+    """Rank 0 asks for ``sum``, the others for ``max``, on a (dtype, count) new to the group;
+    then every rank makes the same calls: on the group, and straight on its backend (whose
+    persistent-request tables must still be in step)."""
+    from hpcdp.errors import CommTimeoutError, HpcdpError
+    from hpcdp.ops import ReduceOp
+
+    g = hpcdp.get_default_group()
+    be, n = g.backend, g.size
+    out: dict[str, Any] = {"first": "returned", "later": [], "backend": []}
+    try:
+        g.allreduce(_mine(rank, 3, base=40.0), op="sum" if rank == 0 else "max")
+    except HpcdpError as exc:
+        out["first"] = f"{type(exc).__name__}: {exc}"
+    for k in range(3):  # identical calls: right, or an error naming the call that differed
+        try:
+            got = g.allreduce(_mine(rank, 3, base=float(k)))
+            out["later"].append("ok" if np.array_equal(got, _want(n, 3, base=float(k)))
+                                else f"wrong: {got}")
+        except CommTimeoutError as exc:
+            out["later"].append(f"timeout: {exc}")
+        except HpcdpError as exc:
+            out["later"].append(f"{type(exc).__name__}: {exc}")
+    for k in range(3):  # the backend itself: blocking (latency path) and async
+        recv = np.empty(3)
+        try:
+            if k % 2:
+                req = be.allreduce(_mine(rank, 3, base=float(k)), recv, ReduceOp.SUM)
+                done = req.wait(5.0)
+            else:
+                req = be.allreduce_blocking(_mine(rank, 3, base=float(k)), recv, ReduceOp.SUM,
+                                            5.0)
+                done = req is None
+        except HpcdpError as exc:
+            out["backend"].append(f"{type(exc).__name__}: {exc}")
+            continue
+        if not done:
+            req.abandon()
+            out["backend"].append("timeout")
+        else:
+            out["backend"].append("ok" if np.array_equal(recv, _want(n, 3, base=float(k)))
+                                  else f"wrong: {recv}")
+    return out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_pass_different_ops_are_told_and_stay_in_step(mpi_world) -> None:
+    """Issue #20 item 10: ``sum`` on rank 0 against ``max`` elsewhere (undefined in MPI) gave
+    rank 1 the sum silently, and every later identical call of that dtype and count timed out
+    on every rank ("calls probably differ") because the ranks' persistent-request tables had
+    gone out of step. Now every rank raises ``CollectiveMismatchError`` naming both ops at that
+    call; later identical calls on the group fail at once naming it (an MPI group that failed
+    a collective is not reused), and on the backend they work."""
+    for rank, o in enumerate(run_mpi(_ops_differ_once, timeout=5.0)):
+        first = o["first"]
+        assert first.startswith("CollectiveMismatchError"), (rank, o)
+        assert "rank 0 op=sum" in first and "rank 1 op=max" in first, (rank, o)
+        for text in o["later"]:
+            assert text == "ok" or ("CollectiveMismatchError" in text and "earlier allreduce #"
+                                    in text), (rank, o)
+        assert o["backend"] == ["ok"] * 3, (rank, o)

@@ -1,6 +1,12 @@
 """Pipeline schedules as data: built-ins, text round trip, and the verifier (no ranks needed)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import hpcdp.pipeline as pp
@@ -211,3 +217,65 @@ def test_interleaved_any_microbatch_count() -> None:
             for v in (2, 3, 4):
                 report = verify(pp.schedule("interleaved_1f1b", p, m, v))
                 assert report.ok, str(report)
+
+
+# -- declared sizes are bounded by the actions present (issue 20, item 2) ----------------------------
+_SIZES_SCRIPT = textwrap.dedent("""
+    import json, resource, sys
+    # At most 512 MiB beyond what is mapped now: building 10^9 of anything fails at once.
+    with open("/proc/self/status") as fh:
+        vm = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))
+    from hpcdp.pipeline import Schedule, ScheduleError, verify
+    out = []
+    for case in json.loads(sys.argv[1]):
+        try:
+            if case["kind"] == "text":
+                verify(Schedule.parse(case["text"]))
+            else:
+                verify(Schedule.from_lists(case["rows"], case["m"], case["v"]))
+            out.append(["accepted", ""])
+        except ScheduleError as exc:
+            out.append(["ScheduleError", str(exc)])
+        except Exception as exc:  # MemoryError included: reported, not fatal
+            out.append([type(exc).__name__, str(exc)[:300]])
+    print(json.dumps(out))
+""")
+
+_HUGE = [
+    ({"kind": "text", "text": "schedule x stages=1000000000 microbatches=1 virtual=1\nstep rank0\n"},
+     "stages=1000000000"),
+    ({"kind": "text", "text": "schedule x stages=1 microbatches=1000000000 virtual=1\n"
+                              "step rank0\n0 0F0\n1 0B0\n"}, "microbatches=1000000000"),
+    ({"kind": "text", "text": "schedule x stages=1 microbatches=1 virtual=1000000000\n"
+                              "step rank0\n0 0F0\n1 0B0\n"}, "virtual=1000000000"),
+    ({"kind": "text", "text": "schedule x stages=2 microbatches=" + "9" * 5000 + " virtual=1\n"
+                              "step rank0 rank1\n"}, "microbatches"),
+    ({"kind": "rows", "rows": [["0F0", "0B0"]], "m": 10**9, "v": 1}, "microbatches=1000000000"),
+    ({"kind": "rows", "rows": [["0F0", "0B0"], ["1F0", "1B0"]], "m": 3, "v": 10**8},
+     "virtual=100000000"),
+]
+
+
+@pytest.mark.timeout(120)
+def test_huge_declared_sizes_raise_schedule_error() -> None:
+    """A few bytes of text cannot make ``parse`` or ``verify`` allocate per declared stage or
+    microbatch: each case fails fast with ``ScheduleError`` naming the number that is too large
+    (run under a memory cap, in a subprocess with a wall-clock cap)."""
+    cases = [c for c, _ in _HUGE]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _SIZES_SCRIPT, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (case, needle), (kind, msg) in zip(_HUGE, got):
+        assert kind == "ScheduleError", (case, kind, msg)
+        assert needle in msg and "too large" in msg, (case, msg)
+
+
+def test_declared_sizes_within_the_actions_still_verify() -> None:
+    """The bound leaves room for incomplete schedules, so ``verify`` can still say what is missing."""
+    r = verify(Schedule.from_lists([["0F0", "0B0", "0F1"], ["1F0", "1B0"]], 2))
+    assert not r.ok and any("microbatch 1: missing microbatch: no backward" in e for e in r.errors)
+    with pytest.raises(ScheduleError, match="microbatches=5 is too large"):
+        Schedule.from_lists([["0F0", "0B0"], ["1F0", "1B0"]], 5)

@@ -253,3 +253,86 @@ def test_two_nodes_restart_together(tmp_path) -> None:
     assert "restarting" in err0  # node 0's rank failed too (its peer went) and restarted
     assert out0.strip() == f"[rank 0] attempt 1 port {port + 1} sum 2.0"
     assert out1.strip() == f"[rank 1] attempt 1 port {port + 1} sum 2.0"
+
+
+# A preemption notice that reaches a rank before any Python of its own runs: a sitecustomize on
+# PYTHONPATH (imported by the interpreter before the script) makes rank 1 send itself SIGUSR1. The
+# rank must not die of it (exit 138, which --max-restarts would restart, forgetting the notice):
+# the signal is remembered, ``on_preempt`` sees it, and both ranks save at the first boundary.
+EARLY_SITECUSTOMIZE = """
+    import os, signal
+    if os.environ.get("HPCDP_RESTART_COUNT") is not None and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGUSR1)
+"""
+
+EARLY_PREEMPT_JOB = """
+    import os
+    import numpy as np
+    import hpcdp
+    from hpcdp.checkpoint.preempt import on_preempt
+    out, attempt = os.environ["OUT"], os.environ["HPCDP_RESTART_COUNT"]
+    hpcdp.init()
+    rank, step = hpcdp.rank(), 0
+    def save():
+        open(os.path.join(out, f"saved{rank}-{attempt}"), "w").write(str(step))
+    preempt = on_preempt(save, requeue=False)
+    open(os.path.join(out, f"requested{rank}-{attempt}"), "w").write(str(preempt.requested))
+    while step < 50:
+        step += 1
+        hpcdp.allreduce(np.array([step]))
+        preempt.check()
+    open(os.path.join(out, f"finished{rank}-{attempt}"), "w").write("")
+"""
+
+
+def test_signal_before_the_script_runs_is_remembered_not_fatal(tmp_path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(EARLY_SITECUSTOMIZE))
+    script = _write(tmp_path, EARLY_PREEMPT_JOB)
+    env = _env(OUT=str(tmp_path), HPCDP_TRACE_DIR=str(tmp_path / "trace"))
+    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
+    res = _launch(["-n", "2", "--max-restarts", "2", "--grace", "1"], script, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "restarting" not in res.stderr and "exited with code 138" not in res.stderr
+    assert (tmp_path / "requested1-0").read_text() == "True"  # seen by the preempt API
+    assert (tmp_path / "requested0-0").read_text() == "False"  # rank 0 was never signalled
+    # the boundary is agreed: both ranks save after step 1 of the first attempt and stop there
+    assert (tmp_path / "saved0-0").read_text() == "1" and (tmp_path / "saved1-0").read_text() == "1"
+    assert not list(tmp_path.glob("finished*")) and not list(tmp_path.glob("*-1"))
+    assert "[rank 0] hpcdp: preempted (SIGUSR1): saving at this step boundary" in res.stderr
+
+
+def test_rank_killed_by_a_forwarded_signal_is_not_restarted(tmp_path) -> None:
+    """A rank that dies of the SIGUSR1 the launcher forwarded (here: it restored the default
+    action) was preempted, not failed: restarting it would lose the notice."""
+    script = _write(tmp_path, """
+        import os, signal, time
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        open(os.path.join(os.environ["OUT"], "up" + os.environ["RANK"] + "-"
+                          + os.environ["HPCDP_RESTART_COUNT"]), "w").close()
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "hpcdp.run", "-n", "2", "--max-restarts", "2",
+                             "--grace", "1", script], env=_env(OUT=str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((tmp_path / "up0-0").exists() and (tmp_path / "up1-0").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)
+        # a restarted attempt would sleep for 10 minutes: stop as soon as one shows up
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not list(tmp_path.glob("up*-1")):
+            assert time.monotonic() < deadline, "the launcher neither exited nor restarted"
+            time.sleep(0.02)
+        restarted = sorted(p.name for p in tmp_path.glob("up*-1"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate()
+    assert not restarted, (restarted, err)
+    assert "restarting all" not in err, err
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert "was killed by SIGUSR1, which hpcdp-run forwarded to it; not restarting" in err, err

@@ -59,23 +59,43 @@ def forge_replies(target: int, mid: int) -> list[str]:
     return []
 
 
+def _rid(rank: int) -> list:
+    """A well-formed RRef or fork id of ``rank`` (16 random bytes): one nobody made."""
+    return [rank, os.urandom(16)]
+
+
 @rpc.register
 def forge_rref_protocol(owner: int, rid: list, fid: list) -> list[str]:
-    """Runs on a worker that holds no fork of ``rid``: every protocol message must be refused."""
+    """Runs on a worker that holds no fork of ``rid``: every protocol message must be refused,
+    and none of them gives it a way to the value (its FETCH and RCALL after them are refused)."""
     fails: list[str] = []
     me = rpc.get_worker_info().id  # this worker (hpcdp.rank() is not set on RPC threads)
-    other = [1 - (me % 2), 99]
+    other = 1 - (me % 2)
     for label, kind, fields, match in [
         ("DELETE of another's fork", P.DELETE, [rid, fid], "does not hold"),
-        ("FORK with a fork id not made by its parent", P.FORK, [rid, [me, 7], other[0]], "made by"),
-        ("FORK naming the owner as parent", P.FORK, [rid, [owner, 1], owner], "made by"),
-        ("ACCEPT of an unknown child", P.ACCEPT, [[owner, 424242]], "unknown child"),
-        ("REMOTE with a foreign id", P.REMOTE, ["add", [owner, 5], [owner, 6], None, None],
+        ("FORK with a fork id not made by its parent", P.FORK,
+         [rid, _rid(me), other, os.urandom(16)], "made by"),
+        ("FORK naming the owner as parent", P.FORK, [rid, _rid(owner), owner, b""], "made by"),
+        # the attack of issue 20 item 11: a fork of its own making, for a real RRef
+        ("FORK of a real RRef from a worker never given it", P.FORK,
+         [rid, _rid(me), me, os.urandom(16)], "holds no fork that handed it one"),
+        ("FORK of a real RRef without a token", P.FORK, [rid, _rid(me), me, b""],
+         "holds no fork that handed it one"),
+        ("FORK of a guessed RRef id", P.FORK, [_rid(owner), _rid(me), me, os.urandom(16)],
+         "owns no RRef"),
+        ("FORK of a sequential id (the old format)", P.FORK, [[owner, 1], [me, 1], me, b""],
+         "malformed"),
+        ("FORK with a malformed token", P.FORK, [rid, _rid(me), me, 5], "malformed token"),
+        ("ACCEPT of an unknown child", P.ACCEPT, [_rid(owner)], "unknown child"),
+        ("REMOTE with a foreign id", P.REMOTE, ["add", _rid(owner), _rid(owner), None, None],
          "foreign ids"),
         # refused before anything is recorded (an RRef that would never get its value)
         ("REMOTE with a malformed target", P.REMOTE,
-         ["size", [me, 50], [me, 51], [owner, "x"], "size"], "malformed"),
+         ["size", _rid(me), _rid(me), [owner, "x"], "size"], "malformed"),
+        ("REMOTE on a real RRef without a reference", P.REMOTE,
+         ["size", _rid(me), _rid(me), rid, "size"], "holds no reference"),
         ("FETCH without a reference", P.FETCH, [rid], "holds no reference"),
+        ("FETCH of a guessed id", P.FETCH, [_rid(owner)], "owns no RRef"),
         ("RCALL without a reference", P.RCALL, [rid, "size"], "holds no reference"),
         ("malformed id", P.FETCH, [[1, "x"]], "malformed"),
         ("malformed CALL", P.CALL, [5], "malformed CALL"),
@@ -137,10 +157,12 @@ def body_security(rank: int) -> list[str]:
             ("msgpack map", ["echo"], msgpack.packb([C.TUPLE, [C.TUPLE, {"a": 1}], [C.DICT]]), (),
              "unexpected msgpack dict"),
             ("unknown tag", ["echo"], args_body([99, 1]), (), "unknown or malformed value tag"),
-            ("RRef with a forged parent", ["echo"], args_body([C.RREF, 1, 0, 1, 5, 2, 5]), (),
-             "names parent"),
-            ("RRef to nothing of the owner's", ["echo"], args_body([C.RREF, 1, 0, 1, 0, 2, 0]),
-             (), "owns no RRef"),
+            ("RRef with a forged parent", ["echo"],
+             args_body([C.RREF, 1, *_rid(0), *_rid(1), 2, b""]), (), "names parent"),
+            ("RRef to nothing of the owner's", ["echo"],
+             args_body([C.RREF, 1, *_rid(0), *_rid(0), 0, b""]), (), "owns no RRef"),
+            ("RRef with a sequential id", ["echo"], args_body([C.RREF, 1, 0, 1, 0, 2, 0, b""]),
+             (), "malformed"),
             ("garbage body", ["echo"], b"\xc1", (), "malformed message body"),
         ]:
             refused(fails, B.raw_request(1, P.CALL, fields, body, bufs), label, match)
@@ -157,7 +179,7 @@ def body_security(rank: int) -> list[str]:
         before = rpc.stats()
         with agent.rrefs.lock:
             rid = list(mine._rid)
-        out = rpc.rpc_sync(w1, forge_rref_protocol, args=(0, rid, [0, 1]))
+        out = rpc.rpc_sync(w1, forge_rref_protocol, args=(0, rid, _rid(0)))
         fails += [f"worker1: {f}" for f in out]
         B.check(fails, rpc.stats() == before, f"forged protocol changed counts: {rpc.stats()}")
         B.check(fails, mine.rpc_sync().size() == 3, "the RRef still works")
@@ -248,3 +270,92 @@ def test_codec_refuses_without_a_transport() -> None:
             C.decode(body, bufs, lim)
     with pytest.raises(ProtocolError, match="more than 100 elements"):
         C.decode(msgpack.packb([C.LIST, *[[C.LIST, 1, 2, 3]] * 60]), [], lim)
+
+
+@rpc.register
+def hold_rref(rref: rpc.RRef) -> bool:
+    """Keeps ``rref`` on this worker (a legitimate holder) until ``drop_held``."""
+    _HELD.append(rref)
+    return rref.confirmed_by_owner()
+
+
+@rpc.register
+def drop_held() -> None:
+    _HELD.clear()
+
+
+_HELD: list = []
+
+
+@rpc.register
+def forge_fork_as_third(owner: int, rid: list, holder: int) -> list[str]:
+    """On a worker never sent ``rid``: forks naming a real holder as parent, then uses."""
+    fails: list[str] = []
+    me = rpc.get_worker_info().id
+    for label, kind, fields, match in [
+        ("FORK naming a real holder as parent, with a made-up token", P.FORK,
+         [rid, _rid(holder), holder, os.urandom(16)], "holds no fork that handed it one"),
+        ("FORK naming a real holder as parent, without a token", P.FORK,
+         [rid, _rid(holder), holder, b""], "holds no fork that handed it one"),
+        ("FORK of its own making", P.FORK, [rid, _rid(me), me, os.urandom(16)],
+         "holds no fork that handed it one"),
+        ("FETCH after the forged FORKs", P.FETCH, [rid], "holds no reference"),
+        ("RCALL after the forged FORKs", P.RCALL, [rid, "lookup"], "holds no reference"),
+    ]:
+        body = args_body() if kind == P.RCALL else b"\xc0"
+        refused(fails, B.raw_request(owner, kind, fields, body), label, match)
+    return fails
+
+
+def body_rref_capabilities(rank: int) -> list[str]:
+    """Worker0 owns a Table and hands it to worker1 only; worker2 learns the id and forges."""
+    fails = B.start(rank, rpc_timeout=20)
+    if rank == 0:
+        mine = rpc.remote("worker0", B.Table, args=(6,))
+        other = rpc.remote("worker0", B.Table, args=(2,))
+        for r in (mine, other):  # 128 random bits, not a counter
+            B.check(fails, type(r._rid[1]) is bytes and len(r._rid[1]) == 16, f"id {r._rid!r}")
+        B.check(fails, mine._rid != other._rid, "two RRefs with one id")
+        B.check(fails, rpc.rpc_sync("worker1", hold_rref, args=(mine,)), "worker1 not confirmed")
+        before = rpc.stats()
+        out = rpc.rpc_sync("worker2", forge_fork_as_third, args=(0, list(mine._rid), 1))
+        fails += [f"worker2: {f}" for f in out]
+        B.check(fails, rpc.stats() == before, f"forged FORKs changed counts: {rpc.stats()}")
+        # the legitimate flows still work: a user RRef created by remote() and passed on at
+        # once (before its owner confirmed it) to a third worker, who uses it and passes it on
+        t = rpc.remote("worker1", B.Table, args=(8,))
+        ids = np.array([1, 3])
+        got = rpc.rpc_sync("worker2", B.use_rref, args=(t, ids))
+        B.check(fails, np.array_equal(got["lookup"], [2, 6]) and got["size"] == 8, f"{got}")
+        B.check(fails, np.array_equal(rpc.rpc_sync("worker2", B.forward_rref,
+                                                   args=(t, "worker0", ids)), [2, 6]),
+                "forwarded by a third worker")
+        B.check(fails, t.rpc_sync().size() == 8, "a method call on the owner")
+        B.check(fails, rpc.rpc_sync("worker1", B.forward_rref, args=(mine, "worker2", ids))
+                is not None, "a legitimate holder forwarding the RRef")
+        rpc.rpc_sync("worker1", drop_held)
+        del mine, other, t, r, got
+        for w in ("worker0", "worker1", "worker2"):
+            get = rpc.stats if w == "worker0" else (lambda w=w: rpc.rpc_sync(w, B.stats))
+            B.check(fails, B.wait_until(lambda: get() == _ZERO, 15), f"{w} kept {get()}")
+    hpcdp.barrier()
+    rpc.shutdown()
+    return fails
+
+
+_ZERO = {"owned": 0, "forks": 0, "handles": 0, "users": 0, "pending_children": 0,
+         "pending_requests": 0}
+
+
+@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
+def test_rref_served_only_to_workers_handed_a_fork(backend: str) -> None:
+    """Issue 20 item 11: a forged FORK (guessed id, or a real id from a worker never sent it)
+    is refused, and so are that worker's uses; the legitimate flows still work."""
+    res = run_ranks(backend, 3, body_rref_capabilities, timeout=60, join_timeout=150)
+    assert res == [[], [], []], res
+
+
+@pytest.mark.mpi(min_size=3)
+def test_rref_served_only_to_workers_handed_a_fork_mpi(mpi_world) -> None:
+    res = run_mpi(body_rref_capabilities)
+    assert all(r == [] for r in res), res

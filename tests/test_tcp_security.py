@@ -165,3 +165,114 @@ def test_launcher_refuses_a_weak_secret_for_a_multi_node_job(monkeypatch) -> Non
     monkeypatch.setenv("HPCDP_SECRET", "weak-secret")
     with pytest.raises(SystemExit, match="too weak for a multi-node job"):
         run.launch(["true"], 1, nnodes=2, node_rank=0, master_addr="10.255.255.1")
+
+
+# An impostor server: the client must refuse it by itself, with its own AuthError, before it
+# sends a response MAC. The fake server accepts whatever response comes, so a client that did not
+# check the server's MAC would complete the handshake (these tests fail if that check is removed).
+class _FakeServer:
+    """A raw listening socket speaking the server side of the handshake from ``_wire``.
+
+    ``challenge(hello)`` gives the 64 CHALLENGE bytes to send for the client's HELLO; afterwards the
+    server reads the client's response (``response``: b"" if the client hung up instead) and sends
+    ACCEPT whatever it was.
+    """
+
+    def __init__(self, challenge) -> None:
+        import threading
+
+        self.challenge = challenge
+        self.response: bytes | None = None
+        self.error: BaseException | None = None
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve_one, daemon=True)
+        self.thread.start()
+
+    def _serve_one(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+            with conn:
+                conn.settimeout(10)
+                hello = bytes(wire.recv_exact(conn, wire.HELLO_SIZE))
+                conn.sendall(self.challenge(hello))
+                got = b""
+                while len(got) < wire.MAC:
+                    chunk = conn.recv(wire.MAC - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+                self.response = got
+                if len(got) == wire.MAC:
+                    conn.sendall(wire.ACCEPT)
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self.error = exc
+        finally:
+            self.listener.close()
+
+    def finish(self) -> bytes:
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "fake server did not finish"
+        assert self.error is None, self.error
+        assert self.response is not None
+        return self.response
+
+
+def _client(port: int, secret: str = SECRET) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        wire.client_handshake(s, secret.encode(), wire.ROLE_PEER, 0, 1, 5.0)
+
+
+def test_client_refuses_a_server_with_the_wrong_secret() -> None:
+    wrong = secrets.token_hex(32).encode()
+    fake = _FakeServer(lambda hello: wire.challenge(wrong, hello)[1])
+    with pytest.raises(hpcdp.AuthError, match="the server does not know the secret"):
+        _client(fake.port)
+    assert fake.finish() == b"", "the client sent its response MAC to an impostor"
+
+
+def test_client_refuses_a_replayed_server_challenge() -> None:
+    """A genuine session is recorded by a relay; a server without the secret replays its CHALLENGE
+    (a valid MAC, but over the earlier session's HELLO and client nonce) to a new client."""
+    import threading
+
+    genuine = socket.create_server(("127.0.0.1", 0))
+    served: list[object] = []
+
+    def serve() -> None:
+        conn, _ = genuine.accept()
+        with conn:
+            served.append(wire.server_handshake(conn, SECRET.encode(), wire.ROLE_PEER, 1, 10.0))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    captured: list[bytes] = []
+
+    def relay(hello: bytes) -> bytes:  # passes the HELLO on and records the genuine CHALLENGE
+        upstream = socket.create_connection(genuine.getsockname(), timeout=10)
+        upstream.sendall(hello)
+        chal = bytes(wire.recv_exact(upstream, wire.CHALLENGE_SIZE))
+        captured.append(chal)
+        threading.Thread(target=_finish_relay, args=(upstream, recorder), daemon=True).start()
+        return chal
+
+    recorder = _FakeServer(relay)
+    _client(recorder.port)  # the genuine session, relayed: it succeeds
+    assert len(recorder.finish()) == wire.MAC
+    t.join(15)
+    genuine.close()
+    assert served == [0] and len(captured) == 1
+
+    replayer = _FakeServer(lambda hello: captured[0])
+    with pytest.raises(hpcdp.AuthError, match="the server does not know the secret"):
+        _client(replayer.port)
+    assert replayer.finish() == b"", "the client sent its response MAC to a replaying server"
+
+
+def _finish_relay(upstream: socket.socket, recorder: _FakeServer) -> None:
+    """Forward the client's response (once the recorder has it) to the genuine server."""
+    with upstream:
+        recorder.thread.join(15)
+        if recorder.response:
+            upstream.sendall(recorder.response)
+            wire.recv_exact(upstream, len(wire.ACCEPT))

@@ -285,7 +285,8 @@ def test_records_of_an_earlier_job_are_set_aside(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[" * 100_000, "RecursionError"),                                   # nesting deeper than the parser
+    ('{"format": ' + "[" * 100_000, "RecursionError"),                   # nesting deeper than the parser
+    ("[" * 100_000, "not an hpcdp flight record"),                       # not even an object: not parsed
     ('{"format": "hpcdp.flight/1", "rank": ' + "9" * 5000 + "}", "not valid JSON"),  # a 5000-digit number
 ])
 def test_unparseable_records_give_clear_errors(tmp_path, text, message) -> None:
@@ -316,3 +317,81 @@ def test_a_huge_sequence_number_does_not_stall_the_analysis(tmp_path) -> None:
     ranks[0].op("allreduce", seq=10**15)          # a damaged record: the walk must not count up to it
     text = analyze(_dump(tmp_path))
     assert "allreduce #1000000000000000 on group world" in text and "not by rank 1" in text, text
+
+
+# -- hostile sizes: time and memory stay bounded (issue 20, item 3) ------------------------------
+_CAPPED = r"""
+import json, resource, sys
+limit = int(sys.argv[1])
+if limit:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+from hpcdp.trace.__main__ import main
+code = main(sys.argv[2:]) if len(sys.argv) > 2 else 0
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmPeak"))
+print(json.dumps({"code": code, "vm_peak": peak}))
+"""
+
+
+def _capped(args: list[str], limit: int = 0, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """``python -m hpcdp.trace ARGS`` under an address-space cap (0: none) and a wall-clock cap."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", _CAPPED, str(limit), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def _hostile(directory, n: int, k: int = 0) -> int:
+    """Two ranks' records whose every entry names another group (each one a divergence), with a
+    rank list of ``k`` distinct large numbers each; the bytes written."""
+    rnd = np.random.default_rng(1)
+    total = 0
+    for rank in (0, 1):
+        entries = []
+        for i in range(n):
+            gr = np.unique(rnd.integers(1000, 1 << 20, k)).tolist() + [0, 1] if k else [0, 1]
+            entries.append({"id": i + 1, "seq": 1, "op": "allreduce", "group": f"g{rank}-{i}",
+                            "group_ranks": gr, "shape": [4], "dtype": "float32", "peer": -1,
+                            "start_ns": 1000 + i, "end_ns": 2000 + i, "state": "completed",
+                            "line": f"train.py:{i}", "thread": 1})
+        doc = {"format": "hpcdp.flight/1", "rank": rank, "world_size": 1 << 20, "job": "j", "host": "h",
+               "pid": 1, "reason": "t", "dumped_at_ns": 10**9, "clock_offset_ns": 0, "capacity": n,
+               "total_ops": n, "threads": [], "entries": entries}
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        (directory / f"flight-rank{rank}.json").write_bytes(raw)
+        total += len(raw)
+    return total
+
+
+@pytest.mark.timeout(200)
+def test_analysis_is_not_quadratic_in_groups(tmp_path) -> None:
+    """Each of 2 x 30000 entries names its own group: once ~2 minutes (groups x entries), now seconds."""
+    size = _hostile(tmp_path, 30_000)
+    assert size > 8 << 20
+    p = _capped(["analyze", str(tmp_path)], limit=2 << 30, timeout=60)   # raises TimeoutExpired if stuck
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["code"] == 0, p.stderr
+    assert "First divergence: allreduce #1 on group g0-0" in p.stdout and "not by rank 1" in p.stdout
+
+
+@pytest.mark.timeout(200)
+def test_reader_memory_is_a_small_multiple_of_the_record(tmp_path) -> None:
+    """Rank lists of large numbers cost ~44 bytes per ~8 in the file loaded as a JSON tree (over
+    30x the record at the peak); read entry by entry, with values shared, well under 12x."""
+    base = json.loads(_capped([]).stdout)["vm_peak"]
+    size = _hostile(tmp_path, 1000, 1000)
+    assert size > 12 << 20
+    limit = base + 12 * size + (64 << 20)
+    p = _capped(["analyze", str(tmp_path)], limit=limit, timeout=60)
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["code"] == 0, (limit, p.stderr[-2000:])
+    assert "First divergence: allreduce #1 on group g0-0" in p.stdout
+
+
+def test_a_record_over_the_cap_is_refused_naming_the_cap(tmp_path) -> None:
+    _good(tmp_path)
+    big = tmp_path / "flight-rank1.json"
+    os.truncate(big, _files.MAX_BYTES + 1)                          # sparse: no disk used
+    p = _capped(["analyze", str(tmp_path)], timeout=60)
+    assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["code"] == 1, p.stderr
+    assert f"more than the {_files.MAX_BYTES} (128 MiB) this reader accepts" in p.stderr, p.stderr
+    assert _files.MAX_BYTES <= 128 << 20
+    with pytest.raises(ValueError, match="more than the 134217728"):
+        load_flight_records(str(tmp_path))

@@ -360,7 +360,12 @@ def test_dump_never_writes_through_a_planted_symlink(tmp_path) -> None:
     d.mkdir()
     rec = trace.recorder(0)
     rec.end(rec.begin("allreduce", "world", 1))
-    tmp = d / f".flight-rank0.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = d / f".flight-rank0.{os.getpid()}.{threading.get_ident()}.tmp"   # the name once used
     os.symlink(outside, tmp)
-    assert trace.dump("t", directory=d) == []          # reported on stderr, not raised
+    os.symlink(outside, d / "flight-rank0.json")
+    # the temporary is a fresh random name created exclusively; the link at the final name is
+    # replaced by the rename, never followed
+    assert trace.dump("t", directory=d) == [str(d / "flight-rank0.json")]
     assert outside.read_text() == "precious"
+    assert not os.path.islink(d / "flight-rank0.json") and os.path.islink(tmp)
+    assert sorted(os.listdir(d)) == sorted([tmp.name, "flight-rank0.json"])

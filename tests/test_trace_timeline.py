@@ -306,7 +306,16 @@ def test_timeline_never_writes_through_a_symlink(tmp_path, capsys) -> None:
     tl.complete("step", "train", tl.epoch_ns, tl.epoch_ns + 10)
     tl.close()
     assert outside.read_text() == "precious"
-    assert tl.closed and "timeline stops" in capsys.readouterr().err
+    assert not os.path.islink(d / "trace-rank0.json")           # the link was replaced
+    assert len([e for e in _load(d / "trace-rank0.json")["traceEvents"] if e["ph"] == "X"]) == 2
+    assert capsys.readouterr().err == ""
+    # a timeline that cannot be written is reported once, and stops (tracing never breaks the job)
+    (tmp_path / "file").write_text("")
+    tl = _chrome.Timeline(0, str(tmp_path / "file" / "trace"), flush_every=1)
+    tl.complete("step", "train", tl.epoch_ns, tl.epoch_ns + 10)
+    tl.complete("step", "train", tl.epoch_ns, tl.epoch_ns + 10)
+    tl.close()
+    assert tl.closed and capsys.readouterr().err.count("timeline stops") == 1
 
 
 def test_overlapping_events_use_a_bounded_number_of_lanes() -> None:

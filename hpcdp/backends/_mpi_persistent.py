@@ -16,6 +16,22 @@ Requests are made on first use and retired oldest first, both in call order, so 
 and retires the same ones at the same call. A call whose request is still running (an async call
 not completed yet) queues behind it and starts once it completes: every rank starts the k-th call
 of a request after its (k-1)-th, and the k-th calls match.
+
+Ranks that pass different ops. The op is bound to a request when it is made, but it is the one
+argument the ranks may get wrong without MPI noticing (dtype and count decide the bytes moved).
+Were requests made per (dtype, count, op), ranks passing ``sum`` and ``max`` to their first
+call of a shape would each make a request of their own op: made at the same call, they share a
+tag and silently match (one rank gets the other's reduction), and the tables are out of step
+for good: the next identical ``sum`` starts the existing request on one rank and makes a new
+one on the other, and every later call of that shape timed out on every rank. So a shape's
+requests are made together, one per op (a *family*: every rank makes the same ones, whatever
+op it passed), and the first call of a shape runs as an ``Iallreduce`` (which matches whatever
+the op) beside an exchange of the calls' (op, dtype, count) on the group's internal
+communicator (``FirstCall``): ranks that differ there raise ``CollectiveMismatchError`` naming
+every rank's call, on every rank, and the tables stay in step. Later calls of the shape cost
+nothing more; ranks that pass different ops to one of them wait for each other's requests
+until the timeout (whose roll call says the calls probably differ), as other mismatched MPI
+collectives do outside ``HPCDP_DEBUG``.
 """
 from __future__ import annotations
 
@@ -25,16 +41,22 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..errors import HpcdpError
+from ..errors import CollectiveMismatchError, HpcdpError
+from ..ops import ReduceOp
 from . import _mpi_requests as _rq
 
 if TYPE_CHECKING:
     from .mpi import MPIBackend
 
-__all__ = ["Slot", "Slots", "SmallRequest", "initializer", "MAX_SLOTS"]
+__all__ = ["Slot", "Slots", "SmallRequest", "FirstCall", "initializer", "MAX_SLOTS"]
 
-#: persistent requests a group keeps (each holds two buffers of under ``RING_MIN_BYTES``)
+#: shapes (dtype, count) a group keeps persistent requests for: one request per op (four; two
+#: for bool), each holding two buffers of under ``RING_MIN_BYTES`` (at most 2 MiB a group)
 MAX_SLOTS = 32
+#: ops in the order a family's requests are made (the same on every rank), and their codes
+_OP_LIST = tuple(ReduceOp)
+#: ops MPI does not define on a dtype kind (no order on complex numbers): no request for them
+_UNDEFINED = {"c": (ReduceOp.MAX, ReduceOp.MIN)}
 
 Init = Callable[[Any, np.ndarray, np.ndarray, Any, Any], Any]
 
@@ -118,11 +140,13 @@ class Slot:
 
 
 class Slots:
-    """A group's persistent allreduces by (dtype, count, op), made and retired in call order."""
+    """A group's persistent allreduces by (dtype, count, op), made and retired in call order,
+    one family (every op of a dtype and count) at a time."""
 
     def __init__(self, be: "MPIBackend", init: Init) -> None:
         self.be, self.init = be, init  # (the slots live in MPIBackend._fast: dtype, op, count)
-        self.order: list[tuple[dict[int, Slot], int]] = []  # creation order, for retiring
+        #: families in creation order, for retiring: each the (table, count) of its ops
+        self.order: list[list[tuple[dict[int, Slot], int]]] = []
         self.retired: list[Slot] = []  # retired while a call still ran on them
         self.waiting: set[Slot] = set()  # slots with a call queued behind a running one
 
@@ -136,28 +160,62 @@ class Slots:
             else:
                 tail._poll()
 
-    def make(self, table: dict[int, Slot], n: int, dtype: np.dtype, t: Any, mop: Any) -> Slot:
-        """A new slot for ``n`` elements (the miss path; the same call on every rank)."""
-        if len(self.order) >= MAX_SLOTS:
-            old_table, old_n = self.order.pop(0)
-            self.retire(old_table.pop(old_n))
-        sbuf, rbuf = np.zeros(n, dtype), np.zeros(n, dtype)
-        be = self.be
-        nb = be._nbc
-        if nb is None:
-            req = self.init(be.comm, sbuf, rbuf, t, mop)
-        else:
-            with nb.lock:  # libnbc reads the algorithm variable while it builds the schedule
-                if nb.current:
-                    nb.set(0)
-                req = self.init(be.comm, sbuf, rbuf, t, mop)
-        slot = table[n] = Slot(req, sbuf, rbuf)
-        self.order.append((table, n))
-        return slot
+    def first(self, send: Any, recv: np.ndarray, op: ReduceOp, index: int) -> "FirstCall":
+        """The first call of a shape (the miss path, the same call on every rank): make the
+        shape's family, and run this call as a checked ``Iallreduce`` (see the module)."""
+        be, MPI = self.be, _rq._MPI
+        dtype, n = recv.dtype, recv.size
+        t, ops = be._fast[dtype]
+        # (an op MPI does not define on the dtype makes nothing: its Iallreduce fails)
+        family = [] if op in _UNDEFINED.get(dtype.kind, ()) else self.make(ops, n, dtype, t)
+        mine = np.array([_OP_LIST.index(op), list(be._types).index(dtype), n], np.int64)
+        every = np.zeros((be.size, 3), np.int64)
+        s = MPI.IN_PLACE if send is recv else [send, t]
+        reqs = [be._iallreduce(s, [recv, t], ops[op][0], recv.nbytes)]
+        # (the internal communicator: its collectives never take one of ``comm``'s tags)
+        reqs.append(be._p2p.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]))
+        return FirstCall(be, reqs, index, (mine, every, family))
 
-    def retire(self, slot: Slot) -> None:
-        """Free ``slot``'s request once idle; one still running waits in ``retired``."""
-        self.retired.append(slot)
+    def make(self, ops: dict[Any, tuple[Any, dict[int, Slot]]], n: int, dtype: np.dtype,
+             t: Any) -> list[Slot]:
+        """The family of ``n`` elements of ``dtype``: a slot per op in ``ops`` (op -> (MPI op,
+        its table)), ops that share an MPI op (bool) sharing it; in ``ops``' order."""
+        if len(self.order) >= MAX_SLOTS:
+            self.retire(self.order.pop(0))
+        made: dict[int, Slot] = {}
+        entries: list[tuple[dict[int, Slot], int]] = []
+        undefined = _UNDEFINED.get(dtype.kind, ())
+        be, nb = self.be, self.be._nbc
+        if nb is not None:  # libnbc reads the algorithm variable while it builds a schedule
+            nb.lock.acquire()
+        try:
+            if nb is not None and nb.current:
+                nb.set(0)
+            for op, (mop, table) in ops.items():
+                if op in undefined:
+                    continue
+                slot = made.get(id(mop))
+                if slot is None:
+                    sbuf, rbuf = np.zeros(n, dtype), np.zeros(n, dtype)
+                    req = self.init(be.comm, sbuf, rbuf, t, mop)
+                    slot = made[id(mop)] = Slot(req, sbuf, rbuf)
+                table[n] = slot
+                entries.append((table, n))
+        except BaseException:
+            self.retire(entries)  # a failed family leaves no half behind
+            raise
+        finally:
+            if nb is not None:
+                nb.lock.release()
+        self.order.append(entries)
+        return list(made.values())
+
+    def retire(self, family: list[tuple[dict[int, Slot], int]]) -> None:
+        """Free a family's requests once idle; one still running waits in ``retired``."""
+        for table, n in family:
+            slot = table.pop(n, None)
+            if slot is not None and slot not in self.retired:
+                self.retired.append(slot)
         self.free_idle()
 
     def free_idle(self) -> None:
@@ -172,10 +230,9 @@ class Slots:
 
     def close(self) -> list[Slot]:
         """Free every idle request (before the communicator); the busy ones, kept alive."""
-        for table, n in self.order:
-            self.retired.append(table.pop(n))
+        for family in self.order:
+            self.retire(family)
         self.order.clear()
-        self.free_idle()
         busy, self.retired = self.retired, []
         return busy
 
@@ -312,3 +369,56 @@ class SmallRequest(_rq.MPIRequest):
                     self.slot.broken = (f"allreduce #{self.index} on this group was given up "
                                         "on and may never complete")
         return done
+
+
+class FirstCall(_rq.MPIRequest):
+    """The first allreduce of a shape: an ``Iallreduce`` and the exchange of every rank's
+    (op, dtype, count); completes with ``CollectiveMismatchError`` on every rank when they
+    differ (the result is then undefined: MPI leaves mixed ops so)."""
+
+    __slots__ = ("check",)
+
+    def __init__(self, be: "MPIBackend", reqs: list[Any], index: int,
+                 check: tuple[np.ndarray, np.ndarray, list[Slot]]) -> None:
+        self.check = check  # before registering: registering may reap, which polls this
+        super().__init__(be, reqs, "allreduce", index)
+
+    def _poll(self) -> None:
+        """Under ``_LOCK``: test both; once settled, compare the calls, then say done."""
+        try:
+            ok = _rq._MPI.Request.Testall(self.reqs)
+        except _rq._MPI.Exception as exc:
+            if self.error is None:
+                self.error = self.be.mpi_error(exc, self.what, self.index)
+            ok = all(_rq._settled(r) for r in self.reqs)
+        if not ok:
+            return
+        if self.error is None:
+            self.error = self._differ()
+        self.keep = ()
+        _rq._PENDING.pop(id(self), None)
+        self.done = True
+
+    def _differ(self) -> HpcdpError | None:
+        mine, every, family = self.check
+        if (every == mine).all():
+            return None
+        be = self.be
+        kinds = list(be._types)
+
+        def call(row: np.ndarray) -> str:
+            op, dt, n = (int(v) for v in row)
+            name = _OP_LIST[op].value if 0 <= op < len(_OP_LIST) else f"op code {op}"
+            dtn = kinds[dt].name if 0 <= dt < len(kinds) else f"dtype code {dt}"
+            return f"op={name}, {n} x {dtn}"
+
+        calls = "; ".join(f"rank {be.ranks[r]} {call(row)}" for r, row in enumerate(every))
+        if not (every[:, 1:] == mine[1:]).all():
+            # another shape on some rank: its tables may now differ from this rank's, so the
+            # family made for this call is not used again (later calls fail naming this one)
+            for slot in family:
+                slot.broken = (f"allreduce #{self.index} on this group was called with "
+                               f"different sizes or dtypes ({calls})")
+        return CollectiveMismatchError(
+            f"allreduce #{self.index} on rank {be.ranks[be.rank]}: the ranks passed different "
+            f"arguments ({calls}); the result is undefined, and every rank raises this")

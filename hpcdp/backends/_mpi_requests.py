@@ -24,6 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import HpcdpError
+from ._staging import Chain
 from .base import Request, poll_until
 
 if TYPE_CHECKING:
@@ -148,53 +149,6 @@ class MPIRequest(Request):
         if self.index:  # the other ranks must not wait a full timeout of their own
             self.be.announce(self.index, f"timed out in {self.what}")
         return None
-
-
-class Chain(Request):
-    """``req``, then host-side work (``then``) once it completed; ``then`` never runs after the
-    request is given up on (a staged receive must not copy back late). ``then`` runs once even when two threads (DDP's progress thread and a
-    ``wait``) see the request complete together: staging's ``then`` gives pinned buffers back to
-    a pool, and twice would hand one buffer to two later operations."""
-
-    def __init__(self, req: Request, then: Callable[[], None]) -> None:
-        self.req, self.then, self.done = req, then, False
-        self.keep: Any = ()
-        self._once = threading.Lock()
-
-    def _finish(self) -> None:
-        with self._once:
-            if not self.done:
-                self.then()
-                self.done = True
-
-    def test(self) -> bool:
-        if not self.done and self.req.test():
-            self._finish()
-        return self.done
-
-    def wait(self, timeout: float | None) -> bool:
-        if not self.done and self.req.wait(timeout):
-            self._finish()
-        return self.done
-
-    def pending(self) -> str:
-        return self.req.pending()
-
-    def abandon(self) -> bool | None:
-        if self.done:
-            return True
-        if self.req.abandon():
-            self._finish()
-            return True
-        with self._once:
-            if self.done:
-                return True
-            self.then = _nothing
-        return None
-
-
-def _nothing() -> None:
-    return None
 
 
 #: Tests between two reads of the clock while waiting. ``base.poll_until`` reads it every 64,

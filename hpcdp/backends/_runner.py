@@ -121,7 +121,11 @@ class Runner:
                 if running:
                     comm.end(False)
             self.current = None
+            # drop the task before waiting for the next one: its closure holds the call's
+            # buffers (a broadcast's whole send buffer), which must not outlive the collective
+            fn = call = None  # type: ignore[assignment]
             req._set(err)
+            req = err = None  # type: ignore[assignment]
 
     def pending_text(self, req: FutureRequest) -> str:
         if self.current is req:

@@ -170,7 +170,8 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                              }.get(MPI.Query_thread(), "single")
         self._types = _datatypes()
         self._staging = Staging()
-        self.cuda_aware = cuda_aware() if "cupy" in _modules else False
+        #: whether MPI reads device memory: None until the first cupy call asks (``_mpi_staging``)
+        self.cuda_aware: bool | None = None
         self._ops = {
             ReduceOp.SUM: MPI.SUM, ReduceOp.PROD: MPI.PROD, ReduceOp.MAX: MPI.MAX,
             ReduceOp.MIN: MPI.MIN,
@@ -243,9 +244,9 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
         n = recvbuf.size
         if self._small is not None and 0 < n <= _MAX_COUNT and recvbuf.nbytes < _RING_MIN:
             # every small allreduce, blocking or not: the choice must be the same on all ranks
-            t, ops = self._fast[recvbuf.dtype]
-            mop, table = ops[op]
-            slot = table.get(n) or self._small.make(table, n, recvbuf.dtype, t, mop)
+            slot = self._fast[recvbuf.dtype][1][op][1].get(n)
+            if slot is None:  # the shape's first call: checked (``_mpi_persistent``)
+                return self._small.first(sendbuf, recvbuf, op, self._index)
             return SmallRequest.post(self, slot, sendbuf, recvbuf, self._index)
         mop = self._op(op, sendbuf.dtype)
         inplace = sendbuf is recvbuf
@@ -272,7 +273,11 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
         out = None  # the persistent request's result buffer, once started
         try:
             if small is not None and n and nbytes < _RING_MIN:
-                slot = table.get(n) or small.make(table, n, recvbuf.dtype, fast[0], mop)
+                slot = table.get(n)
+                if slot is None:  # the shape's first call: checked (``_mpi_persistent``)
+                    first = small.first(sendbuf, recvbuf, op, index)
+                    first.keep = (sendbuf, recvbuf)
+                    return None if first.wait(timeout) else first
                 if slot.tail is not None or slot.broken:  # an async call runs on it: queue
                     slow = SmallRequest.post(self, slot, sendbuf, recvbuf, index)
                     slow.keep = (sendbuf, recvbuf)

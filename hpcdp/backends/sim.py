@@ -133,6 +133,10 @@ class _SlotRequest(Request):
             self.slot.departed += 1
             if self.slot.departed == self.be.size:
                 comm.slots.pop(self.key, None)
+                # every rank has its share: a request kept by the caller must not keep every
+                # rank's buffers and the combined result (a whole model, for a broadcast)
+                self.slot.contribs = [None] * self.be.size
+                self.slot.result = None
 
     def test(self) -> bool:
         if self.done:
@@ -436,13 +440,15 @@ class _P2P:
         return self.be.recv(buf.reshape(-1) if buf.ndim != 1 else buf, src, self.TAG_BASE + tag)
 
     def wait(self, reqs: Sequence[Any]) -> None:
-        for rq in reqs:
-            self._waiting = [rq]
-            while not rq.wait(0.2):
-                if self._aborted:
-                    raise PeerFailureError(f"rank {self.be.ranks[self.rank]}: {self._aborted}",
-                                           peers=[self.be.ranks[self.rank]])
-            self._waiting = []
+        try:
+            for rq in reqs:
+                self._waiting = [rq]
+                while not rq.wait(0.2):
+                    if self._aborted:
+                        raise PeerFailureError(f"rank {self.be.ranks[self.rank]}: "
+                                               f"{self._aborted}", peers=[self.be.ranks[self.rank]])
+        finally:
+            self._waiting = []  # (a failed wait too: the request holds the call's buffer)
 
     def check_usable(self, what: str) -> None:
         if self._aborted:

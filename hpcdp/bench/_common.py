@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._atomic import open_append
+
 __all__ = [
     "SIZES", "sizes", "Row", "time_loop", "interleaved", "busbw_factor", "print_header",
     "print_row", "JsonSink", "fmt_size",
@@ -141,7 +143,8 @@ class JsonSink:
     """JSON lines to a file (``--json PATH``), one object per row or summary."""
 
     def __init__(self, path: str | None) -> None:
-        self.fh = open(path, "a") if path else None
+        # appended in place (several runs share one file), never through a link at ``path``
+        self.fh = open_append(path) if path else None
 
     def write(self, obj: Any) -> None:
         if self.fh is None:

@@ -21,6 +21,8 @@ from collections import defaultdict
 from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable, Sequence
 
+from .._atomic import atomic_write
+
 __all__ = ["load_rows", "plot_rows", "plot_files", "add_plot_argument", "maybe_plot", "PlotSink", "main"]
 
 MIB = 1 << 20
@@ -261,8 +263,11 @@ def plot_rows(rows: Iterable[Any], out: str, *, title: str | None = None) -> str
     fig.suptitle(title or "hpcdp benchmarks: hpcdp beside its baseline")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_write(out, "wb") as fh:  # never through a link planted at ``out``
+            fig.savefig(fh, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 import hpcdp
 
+from .._atomic import open_append
 from ._common import JsonSink, Row, busbw_factor, fmt_size, interleaved, pretouch, print_header, print_row, sizes
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
@@ -83,7 +84,7 @@ def _both_orders(args: argparse.Namespace, argv: list[str]) -> int:
             with open(out) as fh:
                 lines = [json.loads(line) for line in fh]
         if args.json:
-            with open(args.json, "a") as fh:
+            with open_append(args.json) as fh:
                 fh.writelines(json.dumps(obj) + "\n" for obj in lines)
         summaries[order] = {o["name"]: o["value"] for o in lines if o.get("bench") == "summary"}
         if order == _ORDERS[0]:

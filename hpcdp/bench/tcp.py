@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .._atomic import open_append
+
 from ._plot import add_plot_argument, maybe_plot
 
 __all__ = ["main_tcp", "run_b1", "run_b2"]
@@ -220,7 +222,7 @@ def main_tcp(argv: Sequence[str] | None = None) -> int:
                   f"{r['hpcdp_us']:>10.1f} {alg:>7.3f} {r['hpcdp_busbw_GBps']:>7.3f} "
                   f"{r.get('gloo_busbw_GBps', float('nan')):>10.3f} {r.get('busbw_ratio', float('nan')):>6.2f}")
     if ns.json:
-        with open(ns.json, "a") as f:
+        with open_append(ns.json) as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     maybe_plot(ns, rows, title="hpcdp TCP (B1, B2) beside raw sockets and gloo")

@@ -254,9 +254,21 @@ def begin(final: str) -> str:
         _refuse(final)
     os.makedirs(parent, exist_ok=True)
     cleanup_uncommitted(parent, base)
-    tmp = os.path.join(parent, _tmp_name(base))
-    os.mkdir(tmp)
-    return tmp
+    return _fresh_dir(parent, base)
+
+
+def _fresh_dir(parent: str, base: str) -> str:
+    """mkdir a new ``.tmp-<base>-<random token>``: created exclusively (a name that exists, a link
+    included, is never reused or followed), under a name nobody can predict."""
+    for _ in range(16):
+        tmp = os.path.join(parent, _tmp_name(base))
+        try:
+            os.mkdir(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+    raise CheckpointError(f"save {os.path.join(parent, base)!r}: could not create a fresh temporary "
+                          f"directory in {parent!r} in 16 tries")
 
 
 def discard(tmp: str) -> None:

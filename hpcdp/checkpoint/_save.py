@@ -27,6 +27,7 @@ from typing import Any
 
 
 from .. import _world, trace
+from .._validate import check_timeout
 from ..errors import CheckpointError
 from . import _commit
 from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
@@ -304,6 +305,7 @@ class AsyncSave:
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the save committed (or failed: raises its ``CheckpointError``)."""
+        timeout = None if timeout is None else check_timeout("AsyncSave.wait", timeout)
         if not self._done.wait(timeout):
             raise TimeoutError(f"async save of {self.path!r} still running after {timeout} s")
         if self._thread is not None:

@@ -59,7 +59,8 @@ class MpioWriter:
         info = MPI.Info.Create()
         # Collective buffering on: few large contiguous accesses per aggregator.
         info.Set("romio_cb_write", "enable")
-        self.f = h5py.File(self.path, "w", driver="mpio", comm=self.comm, info=info, libver="latest",
+        # "w-": created exclusively (MPI_MODE_EXCL), never through a link planted in the directory
+        self.f = h5py.File(self.path, "w-", driver="mpio", comm=self.comm, info=info, libver="latest",
                            alignment_threshold=ALIGN, alignment_interval=ALIGN)
         info.Free()
         f = self.f

@@ -46,7 +46,8 @@ class VdsWriter:
                 if not _in_main(p) and p.slab_of(self.rank) is not None]
         mine = []
         if todo:
-            with h5py.File(self.own, "w", libver="latest") as f:
+            # "w-": created exclusively (O_EXCL), so never through a link planted in the directory
+            with h5py.File(self.own, "w-", libver="latest") as f:
                 for i, p, s in todo:
                     d = create_dataset(f, p.path, s.shape, np.dtype(p.dtype))
                     write_slab(d, slab_data(leaves[i], p, self.rank), (0,) * len(s.shape))
@@ -64,7 +65,7 @@ class VdsWriter:
         if self.rank != 0:
             return self.files()
         main = os.path.join(self.dir, DATA)
-        with h5py.File(main, "w", libver="latest") as f:
+        with h5py.File(main, "w-", libver="latest") as f:
             f.attrs["hpcdp_format"] = "hpcdp-checkpoint"
             for g in container_groups(self.tree0):
                 f.create_group(g)

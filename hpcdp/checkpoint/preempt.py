@@ -14,6 +14,14 @@ group (one tiny allreduce) so that ranks signalled a few steps apart, or only so
 stop at the same boundary and write one consistent checkpoint. Under Slurm, group rank 0 then runs
 ``scontrol requeue $SLURM_JOB_ID``: the job goes back to the queue under the same id, and its next
 run resumes from ``hpcdp.checkpoint.latest()`` (``SLURM_RESTART_COUNT`` counts the requeues).
+
+A notice may come before ``on_preempt`` is called. Ranks started by ``hpcdp-run`` begin with
+SIGUSR1/SIGUSR2 blocked and remember one that arrives before any handler is in place
+(``hpcdp.launch._boot``, also used by ``python -m hpcdp.run SCRIPT``); ``on_preempt`` takes it
+over as a pending preemption, so the first ``check()`` saves. A process started some other way
+(``mpirun python train.py``, ``srun python train.py``) has the default action until
+``on_preempt`` runs: a SIGUSR1 before then kills it. Signal such jobs well after start
+(``--signal=USR1@60`` fires 60 s before the time limit) or start them through ``hpcdp.run``.
 """
 from __future__ import annotations
 
@@ -44,6 +52,13 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     prev = _previous.get(signum)
     if callable(prev):
         prev(signum, frame)
+
+
+def _take_early(signum: int) -> bool:
+    """Whether ``signum`` reached this process before any handler (remembered by the rank
+    bootstrap, ``hpcdp.launch._boot``); after this call it is ours to handle."""
+    boot = sys.modules.get("hpcdp.launch._boot")  # not loaded: nothing was remembered
+    return bool(boot is not None and boot.take(signum))
 
 
 def _signum(sig: int | str | _signal.Signals) -> int:
@@ -122,6 +137,7 @@ class Preemption:
         if not agreed:
             return False
         _requested[self.signum] = False  # a second signal later means a second preemption
+        _take_early(self.signum)  # the same notice, if it also reached the bootstrap's handler
         rank = _rank_of(group)
         name = _signal.Signals(self.signum).name
         if rank == 0:
@@ -212,8 +228,10 @@ def on_preempt(save_fn: Callable[[], Any], *, signal: int | str = _signal.SIGUSR
                 raise HpcdpError(
                     f"on_preempt: rank {_rank_of(group)}: signal handlers can only be installed "
                     f"from the main thread; call on_preempt there first")
+            _requested[signum] = False
             _previous[signum] = _signal.signal(signum, _handler)
             _users[signum] = 0
-            _requested[signum] = False
+            if _take_early(signum):  # a notice that came before us counts
+                _requested[signum] = True
         _users[signum] += 1
     return Preemption(save_fn, signum, requeue=requeue, exit=exit, group=group, timeout=timeout)

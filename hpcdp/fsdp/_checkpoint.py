@@ -21,6 +21,7 @@ import numpy as np
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn._backend import to_module
+from ..optim._state_check import check_groups, load_param_state
 
 __all__ = ["state_dict", "load_state_dict", "full_state_dict", "optim_state_dict", "load_optim_state_dict"]
 
@@ -188,56 +189,48 @@ def optim_state_dict(fsdp: Any, optimizer: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": _groups_out(optimizer, names)}
 
 
-def _restore_groups(where: str, rank: int, optimizer: Any, groups: list[dict[str, Any]],
-                    names: dict[int, str]) -> None:
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"{where} (rank {rank}): state has {len(groups)} param groups, the optimizer "
-                         f"has {len(optimizer.param_groups)}")
+def _check_groups(where: str, optimizer: Any, groups: Any, names: dict[int, str]) -> list[dict[str, Any]]:
+    """The loaded groups' settings, checked (``optim._state_check``) before anything changes."""
+    settings = check_groups(where, optimizer.defaults, optimizer.param_groups, groups)
     for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
         want = [names[id(p)] for p in mine["params"]]
         got = [str(n) for n in theirs.get("params", [])]
         if sorted(want) != sorted(got):
-            raise ValueError(f"{where} (rank {rank}): param group {i} holds {got}, the optimizer {want}")
-        for k, v in theirs.items():
-            if k == "params":
-                continue
-            if isinstance(mine.get(k), tuple):
-                v = tuple(v.tolist() if hasattr(v, "tolist") else v)
-            elif isinstance(v, np.generic):
-                v = v.item()
-            mine[k] = v
-
-
-def _cast(name: str, value: Any, like: Any) -> Any:
-    if not hasattr(value, "shape"):
-        return value
-    if value.ndim == 0 and name == "step":
-        return int(value)
-    arr = to_module(value, xp_of(like))
-    dtype = like.dtype if np.issubdtype(np.dtype(arr.dtype), np.floating) else arr.dtype
-    return arr.astype(dtype, copy=True)
+            raise ValueError(f"{where}: param group {i} holds {got}, the optimizer {want}")
+    return settings
 
 
 def load_optim_state_dict(fsdp: Any, optimizer: Any, osd: dict[str, Any]) -> None:
+    """Load name-keyed optimizer state; shapes, dtypes and settings are checked (naming the
+    parameter and the entry) before the optimizer changes."""
     where, rank = "FSDP.load_optim_state_dict", fsdp.group.rank
     names = _name_map(fsdp, optimizer, where)
     by_name = {n: sp for n, sp in fsdp._named_shards}
     slots = _slots(fsdp)
-    _restore_groups(where, rank, optimizer, list(osd.get("param_groups", [])), names)
+    at = f"{where} (rank {rank})"
+    if not isinstance(osd, dict) or not isinstance(osd.get("state", {}), dict):
+        raise TypeError(f"{at}: expected a dict with 'state' (a dict) and 'param_groups', got "
+                        f"{type(osd).__name__}")
+    settings = _check_groups(at, optimizer, list(osd.get("param_groups", [])), names)
+    spec = getattr(type(optimizer), "state_spec", None)
     new_state: dict[Any, dict[str, Any]] = {}
     for name, st in osd.get("state", {}).items():
         name = str(name)
         if name not in by_name:
-            raise KeyError(f"{where} (rank {rank}): state for {name!r}, which this model does not have")
+            raise KeyError(f"{at}: state for {name!r}, which this model does not have")
+        if not isinstance(st, dict):
+            raise TypeError(f"{at}: state of {name!r} must be a dict, got {type(st).__name__}")
         sp, slot = by_name[name], slots[name][1]
         entry: dict[str, Any] = {}
         for k, v in st.items():
             if isinstance(v, _shard_type()) or (hasattr(v, "shape") and tuple(v.shape) == slot.shape and v.ndim > 0):
                 piece = _local_piece(where, f"{name}.{k}", v, slot, rank)
-                entry[k] = xp_of(sp.data).zeros_like(sp.data) if piece is None else _cast(k, piece, sp.data)
+                entry[k] = xp_of(sp.data).zeros_like(sp.data) if piece is None else piece
             else:
-                entry[k] = _cast(k, v, sp.data)
-        new_state[sp] = entry
+                entry[k] = v   # a scalar, or an array of another shape: the check names it
+        new_state[sp] = load_param_state(at, repr(name), spec, entry, sp.data)
+    for mine, typed in zip(optimizer.param_groups, settings):
+        mine.update(typed)
     rep = fsdp.comm.replicate
     if rep is not None and fsdp.comm.n > 1:   # hybrid: replica 0's state to the others
         for name, sp in fsdp._named_shards:

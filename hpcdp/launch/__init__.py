@@ -4,7 +4,8 @@
   processes (``_processes``), results collected;
 - ``hpcdp-run`` / ``python -m hpcdp.run`` (``_cli``): a script on local TCP ranks (``_local``:
   start, prefix output, stop, restart), across nodes from the SLURM layout (``_slurm``), or
-  in-process under ``mpirun`` with abort-on-error.
+  in-process under ``mpirun`` with abort-on-error; each rank's script runs through ``_boot``,
+  which remembers a preemption signal that arrives before the script has a handler.
 """
 from __future__ import annotations
 

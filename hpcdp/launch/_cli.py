@@ -13,12 +13,15 @@ period) and exits with that rank's code, so a failed job never hangs. A SIGTERM 
 to the launcher (SLURM preemption, Ctrl-C) is forwarded to the ranks, which get the same grace
 period (``--grace``) to save a checkpoint; the launcher then exits with 128 + the signal number.
 SIGUSR1 and SIGUSR2 (``#SBATCH --signal=USR1@60``) are only forwarded: ranks that use
-``hpcdp.checkpoint.on_preempt`` save and exit by themselves.
+``hpcdp.checkpoint.on_preempt`` save and exit by themselves. Ranks run through a bootstrap
+(``_boot``) that starts with those two blocked and remembers one that comes before the script
+has a handler, so an early notice is neither fatal nor lost.
 
 With ``--max-restarts N`` a failed rank makes the launcher stop the others and start all of them
 again, up to N times, each attempt with a fresh port and secret and ``HPCDP_RESTART_COUNT`` set
 (0 on the first run); a script that resumes from ``hpcdp.checkpoint.latest()`` continues where it
-stopped. A signal to the launcher never leads to a restart.
+stopped. A signal to the launcher never leads to a restart: a rank killed by a signal the
+launcher forwarded to it ends the job with 128 + that signal.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ import argparse
 import os
 import runpy
 import sys
+import threading
 import traceback
 from typing import Sequence
 
-from ._local import GRACE, attempt_secret, launch
+from ._boot import remember as remember_early_signals
+from ._local import GRACE, attempt_secret, launch, rank_command
 from ._slurm import node_layout, parse_nodelist
 
 __all__ = ["main", "parse_nodelist", "node_layout", "launch", "attempt_secret", "run_inprocess",
@@ -58,8 +63,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int:
-    """Run ``script`` as ``__main__`` here; under MPI, abort the whole job on an unhandled error."""
+    """Run ``script`` as ``__main__`` here; under MPI, abort the whole job on an unhandled error.
+
+    From here on a SIGUSR1/SIGUSR2 without a handler is remembered for ``on_preempt`` instead of
+    killing the rank (``_boot.remember``); before this process got here, it still kills it.
+    """
     under_mpi = any(k in os.environ for k in _MPI_ENV)
+    if threading.current_thread() is threading.main_thread():
+        remember_early_signals(unblock=False)  # nobody blocked them for us here
     sys.argv = [script, *args]
     try:
         if module:
@@ -124,6 +135,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.nproc_per_node is None:
         return run_inprocess(ns.script, args, ns.module)
     nnodes, node_rank, master = node_layout(ns.nnodes, ns.node_rank, ns.master_addr, os.environ)
-    cmd = [sys.executable, "-u"] + (["-m", ns.script] if ns.module else [ns.script]) + args
+    cmd = rank_command(ns.script, args, ns.module)
     return launch(cmd, ns.nproc_per_node, nnodes=nnodes, node_rank=node_rank, master_addr=master,
                   master_port=ns.master_port, grace=ns.grace, max_restarts=ns.max_restarts)

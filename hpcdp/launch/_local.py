@@ -16,11 +16,14 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
+from ._boot import SIGNALS as BOOT_SIGNALS
 from ._processes import free_port
 
-__all__ = ["launch", "attempt_secret", "GRACE"]
+__all__ = ["launch", "attempt_secret", "rank_command", "GRACE", "BOOT"]
 
 GRACE = 3.0
+#: the rank bootstrap, run by path (``rank_command``)
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
@@ -43,12 +46,28 @@ def _die_with_parent() -> None:
         pass
 
 
+def _start_boot_rank() -> None:
+    """In the forked child of a rank run through the bootstrap: die with the launcher, and block
+    the preemption notices until the bootstrap has a handler that remembers them."""
+    _die_with_parent()
+    signal.pthread_sigmask(signal.SIG_BLOCK, BOOT_SIGNALS)
+
+
+def rank_command(script: str, args: Sequence[str], module: bool = False) -> list[str]:
+    """The command of one rank: ``script`` (a module with ``module``) run through the bootstrap,
+    which remembers a preemption notice that comes before the script has a handler."""
+    return [sys.executable, "-u", BOOT, "--module" if module else "--path", script, *args]
+
+
 class _Supervisor:
     """The ranks of one node across restart attempts, and the signals sent to the launcher.
 
     SIGINT/SIGTERM (Ctrl-C, Slurm preemption or time limit) are forwarded to the ranks and end the
     job: no restart after them. SIGUSR1/SIGUSR2 (``#SBATCH --signal=USR1@60``) are forwarded
-    only, so ranks using ``hpcdp.checkpoint.on_preempt`` can save and exit on their own.
+    only, so ranks using ``hpcdp.checkpoint.on_preempt`` can save and exit on their own; ranks
+    started through the bootstrap remember one that comes before they have a handler. A rank
+    killed by a signal forwarded to it was stopped or preempted, not broken: that is never
+    restarted either (``killed_by``), since a restart would have forgotten the signal.
     """
 
     STOP = (signal.SIGINT, signal.SIGTERM)
@@ -60,7 +79,9 @@ class _Supervisor:
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         self.received: list[int] = []  # stop signals sent to the launcher, in order
-        self.forwarded: set[int] = set()  # pids the first of them was forwarded to
+        self.notices: list[int] = []  # SIGUSR1/SIGUSR2 sent to the launcher in this attempt
+        self.sent: dict[int, set[int]] = {}  # pid -> signals forwarded to it in this attempt
+        self.killed_by: int | None = None  # the forwarded signal the failed rank died of
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Supervisor:
@@ -73,19 +94,21 @@ class _Supervisor:
         for s, h in self._old.items():
             signal.signal(s, h)
 
-    def _signal_all(self, sig: int) -> None:
+    def _signal_all(self, sig: int, forward: bool = False) -> None:
+        """``sig`` to every live rank's process group; ``forward``: the launcher received it."""
         for p in self.procs:
-            if p.poll() is None:
+            if p.poll() is None:  # a rank dead already did not die of this signal
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
-            if self.received and sig == self.received[0]:
-                self.forwarded.add(p.pid)
+                if forward:
+                    self.sent.setdefault(p.pid, set()).add(sig)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if signum in self.FORWARD:
-            self._signal_all(signum)
+            self.notices.append(signum)
+            self._signal_all(signum, forward=True)
             return
         # Forward it and let the main loop wait out the grace period: under SLURM a SIGTERM
         # means preemption, and ranks need that time to write a checkpoint. A second Ctrl-C
@@ -94,25 +117,30 @@ class _Supervisor:
         if signum == signal.SIGINT and self.received.count(signal.SIGINT) > 1:
             self._signal_all(signal.SIGKILL)
         else:
-            self._signal_all(signum)
+            self._signal_all(signum, forward=True)
 
     def run(self, cmd: Sequence[str], envs: list[tuple[int, dict[str, str]]]) -> tuple[int, int | None]:
         """Start one rank per ``(rank, env)``, supervise them; ``(exit code, first failed rank)``."""
-        self.procs, self.forwarded = [], set()
+        self.procs, self.sent, self.notices, self.killed_by = [], {}, [], None
+        # Through the bootstrap a rank starts with the notices blocked: one that comes before the
+        # script has a handler is remembered, not fatal. Other commands keep the default action.
+        preexec = _start_boot_rank if BOOT in list(cmd)[:3] else _die_with_parent
         ranks: dict[int, int] = {}  # pid -> rank
         for rank, env in envs:
             if self.received:
                 break  # told to stop while starting: start no more
             p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True,
-                                 preexec_fn=_die_with_parent)
+                                 preexec_fn=preexec)
             self.procs.append(p)
             ranks[p.pid] = rank
-            if self.received and p.pid not in self.forwarded:  # the signal came during Popen
-                try:
-                    os.killpg(p.pid, self.received[0])
-                except ProcessLookupError:
-                    pass
+            for sig in self.received[:1] + self.notices:  # signals that came during Popen
+                if sig not in self.sent.get(p.pid, ()):
+                    self.sent.setdefault(p.pid, set()).add(sig)
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
             prefix = f"[rank {rank}] ".encode()
             for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
                 t = threading.Thread(target=_pump, args=(stream, prefix, out, self.lock), daemon=True)
@@ -123,9 +151,13 @@ class _Supervisor:
             alive = [p for p in self.procs if p.poll() is None]
             failed = [p for p in self.procs if p.returncode not in (None, 0)]
             if failed:
-                code = failed[0].returncode
+                # a rank that died of a signal forwarded to it explains its peers' failures
+                by_signal = [p for p in failed if -p.returncode in self.sent.get(p.pid, ())]
+                first = (by_signal or failed)[0]
+                code = first.returncode
                 code = code if code > 0 else 128 - code  # killed by a signal: 128 + signum
-                failed_rank = ranks[failed[0].pid]
+                failed_rank = ranks[first.pid]
+                self.killed_by = -first.returncode if by_signal else None
                 self._signal_all(signal.SIGTERM)
                 break
             if not alive:
@@ -213,6 +245,11 @@ def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 
                 envs.append((rank, env))
             code, failed = sup.run(cmd, envs)
             if code == 0 or sup.received or failed is None:
+                return code
+            if sup.killed_by is not None:  # preempted or stopped, not broken: a restart would
+                name = signal.Signals(sup.killed_by).name  # not get the signal again
+                _say(f"rank {failed} was killed by {name}, which hpcdp-run forwarded to it; "
+                     f"not restarting (a signal sent to the launcher ends the job)")
                 return code
             if attempt == max_restarts:
                 if max_restarts:

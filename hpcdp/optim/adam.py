@@ -29,6 +29,8 @@ class Adam(Optimizer):
     """
 
     _decoupled = False
+    state_spec = {"step": "count", "exp_avg": "param", "exp_avg_sq": "param",
+                  "max_exp_avg_sq": "param?"}
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *,

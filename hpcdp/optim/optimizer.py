@@ -5,10 +5,9 @@ import copy
 import weakref
 from typing import Any, Callable, Iterable
 
-import numpy as np
 
 from ..errors import HpcdpError
-from ..nn._backend import to_module, xp_of
+from ._state_check import check_groups, load_param_state, state_index
 
 __all__ = ["Optimizer", "live_optimizers"]
 
@@ -40,6 +39,9 @@ class Optimizer:
     nothing that needs pickling, so it can be written to HDF5. Arrays in it are the live state
     arrays (not copies); ``load_state_dict`` copies what it is given.
     """
+
+    #: what each parameter's state holds (see ``_state_check``); None: checked generically
+    state_spec: dict[str, str] | None = None
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self.defaults = dict(defaults)
@@ -136,48 +138,38 @@ class Optimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore hyper-parameters and per-parameter state (arrays copied onto each param's module/dtype)."""
+        """Restore hyper-parameters and per-parameter state (arrays copied onto each param's
+        module/dtype). Everything is checked first (``_state_check``): a wrong shape, dtype or
+        hyper-parameter type, or state for a parameter no group lists, raises naming the entry
+        and changes nothing."""
         owner = self._sharded_owner()
         if owner is not None:
             owner.load_optim_state_dict(self, state_dict)
             return
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
+                            f"{type(state_dict).__name__}")
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"loaded state has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
+        settings = check_groups(where, self.defaults, self.param_groups, groups)
         for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError(
-                    f"param group {i}: loaded state has {len(theirs['params'])} parameters, optimizer has {len(mine['params'])}"
-                )
+            if len(mine["params"]) != len(theirs.get("params", ())):
+                raise ValueError(f"{where}: param group {i}: loaded state has "
+                                 f"{len(theirs.get('params', ()))} parameters, optimizer has "
+                                 f"{len(mine['params'])}")
+        loaded = state_index(where, groups, state_dict["state"])
         index = self._index()
-        saved_ids = [j for g in groups for j in g["params"]]
+        saved_ids = [int(j) for g in groups for j in g["params"]]
+        spec = getattr(type(self), "state_spec", None)
         new_state: dict[Any, dict[str, Any]] = {}
-        # Keys may come back as strings (e.g. from HDF5 group names); map them via the saved order.
-        loaded = {int(k): v for k, v in state_dict["state"].items()}
         for pos, saved_id in enumerate(saved_ids):
-            if saved_id not in loaded:
-                continue
-            p = index[pos]
-            new_state[p] = {name: self._cast_state(name, v, p) for name, v in loaded[saved_id].items()}
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    # HDF5 gives tuples (Adam's betas) back as arrays; restore the Python type.
-                    if isinstance(mine.get(k), tuple):
-                        v = tuple(v.tolist() if hasattr(v, "tolist") else v)
-                    mine[k] = v
+            if saved_id in loaded:
+                p = index[pos]
+                new_state[p] = load_param_state(where, f"parameter {saved_id}", spec,
+                                                loaded[saved_id], p.data)
+        for mine, typed in zip(self.param_groups, settings):
+            mine.update(typed)
         self.state = new_state
-
-    @staticmethod
-    def _cast_state(name: str, value: Any, p: Any) -> Any:
-        if not hasattr(value, "shape"):
-            return value
-        xp = xp_of(p.data)
-        if value.ndim == 0 and name == "step":
-            return int(value)
-        arr = to_module(value, xp)
-        dtype = p.data.dtype if np.issubdtype(np.dtype(arr.dtype), np.floating) else arr.dtype
-        return arr.astype(dtype, copy=True)  # always copy: the caller's arrays must not alias our state
 
     def __repr__(self) -> str:
         lines = [type(self).__name__ + " ("]

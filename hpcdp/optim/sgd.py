@@ -25,6 +25,8 @@ class SGD(Optimizer):
         maximize: ascend instead of descend.
     """
 
+    state_spec = {"momentum_buffer": "param?"}
+
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False) -> None:
         if lr < 0.0:

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
 from ..nn.parameter import Parameter
+from ._state_check import check_groups, load_param_state, state_index
 from .optimizer import Optimizer
 from .._world import group_or_default
 
@@ -171,26 +172,37 @@ class ZeroRedundancyOptimizer(Optimizer):
         return self._consolidated
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a whole optimizer state (plain or consolidated format); each rank keeps its share."""
+        """Load a whole optimizer state (plain or consolidated format); each rank keeps its share.
+
+        Every rank checks the whole state (``_state_check``), its share and the others', before
+        changing anything: a wrong entry fails on every rank alike, naming the parameter's global
+        index, and state for an index no group lists is an error, not dropped.
+        """
+        where = f"ZeroRedundancyOptimizer.load_state_dict (rank {self.group.rank})"
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
+                            f"{type(state_dict).__name__}")
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict (rank {self.group.rank}): state has "
-                             f"{len(groups)} param groups, the optimizer {len(self.param_groups)}")
-        for mine, theirs in zip(self.param_groups, groups):
-            for k, v in theirs.items():
-                if k == "params":
-                    continue
-                if isinstance(mine.get(k), tuple):   # HDF5 gives tuples (Adam's betas) back as arrays
-                    v = tuple(v.tolist() if hasattr(v, "tolist") else v)
-                mine[k] = v
+        settings = check_groups(where, self.defaults, self.param_groups, groups)
+        for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
+            if len(mine["params"]) != len(theirs.get("params", ())):
+                raise ValueError(f"{where}: param group {i}: loaded state has "
+                                 f"{len(theirs.get('params', ()))} parameters, the optimizer "
+                                 f"{len(mine['params'])}")
+        loaded = state_index(where, groups, state_dict["state"])
+        saved = [int(j) for grp in groups for j in grp["params"]]
+        spec = getattr(self.optimizer_class, "state_spec", None)
+        checked = {saved[pos]: load_param_state(where, f"parameter {saved[pos]}", spec,
+                                                loaded[saved[pos]], p.data)
+                   for pos, p in enumerate(self._all) if saved[pos] in loaded}
+        for mine, typed in zip(self.param_groups, settings):
+            mine.update(typed)
         if self.local is None:
             return
-        loaded = {int(k): v for k, v in state_dict["state"].items()}
-        saved = [j for grp in groups for j in grp["params"]]
         local_params = [p for grp in self.local.param_groups for p in grp["params"]]
         local_index = {id(p): i for i, p in enumerate(local_params)}
-        local_state = {local_index[id(p)]: loaded[saved[pos]] for pos, p in enumerate(self._all)
-                       if id(p) in local_index and saved[pos] in loaded}
+        local_state = {local_index[id(p)]: checked[saved[pos]] for pos, p in enumerate(self._all)
+                       if id(p) in local_index and saved[pos] in checked}
         local_groups = []
         for li, gi in enumerate(self._local_groups):
             gd = {k: v for k, v in self.param_groups[gi].items() if k != "params"}

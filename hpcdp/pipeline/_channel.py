@@ -12,7 +12,13 @@ Control messages, exactly one from every rank to every other rank per step (so a
 went well the receives posted for them at its start have all completed): DONE (with the loss, from the last stage's rank),
 FAILED (this rank raised: its stage, action, microbatch and message) or ABORTED (this rank stopped
 because a peer failed; it forwards the root cause). Every wait polls them, so a failure anywhere
-makes every rank raise within one compute action instead of blocking in a receive.
+makes every rank raise within one compute action instead of blocking in a receive. A rank whose
+account never came (its process died, its message was garbled) is described as having failed in
+an unknown action, with the reason, not a bare ``?``.
+
+Deadlines: a wait gives up after the timeout; the control messages that then tell the peers go
+out without a second timeout of their own (``drain``), so the error reaches the user after one
+timeout, with its own class.
 """
 from __future__ import annotations
 
@@ -40,6 +46,12 @@ _DTYPES = tuple(d.name for d in SUPPORTED_DTYPES)
 _SLICE = 0.01
 #: pause between tests where there is nothing to block on
 _NAP = 1e-4
+#: longest ``drain`` lets the failure reports go out after the error's own deadline passed: sends
+#: to live peers complete at once; one to a stalled peer stays with the transport, which delivers
+#: it when that peer takes it (MPI leaves a send pending until the receiver calls into MPI)
+_DRAIN_GRACE = 0.1
+#: the action field of a failure whose action and microbatch nobody knows (message says why)
+UNKNOWN = "?"
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,15 @@ class ControlMessage:
             text = raw[_CTRL.size: _CTRL.size + n].decode("utf-8", "replace")
             return cls(kind, stage, mb, rank, loss, action.rstrip(b"\0").decode("utf-8", "replace"), text)
         except (struct.error, ValueError):
-            return cls(FAILED, -1, -1, src, float("nan"), "?", "malformed pipeline control message")
+            return cls(FAILED, -1, -1, src, float("nan"), UNKNOWN,
+                       "its pipeline control message was malformed, so what it was doing is not known")
 
     def describe(self) -> str:
-        """``"stage 2 (rank 2) failed in action 2F3 (forward of microbatch 3): ValueError: boom"``."""
+        """``"stage 2 (rank 2) failed in action 2F3 (forward of microbatch 3): ValueError: boom"``;
+        ``"rank 1 failed in an unknown action and microbatch: <why>"`` when no account came."""
         where = f"stage {self.stage} (rank {self.rank})" if self.stage >= 0 else f"rank {self.rank}"
+        if not self.action or self.action == UNKNOWN:
+            return f"{where} failed in an unknown action and microbatch: {self.message}"
         try:
             a = Action.parse(self.action)
             what = f"action {a} ({a.op.description} of microbatch {a.mb})"
@@ -178,7 +194,7 @@ class Channel:
             deadline = time.monotonic() + min(1.0, self.timeout)
             while root in self._ctrl and time.monotonic() < deadline:
                 own = self._take(root)
-                if own is not None and own.root.rank == root and own.root.action != "?":
+                if own is not None and own.root.rank == root and own.root.action != UNKNOWN:
                     raise own
                 time.sleep(_NAP)
         raise first
@@ -193,8 +209,9 @@ class Channel:
                 work.wait(0)
         except HpcdpError as exc:
             del self._ctrl[peer]
-            msg = ControlMessage(FAILED, -1, -1, peer, float("nan"), "?",
-                                 f"{type(exc).__name__}: {exc}")
+            msg = ControlMessage(FAILED, -1, -1, peer, float("nan"), UNKNOWN,
+                                 f"it sent no account of its failure before its control channel "
+                                 f"broke ({type(exc).__name__}: {exc})")
             self._got[peer] = msg
             return PeerAborted(msg, peer)
         if not done:
@@ -243,16 +260,21 @@ class Channel:
         return losses[0] if losses and np.isnan(loss) else loss
 
     def drain(self) -> None:
-        """After a failure: let this step's control messages go out (bounded by the timeout),
-        give up the rest. Peers' control messages are not waited for: every other rank learns
-        of the failure from this rank's message, and this pipeline is closed for good."""
-        deadline = time.monotonic() + self.timeout
-        for work, _ in self.ctrl_sends:
-            try:
-                work.wait(max(0.0, deadline - time.monotonic()))
-            except HpcdpError:
-                pass
-        self.abandon([w for w, _ in self._ctrl.values()] + [w for w, _ in self.sends])
+        """After a failure: give this step's control messages ``_DRAIN_GRACE`` seconds to go out,
+        then leave the rest to the transport (never cancelled, see ``abandon``). Not a timeout
+        of its own: the error being raised has waited its deadline already, and a report to a
+        stalled peer stays pending until that peer takes it. Peers' control messages are not
+        waited for: every other rank learns of the failure from this rank's message, and this
+        pipeline is closed for good."""
+        deadline = time.monotonic() + min(_DRAIN_GRACE, self.timeout)
+        pending = [w for w, _ in self.ctrl_sends]
+        while pending:
+            pending = [w for w in pending if not _settled(w)]
+            now = time.monotonic()
+            if not pending or now >= deadline:
+                break
+            self._block(pending[0], min(_SLICE, deadline - now))
+        self.abandon(pending + [w for w, _ in self._ctrl.values()] + [w for w, _ in self.sends])
         self._ctrl = {}
         self.ctrl_sends = []
         self.sends = []
@@ -267,9 +289,9 @@ class Channel:
         if self.ctrl_sends:
             self.ctrl_sends = [(w, b) for w, b in self.ctrl_sends if not w.is_completed()]
 
-    def wait(self, work: Any, what: str) -> Any:
+    def wait(self, work: Any, what: str, peer: int | None = None) -> Any:
         """``work.wait()``, but a failed peer raises ``PeerAborted`` and the group timeout a
-        ``CommTimeoutError`` naming ``what`` and this rank.
+        ``CommTimeoutError`` naming ``what``, this rank and the ``peer`` that did not answer.
 
         It blocks on the transfer itself (the transport wakes it as soon as the data is in), in
         slices of at most ``_SLICE`` seconds, and looks at the control messages between slices.
@@ -281,8 +303,9 @@ class Channel:
             self.progress_sends()
             now = time.monotonic()
             if now >= deadline:
+                silent = "" if peer is None else f": rank {peer} did not answer"
                 raise CommTimeoutError(f"{self._where()}: {what} did not complete within "
-                                       f"{self.timeout:g} s")
+                                       f"{self.timeout:g} s{silent}")
             self._block(work, min(_SLICE, deadline - now))
         try:
             return work.wait(0)
@@ -334,6 +357,14 @@ class Channel:
                 w.is_completed()
             except HpcdpError:
                 pass
+
+
+def _settled(work: Any) -> bool:
+    """Whether ``work`` completed or failed (a failed send is given up like a completed one)."""
+    try:
+        return bool(work.is_completed())
+    except HpcdpError:
+        return True
 
 
 def peer_failure(where: str, exc: PeerAborted, ranks: tuple[int, ...]) -> PeerFailureError:

@@ -148,6 +148,7 @@ class Pipeline:
         self._y_meta: tuple[tuple[int, ...], np.dtype] | None = None
         self._meta_sent: set[int] = set()
         self._meta_recv: dict[int, tuple[Any, np.ndarray]] = {}
+        self._doing: Action | None = None
         self._mods = {s: list(mod.modules()) for s, mod in stage.modules.items()}
         xp_param = next(iter(stage.parameters()), None)
         self._xp = xp_of(xp_param.data) if xp_param is not None else np
@@ -204,12 +205,13 @@ class Pipeline:
             local_loss = st.loss if self.stage.is_last else math.nan
             loss = ch.finish(local_loss)
         except PeerAborted as exc:
-            self._fail(st, ControlMessage(ABORTED, exc.root.stage, exc.root.mb, exc.root.rank,
-                                          math.nan, exc.root.action, exc.root.message))
-            raise peer_failure(self._where, exc, self._ranks) from None
+            error = peer_failure(self._where, exc, self._ranks)
+            self._give_up(st, ControlMessage(ABORTED, exc.root.stage, exc.root.mb, exc.root.rank,
+                                             math.nan, exc.root.action, exc.root.message), error)
+            raise error from None
         except BaseException as exc:
             info = self._failure_info(current, exc)
-            self._fail(st, info)
+            self._give_up(st, info, exc)
             exc.add_note(f"pipeline: rank {self.stage.group.rank} {info.describe().split(': ', 1)[0]}")
             raise
         self.peak_activations = st.peak
@@ -227,6 +229,14 @@ class Pipeline:
                 stage = self._last
             return ControlMessage(FAILED, stage, -1, rank, math.nan, a, text)
         return ControlMessage(FAILED, a.stage, a.mb, rank, math.nan, str(a), text)
+
+    def _give_up(self, st: _Step, info: ControlMessage, error: BaseException) -> None:
+        """``_fail``, keeping ``error`` the one the user gets: a failure while giving up the
+        step becomes a note on it, never a replacement (its class is what callers catch)."""
+        try:
+            self._fail(st, info)
+        except Exception as exc:  # noqa: BLE001 - reported on the error being raised
+            error.add_note(f"pipeline: while giving up the step: {type(exc).__name__}: {exc}")
 
     def _fail(self, st: _Step, info: ControlMessage) -> None:
         """Tell every peer (once), give up this step's transfers, free its activations.
@@ -284,6 +294,7 @@ class Pipeline:
     # -- actions --------------------------------------------------------------------------------
     def _execute(self, a: Action, st: _Step) -> None:
         op, s, mb = a.op, a.stage, a.mb
+        self._doing = a   # what a wait inside names when its peer does not answer
         if op is Op.FORWARD:
             self._forward(st, s, mb)
         elif op is Op.BACKWARD or op is Op.BACKWARD_INPUT:
@@ -380,6 +391,9 @@ class Pipeline:
         src = self.schedule.rank_of(producer)
         consumer = producer - 1 if grad else producer + 1
         noun = "gradient" if grad else "activation"
+        a = self._doing
+        doing = (f"stage {consumer}" if a is None else
+                 f"stage {consumer} in action {a} ({a.op.description} of microbatch {a.mb})")
         work = st.recvs.pop(key)
         if work is None:
             if grad:
@@ -388,13 +402,14 @@ class Pipeline:
                 meta = self._in_meta.get(consumer)
                 if meta is None:
                     mwork, mbuf = self._meta_recv.pop(consumer)
-                    ch.wait(mwork, f"stage {consumer} waiting for the shape of its input from rank {src}")
+                    ch.wait(mwork, f"{doing} waiting for the shape of its input from stage "
+                                   f"{producer} (rank {src})", src)
                     meta = decode_meta(mbuf, f"stage {consumer} (shape from rank {src})")
                     self._in_meta[consumer] = meta
             buf = self._xp.empty(*meta)
             work = ch.comm.irecv(buf, src, ch.data_tag(grad, producer, mb))
-        return ch.wait(work, f"stage {consumer} waiting for the {noun} of microbatch {mb} from "
-                             f"stage {producer} (rank {src})")
+        return ch.wait(work, f"{doing} waiting for the {noun} of microbatch {mb} from "
+                             f"stage {producer} (rank {src})", src)
 
     def _send(self, st: _Step, grad: bool, producer: int, mb: int, consumer: int) -> None:
         x = st.outbox.pop((grad, producer, mb))

@@ -9,17 +9,34 @@ or compute and communication actions. :meth:`Schedule.with_comms` lowers the fir
 after each forward whose next stage is on another rank it sends the activation, after each backward
 whose previous stage is elsewhere it sends the gradient, and it posts every receive one compute
 action before the action that consumes it, so a transfer overlaps with the compute before it.
+
+Declared sizes are bounded by what the schedule holds: a schedule that runs every stage on every
+microbatch has at least two actions per (stage, microbatch) pair, so ``stages x virtual x
+microbatches`` may not exceed the number of actions (or the number of ranks, for a schedule still
+being written), nor :data:`MAX_PAIRS`. A few bytes of text (``microbatches=1000000000``) then raise
+``ScheduleError`` at once instead of making ``verify`` allocate per pair; an incomplete schedule
+within the bound still verifies, and ``verify`` lists what is missing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ..errors import HpcdpError
 from ._actions import COMM_OPS, Action, Op
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "ScheduleError", "MAX_PAIRS"]
 
 _EMPTY = "."
+#: most (stage, microbatch) pairs a schedule may declare, whatever it holds: what ``verify`` walks
+MAX_PAIRS = 1 << 24
+#: digits of a size in the text form (more cannot be within ``MAX_PAIRS``)
+_MAX_DIGITS = 12
+
+
+class ScheduleError(HpcdpError, ValueError):
+    """A schedule that would deadlock, skip a microbatch, run a backward before its forward, or
+    declares more stages or microbatches than it could hold."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,9 @@ class Schedule:
         microbatches: microbatches per step.
         virtual: model stages per rank (stage ``s`` runs on rank ``s % len(actions)``).
         name: a label that the text form keeps.
+
+    Raises ``ScheduleError`` when ``len(actions) x virtual x microbatches`` exceeds the number of
+    actions given (or of ranks) or ``MAX_PAIRS``: no complete schedule could be that sparse.
     """
 
     actions: tuple[tuple[Action, ...], ...]
@@ -49,6 +69,7 @@ class Schedule:
             raise ValueError("Schedule: needs at least one rank")
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
             raise ValueError(f"Schedule: name must be a non-empty word, got {self.name!r}")
+        self._check_sizes(sum(len(row) for row in ranks))
         n, p, m = len(ranks) * self.virtual, len(ranks), self.microbatches
         for r, row in enumerate(ranks):
             for i, a in enumerate(row):
@@ -61,6 +82,23 @@ class Schedule:
                 if a.stage % p != r:
                     raise ValueError(f"Schedule: rank {r} step {i}: {a} belongs to rank "
                                      f"{a.stage % p} (stage s runs on rank s % {p})")
+
+    def _check_sizes(self, n_actions: int) -> None:
+        """Refuse declared sizes that the actions present could not fill (module docstring)."""
+        p, v, m = len(self.actions), self.virtual, self.microbatches
+        pairs = p * v * m
+        room = max(p, n_actions)
+        if pairs <= min(room, MAX_PAIRS):
+            return
+        if p > MAX_PAIRS:
+            culprit = f"stages={p}"
+        else:
+            culprit = f"microbatches={m}" if m >= v else f"virtual={v}"
+        why = (f"at most {MAX_PAIRS} are allowed" if pairs > MAX_PAIRS and room >= MAX_PAIRS else
+               f"each needs a forward and a backward, but the schedule holds {n_actions} action(s)")
+        raise ScheduleError(f"Schedule {self.name!r}: {culprit} is too large: {p} rank(s) x {v} "
+                            f"virtual x {m} microbatch(es) = {pairs} (stage, microbatch) pairs; "
+                            f"{why}")
 
     # -- shape of the pipeline ----------------------------------------------------------------
     @property
@@ -165,49 +203,65 @@ class Schedule:
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
-        """Read the text form (``str(schedule)``) back into a ``Schedule``."""
+        """Read the text form (``str(schedule)``) back into a ``Schedule``.
+
+        Raises ``ScheduleError`` (a ``ValueError``) naming the line; nothing is built per
+        declared rank before the column header has shown that many columns.
+        """
         lines = [(n, ln.strip()) for n, ln in enumerate(text.splitlines(), 1)]
         lines = [(n, ln) for n, ln in lines if ln and not ln.startswith("#")]
         if not lines:
-            raise ValueError("Schedule.parse: empty text")
+            raise ScheduleError("Schedule.parse: empty text")
         n0, head = lines[0]
         words = head.split()
         if len(words) != 5 or words[0] != "schedule":
-            raise ValueError(f"Schedule.parse line {n0}: expected 'schedule NAME stages=P "
-                             f"microbatches=M virtual=V', got {head!r}")
+            raise ScheduleError(f"Schedule.parse line {n0}: expected 'schedule NAME stages=P "
+                                f"microbatches=M virtual=V', got {head[:200]!r}")
         meta = {}
         for w in words[2:]:
             key, _, val = w.partition("=")
             if key not in ("stages", "microbatches", "virtual") or not val.isdigit():
-                raise ValueError(f"Schedule.parse line {n0}: bad field {w!r}")
+                raise ScheduleError(f"Schedule.parse line {n0}: bad field {w[:80]!r}")
+            if len(val.lstrip("0")) > _MAX_DIGITS:
+                raise ScheduleError(f"Schedule.parse line {n0}: {key}={val[:20]}... is too large "
+                                    f"({len(val)} digits; at most {MAX_PAIRS} (stage, microbatch) "
+                                    f"pairs are allowed)")
             meta[key] = int(val)
         if len(meta) != 3:
-            raise ValueError(f"Schedule.parse line {n0}: each of stages, microbatches, virtual once")
+            raise ScheduleError(f"Schedule.parse line {n0}: each of stages, microbatches, virtual once")
         p = meta["stages"]
         if p < 1:
-            raise ValueError(f"Schedule.parse line {n0}: stages must be >= 1")
-        if len(lines) < 2 or lines[1][1].split() != ["step"] + [f"rank{r}" for r in range(p)]:
-            got = lines[1][1] if len(lines) > 1 else "nothing"
-            raise ValueError(f"Schedule.parse: expected the column header 'step rank0 ... "
-                             f"rank{p - 1}' after line {n0}, got {got!r}")
+            raise ScheduleError(f"Schedule.parse line {n0}: stages must be >= 1")
+        cols = lines[1][1].split() if len(lines) > 1 else []
+        if len(cols) != p + 1:   # counted before any per-rank name or row is built
+            got = repr(lines[1][1][:200]) if len(lines) > 1 else "nothing"
+            raise ScheduleError(f"Schedule.parse: stages={p} is too large for the column header "
+                                f"after line {n0}, which names {max(len(cols) - 1, 0)} rank(s): "
+                                f"expected 'step rank0 ... rank{p - 1}', got {got}"
+                                if len(cols) < p + 1 else
+                                f"Schedule.parse: expected the column header 'step rank0 ... "
+                                f"rank{p - 1}' after line {n0}, got {got}")
+        if cols != ["step"] + [f"rank{r}" for r in range(p)]:
+            raise ScheduleError(f"Schedule.parse: expected the column header 'step rank0 ... "
+                                f"rank{p - 1}' after line {n0}, got {lines[1][1][:200]!r}")
         rows: list[list[Action]] = [[] for _ in range(p)]
         ended = [False] * p
         for i, (n, ln) in enumerate(lines[2:]):
             toks = ln.replace(">", " ").split()
             if len(toks) != p + 1 or toks[0] != str(i):
-                raise ValueError(f"Schedule.parse line {n}: expected step {i} and {p} cells, "
-                                 f"got {ln!r}")
+                raise ScheduleError(f"Schedule.parse line {n}: expected step {i} and {p} cells, "
+                                    f"got {ln[:200]!r}")
             for r, tok in enumerate(toks[1:]):
                 if tok == _EMPTY:
                     ended[r] = True
                     continue
                 if ended[r]:
-                    raise ValueError(f"Schedule.parse line {n}: rank {r} has an action after an "
-                                     f"empty cell")
+                    raise ScheduleError(f"Schedule.parse line {n}: rank {r} has an action after "
+                                        f"an empty cell")
                 try:
                     rows[r].append(Action.parse(tok))
                 except ValueError as exc:
-                    raise ValueError(f"Schedule.parse line {n}: {exc}") from None
+                    raise ScheduleError(f"Schedule.parse line {n}: {exc}") from None
         return cls(tuple(tuple(r) for r in rows), meta["microbatches"], meta["virtual"], words[1])
 
     @classmethod

@@ -19,15 +19,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..errors import HpcdpError
 from ._actions import Action, Op
-from ._schedule import Schedule
+from ._schedule import Schedule, ScheduleError
 
 __all__ = ["Costs", "Report", "ScheduleError", "verify", "simulate"]
-
-
-class ScheduleError(HpcdpError, ValueError):
-    """A schedule that would deadlock, skip a microbatch or run a backward before its forward."""
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ import numpy as np
 from ..errors import (
     BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
 )
+from .._validate import check_timeout
 from . import _protocol as P
 from ._calls import Calls
-from ._codec import Limits, decode, encode
+from ._codec import Limits, _env_int, decode, encode
 from ._errors import remote_error
 from ._future import Future
 from ._housekeeping import Housekeeping
@@ -43,6 +44,11 @@ from ._wire import MAX_ENVELOPE, Frame, pack_envelope, unpack_envelope
 __all__ = ["Agent", "WorkerInfo"]
 
 LOG = logging.getLogger("hpcdp.rpc")
+
+#: default byte budget of the requests a worker holds (``HPCDP_RPC_QUEUE_BYTES``)
+QUEUE_BYTES = 256 << 20
+#: what a request costs beyond its message (its task, closures and bookkeeping)
+QUEUE_OVERHEAD = 512
 
 
 class WorkerInfo(NamedTuple):
@@ -86,6 +92,12 @@ class Agent(Serving, Calls, Housekeeping):
         self.sent = [0] * self.size
         self.recv = [0] * self.size
         self.lost: dict[int, str] = {}
+        # requests received and not yet answered hold their messages: a byte budget bounds
+        # them (a count alone would let 1024 calls of 1 GiB in); past it, "overloaded"
+        self.queue_budget = _env_int("HPCDP_RPC_QUEUE_BYTES", QUEUE_BYTES)
+        self._qlock = threading.Lock()
+        self.queued_bytes = 0
+        self.queued_peak = 0  # the most ever held at once: for tests and debugging
         self.state = "running"  # running -> closing (GO seen) -> closed
         self.rrefs = RRefManager(self)
         self._enc_hooks = [self.rrefs.encode_hook(r) for r in range(self.size)]
@@ -156,13 +168,12 @@ class Agent(Serving, Calls, Housekeeping):
         raise ValueError(f"rpc.{op} on rank {self.rank}: 'to' must be a worker name, a rank in "
                          f"[0, {self.size}) or a WorkerInfo, got {to!r}")
 
-    def timeout_of(self, timeout: float | None) -> float:
+    def timeout_of(self, timeout: float | None, op: str = "rpc") -> float:
+        """A call's timeout: the default, or a finite number of seconds > 0 (``check_timeout``)."""
         if timeout is None:
             return self.default_timeout
-        t = float(timeout)
-        if not t > 0:
-            raise ValueError(f"rpc on rank {self.rank}: timeout must be > 0 seconds, got {timeout!r}")
-        return t
+        return check_timeout(f"{op} on rank {self.rank}: timeout={timeout!r}", timeout,
+                             named=True)
 
     def what(self, op: str, target: str, dst: int) -> str:
         return f"{op} {target} to {self.names[dst]} (rank {dst}) from rank {self.rank}"
@@ -308,6 +319,14 @@ class Agent(Serving, Calls, Housekeeping):
             self.control(lambda: self.reply_error(src, mid, ProtocolError(
                 f"rank {self.rank} refused the request: {frame.refused}"), ""))
             return None
+        if kind in P.QUEUED:
+            over = self._enqueue(frame)
+            if over is not None:
+                self.discard(src, frame)
+                self.control(lambda: self.reply_error(src, mid, HpcdpError(
+                    f"{self.names[self.rank]} (rank {self.rank}) is overloaded: {over}; "
+                    "the request was not run (retry later)"), ""))
+                return None
         try:
             return handler(src, mid, fields, frame, may_inline)
         except Exception as exc:  # noqa: BLE001 - answered, and the worker serves on
@@ -318,9 +337,35 @@ class Agent(Serving, Calls, Housekeeping):
                 LOG.exception("hpcdp.rpc: rank %d: failed to handle a %s from rank %d",
                               self.rank, P.NAMES.get(kind, kind), src)
             if kind in P.REQUESTS:
+                self.unqueue(frame)
                 self.discard(src, frame)
                 self.control(lambda e=exc: self.reply_error(src, mid, e, ""))
             return None
+
+    def _enqueue(self, frame: Frame) -> str | None:
+        """Charge a request's bytes to the queue budget; why not, if that would pass it.
+
+        A request larger than the whole budget is let in only when nothing else is held, so
+        one such call still works and at most one is ever held."""
+        n = frame.nbytes + QUEUE_OVERHEAD
+        with self._qlock:
+            held = self.queued_bytes
+            if held and held + n > self.queue_budget:
+                return (f"{held} bytes of requests are held there and this one of {n} would "
+                        f"pass its budget of {self.queue_budget} (HPCDP_RPC_QUEUE_BYTES)")
+            self.queued_bytes = held = held + n
+            if held > self.queued_peak:
+                self.queued_peak = held
+        frame.queued = n
+        return None
+
+    def unqueue(self, frame: Frame | None) -> None:
+        """The request of ``frame`` is answered (or dropped): its bytes leave the budget."""
+        if frame is None or not frame.queued:
+            return
+        with self._qlock:
+            n, frame.queued = frame.queued, 0
+            self.queued_bytes -= n
 
     def discard(self, src: int, frame: Frame) -> None:
         """A message that will not be used: its RRefs are still taken in and let go, so their
@@ -366,9 +411,9 @@ class Agent(Serving, Calls, Housekeeping):
             p.fut.set_exception(ProtocolError(f"{p.what}: bad reply: {exc}"))
 
     def _on_fork(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
-        if len(fields) != 5:
+        if len(fields) != 6:
             raise ProtocolError("malformed FORK")
-        self.rrefs.on_fork(src, fields[2], fields[3], fields[4])
+        self.rrefs.on_fork(src, fields[2], fields[3], fields[4], fields[5])
         self.control(lambda: self.reply(src, mid, None))
 
     def _on_accept(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:

@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 
 from .. import _world
+from .._validate import check_timeout
 from ..errors import HpcdpError
 from . import _context
 from ._agent import Agent, WorkerInfo
@@ -32,9 +33,7 @@ def _default_timeout() -> float:
         t = float(raw)
     except ValueError:
         raise ValueError(f"HPCDP_RPC_TIMEOUT={raw!r} is not a number of seconds") from None
-    if not t > 0:
-        raise ValueError(f"HPCDP_RPC_TIMEOUT={raw!r} must be positive")
-    return t
+    return check_timeout(f"HPCDP_RPC_TIMEOUT={raw!r}", t, named=True)
 
 
 def _close_all() -> None:
@@ -67,12 +66,16 @@ def init_rpc(name: str, *, group: Any = None, rpc_timeout: float | None = None,
         raise HpcdpError(f"init_rpc({name!r}): RPC is already running here as "
                          f"{existing.names[existing.rank]!r}; call rpc.shutdown() first")
     group = group if group is not None else _world.get_default_group()
-    timeout = _default_timeout() if rpc_timeout is None else float(rpc_timeout)
-    if not timeout > 0:
-        raise ValueError(f"init_rpc: rpc_timeout must be > 0, got {rpc_timeout!r}")
+    # every deadline must be able to pass: inf, nan, <= 0 and non-numbers are refused here,
+    # not by the first call's ``OverflowError: timestamp out of range``
+    timeout = _default_timeout() if rpc_timeout is None else check_timeout(
+        f"init_rpc({name!r}): rpc_timeout={rpc_timeout!r}", rpc_timeout, named=True)
+    if init_timeout is not None:
+        init_timeout = check_timeout(f"init_rpc({name!r}): init_timeout={init_timeout!r}",
+                                     init_timeout, named=True)
     agent = Agent(name, group, timeout=timeout, num_worker_threads=num_worker_threads,
                   limits=limits or Limits(),
-                  init_timeout=group.timeout if init_timeout is None else float(init_timeout))
+                  init_timeout=group.timeout if init_timeout is None else init_timeout)
     # ranks that are threads of one process each have their own agent (per thread)
     threads = group.backend.shares_process
     _context.set_current(agent, process_wide=not threads or _world._default is group)
@@ -94,8 +97,9 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         timeout: seconds to wait for the other workers (default: the agent's RPC timeout).
     """
     agent = _context.current("shutdown")
+    t = agent.timeout_of(timeout, "shutdown")  # a bad timeout leaves the agent running
     try:
-        agent.coord.shutdown(graceful, agent.timeout_of(timeout))
+        agent.coord.shutdown(graceful, t)
     finally:
         _context.clear(agent)
 

@@ -8,7 +8,7 @@ from . import _protocol as P
 from . import _registry
 from ._duty import before_blocking
 from ._future import Future
-from ._rref import RRef
+from ._rref import RRef, show
 
 __all__ = ["Calls"]
 
@@ -48,7 +48,7 @@ class Calls:
         name = self.func_name(func, mode)
         what = self.what(mode, repr(name), dst)
         body = self._args(args, kwargs, what)
-        fut = self.request(dst, P.CALL, [name], body, what, self.timeout_of(timeout))
+        fut = self.request(dst, P.CALL, [name], body, what, self.timeout_of(timeout, mode))
         if mode != "rpc_sync":
             return fut
         try:
@@ -64,7 +64,7 @@ class Calls:
 
     def _remote(self, dst: int, name: str, target: RRef | None, method: str | None,
                 body: tuple, what: str, timeout: float | None) -> RRef:
-        t = self.timeout_of(timeout)
+        t = self.timeout_of(timeout, "remote")
         if dst == self.rank:  # owned here: no message, the value is computed on our pool
             if self.state != "running":
                 raise HpcdpError(f"{what}: RPC has shut down on this worker")
@@ -100,8 +100,8 @@ class Calls:
                                    peers=[rref._owner])
 
     def fetch(self, rref: RRef, timeout: float | None) -> Any:
-        what = self.what("RRef.to_here", f"of RRef {rref._rid}", rref._owner)
-        t = self.timeout_of(timeout)
+        what = self.what("RRef.to_here", f"of RRef {show(rref._rid)}", rref._owner)
+        t = self.timeout_of(timeout, "RRef.to_here")
         if rref._fid is None:
             return self.rrefs.local_value(rref._rid, t, "to_here")
         self._wait_fork_sent(rref, what, t)
@@ -114,7 +114,7 @@ class Calls:
 
     def method_call(self, rref: RRef, method: str, args: tuple, kwargs: dict, mode: str,
                     timeout: float | None) -> Any:
-        what = self.what(f"RRef.{mode}().{method}", f"on RRef {rref._rid}", rref._owner)
+        what = self.what(f"RRef.{mode}().{method}", f"on RRef {show(rref._rid)}", rref._owner)
         body = self._args(args, kwargs, what)
         if mode == "remote":
             return self._remote(rref._owner, method, rref, method, body, what, timeout)

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .._validate import check_timeout
 from ..errors import CommTimeoutError
 from ._duty import before_blocking
 
@@ -96,6 +97,8 @@ class Future:
             timeout: seconds to wait here (None: until the call itself completes or times out);
                 running out raises ``CommTimeoutError`` and leaves the call running.
         """
+        if timeout is not None:
+            check_timeout(f"{self.what}: Future.wait(): timeout={timeout!r}", timeout, named=True)
         if self._value is _PENDING:
             self._block(timeout)
         if self._error is not None:

@@ -3,15 +3,23 @@
 An RRef names a value held by its *owner* worker. The owner frees the value once no worker holds
 a reference, following the protocol of PyTorch's RRef design (``rref.html``, "RRef Protocol"):
 
-* Ids: an RRef is ``(creator rank, n)``; every user-side copy of it is a *fork* ``(rank that
-  made it, n)``. The owner keeps the forks it knows with the worker holding each, plus a count
-  of its own local handles; only a fork's holder may delete it.
+* Ids: an RRef is ``(creator rank, 16 random bytes)``; every user-side copy of it is a *fork*
+  ``(rank that made it, 16 random bytes)``: 128 random bits, never guessed. The owner keeps the
+  forks it knows with the worker holding each, plus a count of its own local handles; it serves
+  (FETCH, RCALL, a REMOTE on it, FORK) only workers holding a fork it recorded, and only a
+  fork's holder may delete it.
+* Fork ids are capabilities shared by a fork's holder, its maker and the owner only, so a fork
+  id is the key that proves a worker handed a fork on: a user A passing its RRef to B sends B
+  ``token = HMAC(A's fork id, rid, B's fork id, B)``; B's FORK carries it and the owner, which
+  knows A's fork, checks it before recording B's. A peer that was never sent the RRef (even one
+  that learnt its id) cannot make a token, so its FORK is refused, and so are its uses.
 * ``remote(owner, fn)`` from worker A: A makes the RRef id and its own fork id; the owner, on
   the REMOTE message, records that fork, acknowledges at once (A's fork is then *confirmed*)
   and computes the value on its pool.
 * The owner passes its RRef to B: it adds B's new fork to its set *before* sending, so B's
   fork is confirmed on arrival.
-* A user A passes its RRef to B (not the owner): A makes B's fork id and keeps a strong
+* A user A passes its RRef to B (not the owner): A first waits until the owner has confirmed
+  A's own fork (so the owner can check B's token), makes B's fork id and keeps a strong
   reference to its own RRef as a *pending child* until B confirms; B sends FORK to the owner,
   the owner records it and answers; B's fork is then confirmed and B sends ACCEPT to A, which
   drops the pending child. So A's own delete can never reach the owner before B's fork is
@@ -23,24 +31,44 @@ a reference, following the protocol of PyTorch's RRef design (``rref.html``, "RR
 
 Messages to the owner about one RRef leave each worker in order (B's FORK is on the wire before
 B's first call on that RRef), and every transport keeps per-pair order, so the owner sees a fork
-before any use of it; a use that arrives before the creating REMOTE (from a third worker) waits
-on a placeholder, which expires after the RPC timeout if the REMOTE never comes.
+before any use of it; since a user forwards an RRef only once its own fork is confirmed, the
+owner knows every RRef a legitimate message names: one it does not know is refused.
 
 Deletions are triggered from ``__del__``, which may run on any thread at any time: it only puts
 an item on the agent's control queue.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+import struct
 import threading
 import time
 from typing import Any, Callable
 
+from .._validate import check_timeout
 from ..errors import CommTimeoutError, HpcdpError, ProtocolError
 from ._duty import before_blocking
 
 __all__ = ["RRef", "RRefManager", "OwnerRecord"]
 
-Id = tuple[int, int]
+Id = tuple[int, bytes]
+#: random bytes of an RRef or fork id
+ID_BYTES = 16
+_RANKS = struct.Struct("<qqq")
+
+
+def show(i: Id) -> str:
+    """A short printable form of an id (its creator and the first random bytes)."""
+    return f"({i[0]}, {i[1][:4].hex()}..)"
+
+
+def fork_token(parent_fid: Id, rid: Id, fid: Id, holder: int) -> bytes:
+    """What the maker of fork ``fid`` (for ``holder``) gives it to prove the owner the hand-over:
+    keyed with the maker's own fork id, which only the maker and the owner know."""
+    msg = _RANKS.pack(rid[0], fid[0], holder) + rid[1] + fid[1]
+    return hmac.new(parent_fid[1], msg, hashlib.sha256).digest()[:16]
 
 
 class RRef:
@@ -109,13 +137,16 @@ class RRef:
 
     def __repr__(self) -> str:
         kind = "OwnerRRef" if self._fid is None else "UserRRef"
-        return f"{kind}(rref_id={self._rid}, fork_id={self._fid}, owner={self.owner_name()!r})"
+        fid = None if self._fid is None else show(self._fid)
+        return f"{kind}(rref_id={show(self._rid)}, fork_id={fid}, owner={self.owner_name()!r})"
 
 
 class _Proxy:
     __slots__ = ("_rref", "_mode", "_timeout")
 
     def __init__(self, rref: RRef, mode: str, timeout: float | None) -> None:
+        if timeout is not None:  # refused here, not on the first method call
+            timeout = check_timeout(f"RRef.{mode}(): timeout={timeout!r}", timeout, named=True)
         self._rref, self._mode, self._timeout = rref, mode, timeout
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
@@ -147,21 +178,35 @@ class OwnerRecord:
 
 
 class UserState:
-    __slots__ = ("rid", "owner", "confirmed", "deleted", "failed", "fork_sent", "parent")
+    __slots__ = ("rid", "owner", "confirmed", "deleted", "failed", "fork_sent", "parent",
+                 "settled", "token")
 
-    def __init__(self, rid: Id, owner: int, confirmed: bool, parent: int) -> None:
+    def __init__(self, rid: Id, owner: int, confirmed: bool, parent: int,
+                 token: bytes = b"") -> None:
         self.rid, self.owner, self.confirmed, self.parent = rid, owner, confirmed, parent
+        self.token = token  # the parent's proof of the hand-over, for the FORK
         self.deleted = False
         self.failed: str | None = None
         self.fork_sent = threading.Event()
+        self.settled = threading.Event()  # confirmed by the owner, or failed
         if confirmed or parent == owner:
             self.fork_sent.set()
+        if confirmed:
+            self.settled.set()
+
+    def settle(self) -> None:
+        self.settled.set()
 
 
 def _id(x: Any) -> Id:
-    if type(x) is not list or len(x) != 2 or any(type(v) is not int for v in x):
+    if type(x) is not list or len(x) != 2 or type(x[0]) is not int or type(x[1]) is not bytes \
+            or len(x[1]) != ID_BYTES:
         raise ProtocolError(f"malformed RRef or fork id {str(x)[:60]}")
     return (x[0], x[1])
+
+
+def _wire_id(i: Id) -> list:
+    return [i[0], i[1]]
 
 
 class RRefManager:
@@ -178,9 +223,8 @@ class RRefManager:
         self._n = 0
 
     def next_id(self) -> Id:
-        with self.lock:
-            self._n += 1
-            return (self.rank, self._n)
+        """A fresh RRef or fork id: 128 random bits, so a peer cannot guess one it was not sent."""
+        return (self.rank, secrets.token_bytes(ID_BYTES))
 
     # -- creating ---------------------------------------------------------------------------
     def owner_handle(self, rec: OwnerRecord) -> RRef:
@@ -202,32 +246,32 @@ class RRefManager:
             self.users[fid] = st
         return RRef(self.agent, rid, fid, owner, st)
 
-    def _record(self, rid: Id, src: int, create: bool) -> OwnerRecord:
-        """The owner record of ``rid`` (lock held); a placeholder where a third party may be ahead."""
+    def _record(self, rid: Id, src: int) -> OwnerRecord:
+        """The owner record of ``rid`` (lock held). Every RRef a legitimate message names is
+        known here by then (see the module docstring), so an unknown one is refused."""
         rec = self.owners.get(rid)
-        if rec is not None:
-            return rec
-        if not create or rid[0] == self.rank or rid[0] == src:
-            raise ProtocolError(f"rank {self.rank} owns no RRef {rid}")
-        if len(self.owners) >= self.max_placeholders + 1_000_000:
-            raise ProtocolError(f"rank {self.rank}: too many RRefs")
-        placeholders = sum(1 for r in self.owners.values() if r.state == "placeholder")
-        if placeholders >= self.max_placeholders:
-            raise ProtocolError(f"rank {self.rank}: too many RRefs awaiting creation")
-        rec = self.owners[rid] = OwnerRecord(rid, "placeholder")
+        if rec is None:
+            raise ProtocolError(f"rank {self.rank} owns no RRef {show(rid)} (named by rank {src})")
         return rec
+
+    def _check_holder(self, rec: OwnerRecord, src: int, op: str) -> None:
+        """``src`` may use ``rec`` only if the owner recorded a fork for it (lock held)."""
+        if src != self.rank and src not in rec.forks.values():
+            raise ProtocolError(f"{op} from rank {src}: rank {src} holds no reference to RRef "
+                                f"{show(rec.rid)} (the owner, rank {self.rank}, never handed it "
+                                "one)")
 
     def remote_created(self, src: int, rid_w: Any, fid_w: Any) -> OwnerRecord:
         """A REMOTE from ``src``: record the RRef (filling a placeholder) and ``src``'s fork."""
         rid, fid = _id(rid_w), _id(fid_w)
         if rid[0] != src or fid[0] != src:
-            raise ProtocolError(f"REMOTE from rank {src} with foreign ids {rid}/{fid}")
+            raise ProtocolError(f"REMOTE from rank {src} with foreign ids {show(rid)}/{show(fid)}")
         with self.lock:
             rec = self.owners.get(rid)
             if rec is None:
                 rec = self.owners[rid] = OwnerRecord(rid, "pending")
             elif rec.state != "placeholder":
-                raise ProtocolError(f"REMOTE from rank {src}: RRef {rid} exists already")
+                raise ProtocolError(f"REMOTE from rank {src}: RRef {show(rid)} exists already")
             rec.state = "pending"
             rec.forks[fid] = src
         return rec
@@ -247,13 +291,19 @@ class RRefManager:
         once it is; checks that ``src`` may use it."""
         rid = _id(rid_w)
         with self.lock:
-            rec = self._record(rid, src, create=True)
-            if src != self.rank and rec.state != "placeholder" and src not in rec.forks.values():
-                raise ProtocolError(f"rank {src} holds no reference to RRef {rid}")
+            rec = self._record(rid, src)
+            self._check_holder(rec, src, "a use of an RRef")
             if rec.state in ("pending", "placeholder"):
                 rec.waiters.append(fn)
                 return None
         return rec
+
+    def check_use(self, src: int, rid_w: Any) -> None:
+        """``ProtocolError`` unless ``src`` may use the RRef ``rid_w`` (a REMOTE's target is
+        checked before anything is recorded for the new RRef)."""
+        rid = _id(rid_w)
+        with self.lock:
+            self._check_holder(self._record(rid, src), src, "a REMOTE on an RRef")
 
     @staticmethod
     def check_id(x: Any) -> None:
@@ -264,7 +314,7 @@ class RRefManager:
         with self.lock:
             rec = self.owners.get(rid)
         if rec is None:
-            raise HpcdpError(f"RRef.{op} on rank {self.rank}: RRef {rid} was freed")
+            raise HpcdpError(f"RRef.{op} on rank {self.rank}: RRef {show(rid)} was freed")
         done = threading.Event()
         if rec.state in ("pending", "placeholder"):
             with self.lock:
@@ -274,7 +324,7 @@ class RRefManager:
             if pending:
                 before_blocking()
             if pending and not done.wait(self.agent.timeout_of(timeout)):
-                raise CommTimeoutError(f"RRef.{op} on rank {self.rank}: the value of RRef {rid} "
+                raise CommTimeoutError(f"RRef.{op} on rank {self.rank}: the value of RRef {show(rid)} "
                                        f"was not computed within {self.agent.timeout_of(timeout):g} s")
         if rec.error is not None:
             raise self.agent.error_from(rec.error, f"RRef.{op} on rank {self.rank}")
@@ -288,13 +338,30 @@ class RRefManager:
             if rref._agent is not self.agent:
                 raise TypeError("an RRef belongs to the RPC agent that created it")
             st = rref._state
+            if st is not None and dst != rref._owner and not st.confirmed:
+                self._await_confirmation(rref, st)
             if st is not None and st.failed:
-                raise ValueError(f"cannot send RRef {rref._rid}: {st.failed}")
+                raise ValueError(f"cannot send RRef {show(rref._rid)}: {st.failed}")
             fid = self.next_id()
-            info = ("owner_fork" if rref._fid is None else "child", rref, fid, dst)
-            return [rref._owner, *rref._rid, *fid, self.rank], info
+            if rref._fid is None:
+                info, token = ("owner_fork", rref, fid, dst), b""
+            else:
+                info = ("child", rref, fid, dst)
+                token = fork_token(rref._fid, rref._rid, fid, dst)
+            return [rref._owner, *rref._rid, *fid, self.rank, token], info
 
         return hook
+
+    def _await_confirmation(self, rref: RRef, st: UserState) -> None:
+        """A user RRef is forwarded to a third worker only once its owner confirmed our fork:
+        the owner checks the new fork's token against ours, so it must know ours first."""
+        if not st.settled.is_set():
+            before_blocking()
+        t = self.agent.default_timeout
+        if not st.settled.wait(t):
+            raise ValueError(f"cannot send RRef {show(rref._rid)}: its owner "
+                             f"({self.agent.names[st.owner]}) did not confirm this worker's "
+                             f"reference within {t:g} s")
 
     def commit(self, infos: list[Any]) -> None:
         """The message with these RRefs is about to go: record forks / pending children."""
@@ -323,20 +390,23 @@ class RRefManager:
 
     def decode_hook(self, src: int) -> Callable[[list], RRef]:
         def hook(w: list) -> RRef:
-            if len(w) != 6 or any(type(v) is not int for v in w):
+            if len(w) != 7 or type(w[5]) is not int or type(w[6]) is not bytes or \
+                    len(w[6]) > 64:
                 raise ProtocolError("malformed RRef")
-            owner, rid, fid, parent = w[0], (w[1], w[2]), (w[3], w[4]), w[5]
-            if parent != src or fid[0] != src or not 0 <= owner < self.agent.size:
-                raise ProtocolError(f"RRef from rank {src} names parent {parent}, fork {fid}")
-            return self._arrived(src, owner, rid, fid)
+            owner, parent = w[0], w[5]
+            rid, fid = _id(w[1:3]), _id(w[3:5])
+            if type(owner) is not int or parent != src or fid[0] != src or \
+                    not 0 <= owner < self.agent.size:
+                raise ProtocolError(f"RRef from rank {src} names parent {parent}, fork {show(fid)}")
+            return self._arrived(src, owner, rid, fid, w[6])
 
         return hook
 
-    def _arrived(self, src: int, owner: int, rid: Id, fid: Id) -> RRef:
+    def _arrived(self, src: int, owner: int, rid: Id, fid: Id, token: bytes) -> RRef:
         agent = self.agent
         if owner == self.rank:
             with self.lock:
-                rec = self._record(rid, src, create=True)
+                rec = self._record(rid, src)
                 rec.handles += 1
                 owner_fork = rec.forks.pop(fid, None) is not None
             if not owner_fork:  # a user's fork came home: the parent may drop its pending child
@@ -344,11 +414,11 @@ class RRefManager:
             return RRef(agent, rid, None, self.rank)
         with self.lock:
             if fid in self.users:
-                raise ProtocolError(f"fork {fid} arrived twice")
-            st = self.users[fid] = UserState(rid, owner, src == owner, src)
+                raise ProtocolError(f"fork {show(fid)} arrived twice")
+            st = self.users[fid] = UserState(rid, owner, src == owner, src, token)
         if src != owner:
             def fork() -> None:
-                fut = agent.internal(owner, "FORK", [list(rid), list(fid), src])
+                fut = agent.internal(owner, "FORK", [_wire_id(rid), _wire_id(fid), src, token])
                 st.fork_sent.set()
                 fut._on_done(lambda f: self._fork_confirmed(fid, st, f))
 
@@ -364,6 +434,7 @@ class RRefManager:
             else:
                 st.failed = f"the owner did not record it ({err})"
             delete = st.deleted
+        st.settle()
         if st.parent not in agent.lost:  # accepted or not, the parent may let go of its child
             agent.control(lambda: agent.internal(st.parent, "ACCEPT", [list(fid)]))
         if delete:
@@ -377,18 +448,29 @@ class RRefManager:
             else:
                 st.failed = f"remote() failed: {err}"
             delete = st.deleted
+        st.settle()
         if delete:
             self.agent.control(lambda: self._send_delete(fid, st))
 
     # -- handling protocol messages (on transport threads: state only, replies are queued) --
-    def on_fork(self, src: int, rid_w: Any, fid_w: Any, parent: Any) -> None:
+    def on_fork(self, src: int, rid_w: Any, fid_w: Any, parent: Any, token: Any) -> None:
+        """Record ``src``'s fork, made by ``parent``, if ``token`` proves that ``parent`` (a
+        holder the owner knows) handed it over."""
         rid, fid = _id(rid_w), _id(fid_w)
         if type(parent) is not int or fid[0] != parent or parent == self.rank:
-            raise ProtocolError(f"FORK from rank {src} for fork {fid} made by {parent}")
+            raise ProtocolError(f"FORK from rank {src} for fork {show(fid)} made by {parent}")
+        if type(token) is not bytes:
+            raise ProtocolError(f"FORK from rank {src}: malformed token")
         with self.lock:
-            rec = self._record(rid, src, create=True)
+            rec = self._record(rid, src)
             if fid in rec.forks:
-                raise ProtocolError(f"fork {fid} of RRef {rid} is known already")
+                raise ProtocolError(f"fork {show(fid)} of RRef {show(rid)} is known already")
+            if not any(holder == parent and
+                       hmac.compare_digest(fork_token(pf, rid, fid, src), token)
+                       for pf, holder in rec.forks.items()):
+                raise ProtocolError(
+                    f"FORK from rank {src} of RRef {show(rid)}: rank {parent} holds no fork "
+                    f"that handed it one (a forged or stale hand-over); refused")
             rec.forks[fid] = src
 
     def on_accept(self, src: int, fid_w: Any) -> None:
@@ -396,7 +478,7 @@ class RRefManager:
         with self.lock:
             entry = self.children.get(fid)
             if entry is None or entry[1] != src:
-                raise ProtocolError(f"ACCEPT from rank {src} for unknown child fork {fid}")
+                raise ProtocolError(f"ACCEPT from rank {src} for unknown child fork {show(fid)}")
             del self.children[fid]
         del entry  # may free the parent RRef, which queues its own delete
 
@@ -405,8 +487,8 @@ class RRefManager:
         with self.lock:
             rec = self.owners.get(rid)
             if rec is None or rec.forks.get(fid) != src:
-                raise ProtocolError(f"DELETE from rank {src} of fork {fid} of RRef {rid}, which "
-                                    "it does not hold")
+                raise ProtocolError(f"DELETE from rank {src} of fork {show(fid)} of RRef "
+                                    f"{show(rid)}, which it does not hold")
             del rec.forks[fid]
             self._maybe_free(rec)
 
@@ -437,7 +519,7 @@ class RRefManager:
             if self.users.pop(fid, None) is None:
                 return
         if not st.failed and st.owner not in self.agent.lost:
-            self.agent.internal(st.owner, "DELETE", [list(st.rid), list(fid)])
+            self.agent.internal(st.owner, "DELETE", [_wire_id(st.rid), _wire_id(fid)])
 
     def _maybe_free(self, rec: OwnerRecord) -> None:
         if rec.state in ("ready", "failed") and not rec.forks and rec.handles <= 0:
@@ -457,9 +539,13 @@ class RRefManager:
             for fid, (rref, dst) in list(self.children.items()):
                 if dst == peer:
                     drop.append(self.children.pop(fid))
+            settled = []
             for st in self.users.values():
                 if st.owner == peer and not st.failed:
                     st.failed = f"its owner (rank {peer}) failed: {why}"
+                    settled.append(st)
+        for st in settled:
+            st.settle()
         del drop
 
     def expire_placeholders(self, older_than: float) -> list[OwnerRecord]:
@@ -470,7 +556,7 @@ class RRefManager:
                     del self.owners[rid]
                     out.append(rec)
         for rec in out:
-            rec.error = ("PeerFailureError", f"RRef {rec.rid} was never created on its owner "
+            rec.error = ("PeerFailureError", f"RRef {show(rec.rid)} was never created on its owner "
                          f"(rank {self.rank})", "")
             rec.state = "failed"
             for w in rec.waiters:
@@ -489,7 +575,10 @@ class RRefManager:
         with self.lock:
             for st in self.users.values():
                 st.failed = st.failed or why
+            users = list(self.users.values())
             recs = list(self.owners.values())
+        for st in users:
+            st.settle()
         for rec in recs:
             if rec.state in ("pending", "placeholder"):
                 rec.error, rec.state = ("HpcdpError", why, ""), "failed"

@@ -36,6 +36,7 @@ class Serving:
                frame: Frame | None = None) -> None:
         if not self.pool.submit(task, force=force):
             if frame is not None:
+                self.unqueue(frame)
                 self.discard(src, frame)
             self.control(lambda: self.reply_error(src, mid, HpcdpError(
                 f"{self.names[self.rank]} (rank {self.rank}) is overloaded or shutting down: "
@@ -58,28 +59,32 @@ class Serving:
 
     def _serve(self, src: int, mid: int, frame: Frame, get: Callable[[], Callable]) -> None:
         try:
-            args, kwargs = self.args_of(src, frame)  # first: RRefs in them are taken in
-            fn = get()
-            result = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - goes back to the caller
-            self.reply_error(src, mid, exc)
-            return
-        self.reply(src, mid, result)
+            try:
+                args, kwargs = self.args_of(src, frame)  # first: RRefs in them are taken in
+                fn = get()
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - goes back to the caller
+                self.reply_error(src, mid, exc)
+                return
+            self.reply(src, mid, result)
+        finally:
+            self.unqueue(frame)
 
     def _on_remote(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 7 or type(fields[2]) is not str or \
                 (fields[5] is not None and type(fields[6]) is not str):
             raise ProtocolError("malformed REMOTE")
         if fields[5] is not None:
-            self.rrefs.check_id(fields[5])  # before anything is recorded for it
+            self.rrefs.check_use(src, fields[5])  # before anything is recorded for it
         rec = self.rrefs.remote_created(src, fields[3], fields[4])
         self.control(lambda: self.reply(src, mid, None))
         self.compute_into(rec, src, fields[2], fields[5], fields[6],
-                          lambda: self.args_of(src, frame))
+                          lambda: self.args_of(src, frame), frame)
 
     def compute_into(self, rec: Any, src: int, name: str, target: Any, method: str | None,
-                     args: Callable[[], tuple[tuple, dict]]) -> None:
-        """Compute an RRef's value on the pool: ``name(*args)``, or ``method`` of ``target``'s."""
+                     args: Callable[[], tuple[tuple, dict]], frame: Frame | None = None) -> None:
+        """Compute an RRef's value on the pool: ``name(*args)``, or ``method`` of ``target``'s.
+        ``frame``: the REMOTE's message, held (and charged to the queue budget) until then."""
 
         def compute(get: Callable[[], Callable]) -> None:
             try:
@@ -91,10 +96,13 @@ class Serving:
                 err = (getattr(exc, "remote_type", None) or type(exc).__name__,
                        str(exc)[:P.MAX_ERROR_TEXT],
                        "".join(traceback.format_exception(exc))[-P.MAX_ERROR_TEXT:])
+            finally:
+                self.unqueue(frame)
             self.rrefs.set_value(rec, value, err)
 
         def start(get: Callable[[], Callable]) -> None:
             if not self.pool.submit(lambda: compute(get), force=True):
+                self.unqueue(frame)
                 self.rrefs.set_value(rec, None, ("HpcdpError", "the owner is shutting down", ""))
 
         if target is None:
@@ -104,7 +112,12 @@ class Serving:
         def start_method(trec: Any) -> None:
             start(lambda: self.bound_method(trec, str(method)))
 
-        trec = self.rrefs.when_ready(src, target, start_method)
+        try:
+            trec = self.rrefs.when_ready(src, target, start_method)
+        except ProtocolError as exc:  # the target went away since the REMOTE was checked
+            self.unqueue(frame)
+            self.rrefs.set_value(rec, None, ("ProtocolError", str(exc), ""))
+            return
         if trec is not None:
             start_method(trec)
 
@@ -152,15 +165,18 @@ class Serving:
             raise ProtocolError("malformed FETCH")
 
         def answer(rec: Any) -> None:
-            if rec.error is not None:
-                name, msg, tb = rec.error
-                self.reply_error(src, mid, remote_error(msg, name, ""), tb)
-            else:
-                self.reply(src, mid, rec.value)
+            try:
+                if rec.error is not None:
+                    name, msg, tb = rec.error
+                    self.reply_error(src, mid, remote_error(msg, name, ""), tb)
+                else:
+                    self.reply(src, mid, rec.value)
+            finally:
+                self.unqueue(frame)
 
         rec = self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
-            src, mid, lambda: answer(rec), force=True))
+            src, mid, lambda: answer(rec), force=True, frame=frame))
         if rec is None:
             return None
         return self.inline_or_pool(src, mid, lambda: answer(rec), "RRef.to_here", may_inline,
-                                   force=True)
+                                   force=True, frame=frame)

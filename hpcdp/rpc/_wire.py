@@ -44,11 +44,12 @@ _ENV_ITEMS = 16
 class Frame:
     """One received message; ``refused`` says why its body and buffers were dropped."""
 
-    __slots__ = ("env", "body", "buffers", "refused")
+    __slots__ = ("env", "body", "buffers", "refused", "queued")
 
     def __init__(self, env: bytes | None, body: Any, buffers: Sequence[Any],
                  refused: str | None = None) -> None:
         self.env, self.body, self.buffers, self.refused = env, body, buffers, refused
+        self.queued = 0  # bytes charged to the agent's queue budget while it is served
 
     @property
     def nbytes(self) -> int:

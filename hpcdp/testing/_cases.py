@@ -114,9 +114,10 @@ def close(got: Any, want: Any, dtype: str) -> bool:
     return bool(np.array_equal(got, want))
 
 
-def call(name: str, x: np.ndarray, op: str, root: int, group: Any = None) -> Any:
+def call(name: str, x: np.ndarray, op: str, root: int, group: Any = None,
+         timeout: float | None = None) -> Any:
     """``hpcdp.<name>(x, ...)`` with the arguments that collective takes."""
-    kw = {"group": group}
+    kw = {"group": group, "timeout": timeout}
     if name in ("allreduce", "reduce_scatter"):
         return getattr(hpcdp, name)(x, op, **kw)
     if name == "reduce":

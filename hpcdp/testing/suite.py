@@ -63,6 +63,8 @@ CASES: list[Case] = [
     Case("p2p-batch", p2p.body_batch),
     Case("p2p-probe", p2p.body_probe),
     Case("timeout", failure.body_timeout, min_size=2),
+    *[Case(f"timeout-{n}", failure.body_collective_timeout, (n,), min_size=2)
+      for n in failure.TIMEOUT_COLLECTIVES],
     Case("finished-peer", failure.body_finished_peer, judge=_peers_told, min_size=2,
          spawn_only=True, timeout=60.0),
 ]

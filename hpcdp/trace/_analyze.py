@@ -77,27 +77,57 @@ def _at(e: Entry) -> str:
     return f" at {clean(e.line, 300)}" if e.line else " (line not recorded; HPCDP_TRACE_LINES=1 records every line)"
 
 
+class _Index:
+    """Every record's entries indexed by group, built once: the analysis then visits each entry
+    a bounded number of times however many groups there are (a scan of every entry per group,
+    or per divergence, is quadratic in a record whose every entry names another group)."""
+
+    def __init__(self, records: dict[int, FlightRecord]) -> None:
+        #: rank -> group -> that rank's entries on the group, in id order
+        self.by_group: dict[int, dict[str, list[Entry]]] = {}
+        #: rank -> its unfinished entries, in id order
+        self.pending: dict[int, list[Entry]] = {}
+        #: rank -> where its first thread with a line was when it dumped
+        self.now: dict[int, str | None] = {}
+        #: group -> the distinct rank lists its entries named, and the ranks holding an entry on it
+        lists: dict[str, dict[int, tuple[int, ...]]] = defaultdict(dict)
+        holders: dict[str, set[int]] = defaultdict(set)
+        for r, rec in records.items():
+            mine: dict[str, list[Entry]] = defaultdict(list)
+            for e in rec.entries:
+                mine[e.group].append(e)
+                if e.group_ranks is not None:
+                    lists[e.group].setdefault(id(e.group_ranks), e.group_ranks)
+            for g in mine:
+                holders[g].add(r)
+            self.by_group[r] = dict(mine)
+            self.pending[r] = [e for e in rec.entries if e.state != COMPLETED]
+            t = next((t for t in rec.threads if isinstance(t.get("line"), str)), None)
+            self.now[r] = t["line"] if t is not None else None
+        # one group's set at a time: sets of every group at once would cost ~30x the rank lists
+        self.members: dict[str, tuple[int, ...]] = {}
+        for g, rs in holders.items():
+            named = lists.get(g, {})
+            m = set(rs)
+            for lst in named.values():
+                m.update(lst)
+            t = tuple(sorted(m))
+            only = next(iter(named.values()), None) if len(named) == 1 else None
+            self.members[g] = only if only == t else t   # the usual case: share the entries' tuple
+
+    def seqs(self, r: int, group: str) -> dict[int, Entry]:
+        return {e.seq: e for e in self.by_group[r].get(group, ()) if e.seq > 0}
+
+
 def _group_members(records: dict[int, FlightRecord]) -> dict[str, tuple[int, ...]]:
-    members: dict[str, set[int]] = defaultdict(set)
-    for rec in records.values():
-        for e in rec.entries:
-            if e.group_ranks is not None:
-                members[e.group].update(e.group_ranks)
-            members[e.group].add(rec.rank)
-    return {g: tuple(sorted(m)) for g, m in members.items()}
-
-
-def _by_seq(records: dict[int, FlightRecord], group: str) -> dict[int, dict[int, Entry]]:
-    out: dict[int, dict[int, Entry]] = {}
-    for r, rec in records.items():
-        out[r] = {e.seq: e for e in rec.entries if e.group == group and e.seq > 0}
-    return out
+    return _Index(records).members
 
 
 def _group_divergence(records: dict[int, FlightRecord], group: str,
-                      members: tuple[int, ...]) -> Divergence | None:
-    seqs = _by_seq(records, group)
+                      members: tuple[int, ...], index: _Index | None = None) -> Divergence | None:
+    index = index or _Index(records)
     have = [r for r in members if r in records]
+    seqs = {r: index.seqs(r, group) for r in have}
     no_record = [r for r in members if r not in records]
     lows = [min(seqs[r]) for r in have if seqs[r]]
     if not lows:
@@ -131,28 +161,35 @@ def _group_divergence(records: dict[int, FlightRecord], group: str,
     return None
 
 
-def _instead(d: Divergence, records: dict[int, FlightRecord]) -> None:
+def _instead(d: Divergence, records: dict[int, FlightRecord], index: _Index | None = None) -> None:
     """Fill ``d.instead``: what each rank that did not reach the operation was doing."""
+    index = index or _Index(records)
     for r, e in d.others.items():
         d.instead[r] = f"called {e.call()} instead ({_shape(e) or 'no arguments'}; {e.state}){_at(e)}"
         d.instead_at[r] = (e.group, e.seq)
     for r in d.missing:
         rec = records[r]
-        mine = [e for e in rec.entries if e.group == d.group and 0 < e.seq < d.seq]
-        after = rec.entries if not mine else [e for e in rec.entries if e.id > mine[-1].id]
-        pending = [e for e in after if e.state != COMPLETED]
-        last = f"its last operation on group {clean(d.group, 80)} was #{mine[-1].seq}" if mine else \
+        # its newest entry on the group before d.seq; entries are in id order
+        prior = None
+        for e in reversed(index.by_group[r].get(d.group, ())):
+            if 0 < e.seq < d.seq:
+                prior = e
+                break
+        after_id = -1 if prior is None else prior.id
+        last = f"its last operation on group {clean(d.group, 80)} was #{prior.seq}" if prior else \
             f"it recorded nothing on group {clean(d.group, 80)}"
-        if pending:  # the newest unfinished one is where it is (older ones may be forgotten async ops)
+        pending = index.pending[r]
+        if pending and pending[-1].id > after_id:
+            # the newest unfinished one is where it is (older ones may be forgotten async ops)
             e = pending[-1]
             d.instead[r] = f"was in {e.call()} ({e.state}){_at(e)}; {last}"
             d.instead_at[r] = (e.group, e.seq) if e.seq else None
             continue
         d.instead_at[r] = None
-        now = next((t for t in rec.threads if isinstance(t.get("line"), str)), None)
-        where = f"; its thread was at {clean(now['line'])} when it dumped" if now else ""
-        if after:
-            e = after[-1]
+        now = index.now[r]
+        where = f"; its thread was at {clean(now)} when it dumped" if now is not None else ""
+        if rec.entries and rec.entries[-1].id > after_id:
+            e = rec.entries[-1]
             d.instead[r] = f"had finished {e.call()}{_at(e)} and started nothing after it{where}; {last}"
         else:
             d.instead[r] = f"had started no operation since{where}; {last}"
@@ -163,27 +200,35 @@ def _instead(d: Divergence, records: dict[int, FlightRecord]) -> None:
 
 def find_divergence(records: dict[int, FlightRecord]) -> Divergence | None:
     """The first divergence across groups, or None when every shared operation completed alike."""
-    members = _group_members(records)
+    index = _Index(records)
+    members = index.members
     world = max(rec.world_size for rec in records.values())
     if "world" in members:  # ranks with no record at all are still members of the world group
         members["world"] = tuple(sorted(set(members["world"]) | set(range(world))))
-    cands = [d for g in sorted(members) if (d := _group_divergence(records, g, members[g]))]
-    if not cands:
+    # Keep only the earliest candidate: one per group, and a record may name a group per entry.
+    first: Divergence | None = None
+    for g in members:
+        d = _group_divergence(records, g, members[g], index)
+        if d is not None and (first is None or _order(d) < _order(first)):
+            first = d
+    if first is None:
         return None
-    for d in cands:
-        _instead(d, records)
-    cands.sort(key=lambda d: (d.first_start, d.group, d.seq))
-    first = cands[0]
+    _instead(first, records, index)
     # The ranks that did not reach `first` may all be at another group's divergence point that
     # more ranks reached (A skipped an op on one group and went on to another): the same event,
     # better told from the side of the majority.
     targets = {first.instead_at.get(r) for r in first.not_reached}
     if len(targets) == 1 and None not in targets:
-        tgt = targets.pop()
-        for d in cands[1:]:
-            if (d.group, d.seq) == tgt and len(d.reached) > len(first.reached):
-                return d
+        group, seq = targets.pop()  # type: ignore[misc]
+        d = _group_divergence(records, group, members[group], index) if group in members else None
+        if d is not None and d.seq == seq and len(d.reached) > len(first.reached):
+            _instead(d, records, index)
+            return d
     return first
+
+
+def _order(d: Divergence) -> tuple[int, str, int]:
+    return (d.first_start, d.group, d.seq)
 
 
 def describe(d: Divergence | None, records: dict[int, FlightRecord]) -> str:

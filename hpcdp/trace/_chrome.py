@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import Any, Callable, TypeVar
 
+from .._atomic import open_new
 from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
 from ._dump import describe_group, job_id, on_dump, trace_dir
 from ._recorder import (
@@ -305,7 +306,7 @@ class Timeline:
         """Append the buffered events to the file (opening it on the first flush).
 
         Tracing must not break the job it watches: a file that cannot be written (a full disk, a
-        symlink in its place, which is never followed) is reported once on stderr, and this
+        directory that cannot be created) is reported once on stderr, and this
         rank's timeline stops.
         """
         t0 = now_ns()
@@ -326,9 +327,9 @@ class Timeline:
             try:
                 if self._fh is None:
                     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                    fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
-                                 0o644)
-                    self._fh = os.fdopen(fd, "w")
+                    # a fresh file renamed into place at once (a crash leaves what was flushed
+                    # under the final name): a link planted there is replaced, never followed
+                    self._fh = open_new(self.path, "w", perms=0o644)
                     head = [{"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
                              "args": {"name": f"rank {self.rank}"}},
                             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "tid": 0,

@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from .._atomic import atomic_write_text
 from ..errors import CommTimeoutError, PeerFailureError
 from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
 from ._recorder import (
@@ -210,15 +211,11 @@ def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None 
                 os.makedirs(d, exist_ok=True)
             for rec in recs:
                 path = record_path(d, rec.rank)
-                tmp = os.path.join(d, f".flight-rank{rec.rank}.{os.getpid()}.{threading.get_ident()}.tmp")
-                # never through a symlink planted under the temporary name (os.replace then
-                # swaps the name itself, never a file a link at ``path`` points to)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-                with os.fdopen(fd, "w") as fh:
-                    # dumps, not dump: one call into the C encoder (json.dump streams through the
-                    # pure-Python one, several times slower, and a dump sits on the error path)
-                    fh.write(json.dumps(_record(rec, reason), default=str))
-                os.replace(tmp, path)
+                # a fresh exclusive temporary renamed onto ``path``: never through a link planted
+                # under either name. dumps, not dump: one call into the C encoder (json.dump
+                # streams through the pure-Python one, several times slower, and a dump sits on
+                # the error path)
+                atomic_write_text(path, json.dumps(_record(rec, reason), default=str), perms=0o644)
                 written.append(path)
         except Exception as exc:  # noqa: BLE001 - reported; the caller has a worse error to raise
             if raise_errors:

@@ -2,8 +2,15 @@
 
 Only regular files named ``flight-rank<N>.json`` / ``trace-rank<N>.json`` directly inside the
 directory the user named are read (no symlinks, no paths taken from file contents), each at most
-``MAX_BYTES``; everything is JSON (nothing is executed), and every field is type-checked so a
-damaged or hostile file gives a clear ``ValueError`` naming the file, not a crash later.
+``MAX_BYTES`` (flight records) or ``MAX_TIMELINE_BYTES``; everything is JSON (nothing is
+executed), and every field is type-checked so a damaged or hostile file gives a clear
+``ValueError`` naming the file, not a crash later.
+
+Memory: a JSON document loaded whole costs many times its size in Python objects (a list of small
+integers, 2 bytes each in the file, costs 8 to 44 bytes each as a list and again as a tuple). So a
+flight record's entries are decoded one at a time and turned straight into compact ``Entry``
+objects (slots; repeated strings, integers and tuples shared), and the caps are set so that what a
+file of the largest size accepted costs stays within what a login node can hold.
 """
 from __future__ import annotations
 
@@ -12,16 +19,20 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ._recorder import STATES
 
 __all__ = [
-    "MAX_BYTES", "Entry", "FlightRecord", "list_rank_files", "read_json", "load_flight_records",
-    "load_timeline", "clean",
+    "MAX_BYTES", "MAX_TIMELINE_BYTES", "Entry", "FlightRecord", "list_rank_files", "read_json", "load_flight_records",
+    "load_timeline", "clean", "read_flight_record", "parse_flight_record",
 ]
 
-MAX_BYTES = 1 << 30
+#: largest flight record read (a full ring of 2048 entries with source lines is ~0.6 MiB; the
+#: reader holds at most ~8x a record's size, however it is built)
+MAX_BYTES = 128 << 20
+#: largest timeline read (``merge``/``plot`` load its events whole: ~8-10x its size in memory)
+MAX_TIMELINE_BYTES = 256 << 20
 #: largest world size a record may claim (the analyzer makes per-rank lists of this length)
 MAX_WORLD = 1 << 20
 _INT64 = 1 << 63
@@ -49,26 +60,39 @@ def list_rank_files(directory: str, prefix: str) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
-def read_json(path: str, *, repair_trace: bool = False, limit: int | None = None) -> Any:
-    """Parse ``path`` (a regular file of at most ``limit`` bytes, default ``MAX_BYTES``).
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
-    ``repair_trace``: a timeline cut short by a crash (``{"traceEvents":[`` ... without its
-    closing) is closed before parsing.
-    """
-    limit = MAX_BYTES if limit is None else limit
+
+def read_text(path: str, limit: int) -> str:
+    """The UTF-8 text of ``path``, a regular file of at most ``limit`` bytes (the error says the cap)."""
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path}: not a regular file")
     if st.st_size > limit:
-        raise ValueError(f"{path}: {st.st_size} bytes, more than the {limit} this reader accepts")
+        raise ValueError(f"{path}: {st.st_size} bytes, more than the {limit} ({_mib(limit)}) this reader "
+                         "accepts (the cap keeps its memory bounded)")
     with open(path, "rb") as fh:
         raw = fh.read(limit + 1)
     if len(raw) > limit:
-        raise ValueError(f"{path}: grew past {limit} bytes while being read")
+        raise ValueError(f"{path}: grew past the {limit} ({_mib(limit)}) this reader accepts while being read")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _bad_json(path: str, exc: BaseException) -> ValueError:
+    return ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {clean(exc, 200)})")
+
+
+def read_json(path: str, *, repair_trace: bool = False, limit: int | None = None) -> Any:
+    """Parse ``path`` (a regular file of at most ``limit`` bytes, default ``MAX_TIMELINE_BYTES``).
+
+    ``repair_trace``: a timeline cut short by a crash (``{"traceEvents":[`` ... without its
+    closing) is closed before parsing.
+    """
+    text = read_text(path, MAX_TIMELINE_BYTES if limit is None else limit)
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:  # also nesting too deep, integers too long
@@ -80,7 +104,7 @@ def read_json(path: str, *, repair_trace: bool = False, limit: int | None = None
                     return json.loads(body + "]}")
                 except (ValueError, RecursionError):
                     pass
-        raise ValueError(f"{path}: not valid JSON ({type(exc).__name__}: {clean(exc, 200)})") from None
+        raise _bad_json(path, exc) from None
 
 
 def _int(v: Any, what: str, lo: int | None = None, hi: int = _INT64) -> int:
@@ -100,15 +124,31 @@ def _opt_str(v: Any, what: str, limit: int = 4096) -> str | None:
     return v[:limit]
 
 
-def _int_list(v: Any, what: str, lo: int | None = None, hi: int = _INT64) -> tuple[int, ...] | None:
+class _Shared(dict):
+    """One object per distinct value of a record (entries repeat groups, ops, lines and rank
+    lists): ``shared(v)`` is the first object equal to ``v`` that was seen."""
+
+    def __call__(self, v: Any) -> Any:
+        return self.setdefault(v, v)
+
+
+def _int_list(v: Any, what: str, lo: int | None = None, hi: int = _INT64,
+              shared: _Shared | None = None) -> tuple[int, ...] | None:
     if v is None:
         return None
     if not isinstance(v, list) or len(v) > 1 << 20:
         raise ValueError(f"{what} must be a list of integers")
-    return tuple(_int(x, what, lo, hi) for x in v)
+    if not all(type(x) is int for x in v):  # checked at C speed; the slow path names the culprit
+        return tuple(_int(x, what, lo, hi) for x in v)
+    low = -_INT64 if lo is None else lo
+    if v and (min(v) < low or max(v) >= hi):
+        return tuple(_int(x, what, lo, hi) for x in v)
+    if shared is None:
+        return tuple(v)
+    return shared(tuple(map(shared.setdefault, v, v)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
     """One operation of a rank's flight record; ``start``/``end`` are on the reference clock (ns)."""
 
@@ -156,9 +196,10 @@ class FlightRecord:
     total_ops: int = 0
 
 
-def _entry(d: Any, rank: int, world: int, offset: int, where: str) -> Entry:
+def _entry(d: Any, rank: int, world: int, offset: int, where: str, shared: _Shared | None = None) -> Entry:
     if not isinstance(d, dict):
         raise ValueError(f"{where} is not an object")
+    sh: Any = shared if shared is not None else (lambda v: v)
     state = d.get("state")
     if state not in STATES:
         raise ValueError(f"{where}: state must be one of {STATES}, got {clean(repr(state), 60)}")
@@ -169,29 +210,31 @@ def _entry(d: Any, rank: int, world: int, offset: int, where: str) -> Entry:
         raise ValueError(f"{where}: op and group are required")
     return Entry(
         rank=rank, id=_int(d.get("id"), f"{where}.id", 0), seq=_int(d.get("seq"), f"{where}.seq", 0),
-        op=op, group=group, group_ranks=_int_list(d.get("group_ranks"), f"{where}.group_ranks", 0, world),
-        shape=_int_list(d.get("shape"), f"{where}.shape"), dtype=_opt_str(d.get("dtype"), f"{where}.dtype", 60),
+        op=sh(op), group=sh(group),
+        group_ranks=_int_list(d.get("group_ranks"), f"{where}.group_ranks", 0, world, shared),
+        shape=_int_list(d.get("shape"), f"{where}.shape", shared=shared),
+        dtype=sh(_opt_str(d.get("dtype"), f"{where}.dtype", 60)),
         peer=_int(d.get("peer", -1), f"{where}.peer"),
         start=_int(d.get("start_ns"), f"{where}.start_ns") + offset,
         end=None if end is None else _int(end, f"{where}.end_ns") + offset,
-        state=state, line=_opt_str(d.get("line"), f"{where}.line"),
+        state=sh(state), line=sh(_opt_str(d.get("line"), f"{where}.line")),
         thread=_int(d.get("thread", 0), f"{where}.thread"),
     )
 
 
-def parse_flight_record(doc: Any, path: str) -> FlightRecord:
-    """Check one dump's structure; times are moved onto the reference clock."""
+def _header(doc: Any, path: str) -> tuple[int, int, int]:
+    """(rank, world size, clock offset) of a record's top level, checked."""
     if not isinstance(doc, dict) or doc.get("format") != _FLIGHT_FORMAT:
         raise ValueError(f"{path}: not an hpcdp flight record (format {_FLIGHT_FORMAT!r} expected)")
     rank = _int(doc.get("rank"), f"{path}: rank", 0)
     world = _int(doc.get("world_size"), f"{path}: world_size", 1, MAX_WORLD + 1)
     if rank >= world:
         raise ValueError(f"{path}: rank {rank} is not below world_size {world}")
-    offset = _int(doc.get("clock_offset_ns", 0), f"{path}: clock_offset_ns")
-    raw = doc.get("entries")
-    if not isinstance(raw, list):
-        raise ValueError(f"{path}: entries must be a list")
-    entries = [_entry(d, rank, world, offset, f"{path}: entries[{i}]") for i, d in enumerate(raw)]
+    return rank, world, _int(doc.get("clock_offset_ns", 0), f"{path}: clock_offset_ns")
+
+
+def _record(doc: dict[str, Any], path: str, rank: int, world: int, offset: int,
+            entries: list[Entry]) -> FlightRecord:
     entries.sort(key=lambda e: e.id)
     threads = [t for t in doc.get("threads", []) if isinstance(t, dict)] if isinstance(doc.get("threads"), list) else []
     return FlightRecord(
@@ -203,6 +246,118 @@ def parse_flight_record(doc: Any, path: str) -> FlightRecord:
     )
 
 
+def parse_flight_record(doc: Any, path: str) -> FlightRecord:
+    """Check one dump's structure (an already decoded document); times are moved onto the reference clock."""
+    rank, world, offset = _header(doc, path)
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: entries must be a list")
+    shared = _Shared()
+    entries = [_entry(d, rank, world, offset, f"{path}: entries[{i}]", shared) for i, d in enumerate(raw)]
+    return _record(doc, path, rank, world, offset, entries)
+
+
+# -- reading a record without holding its JSON tree -----------------------------------------
+_WS = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def _ws(text: str, i: int) -> int:
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+
+def _array_items(text: str, i: int, end: list[int] | None = None) -> Iterator[Any]:
+    """Each item of the JSON array starting at ``text[i] == "["``, decoded one at a time;
+    ``end[0]`` is set to the index after its ``]``."""
+    i = _ws(text, i + 1)
+    if not text.startswith("]", i):
+        while True:
+            item, i = _DECODER.raw_decode(text, i)
+            yield item
+            del item
+            i = _ws(text, i)
+            if text.startswith(",", i):
+                i = _ws(text, i + 1)
+            elif text.startswith("]", i):
+                break
+            else:
+                raise json.JSONDecodeError("expecting ',' or ']'", text, i)
+    if end is not None:
+        end[0] = i + 1
+
+
+class _NotAnObject(Exception):
+    pass
+
+
+def _scan_object(text: str, stream: str) -> tuple[dict[str, Any], int | None]:
+    """The top-level object of ``text`` without its ``stream`` member, and where that member's
+    array starts (its items are checked for syntax here, one at a time, and not kept)."""
+    i = _ws(text, 0)
+    if not text.startswith("{", i):
+        raise _NotAnObject()
+    doc: dict[str, Any] = {}
+    at: int | None = None
+    i = _ws(text, i + 1)
+    if text.startswith("}", i):
+        i += 1
+    else:
+        while True:
+            if not text.startswith('"', i):
+                raise json.JSONDecodeError("expecting a property name in double quotes", text, i)
+            key, i = _DECODER.raw_decode(text, i)
+            i = _ws(text, i)
+            if not text.startswith(":", i):
+                raise json.JSONDecodeError("expecting ':'", text, i)
+            i = _ws(text, i + 1)
+            if key == stream and text.startswith("[", i):
+                at = i
+                doc.pop(key, None)
+                end = [i]
+                for _ in _array_items(text, i, end):
+                    pass
+                i = end[0]
+            else:
+                doc[key], i = _DECODER.raw_decode(text, i)
+                if key == stream:
+                    at = None
+            i = _ws(text, i)
+            if text.startswith(",", i):
+                i = _ws(text, i + 1)
+            elif text.startswith("}", i):
+                i += 1
+                break
+            else:
+                raise json.JSONDecodeError("expecting ',' or '}'", text, i)
+    if _ws(text, i) != len(text):
+        raise json.JSONDecodeError("extra data", text, i)
+    return doc, at
+
+
+def read_flight_record(path: str) -> FlightRecord:
+    """Read and check one ``flight-rank<N>.json`` (at most ``MAX_BYTES``).
+
+    Its entries are decoded one at a time, each turned into an ``Entry`` at once: the memory
+    held is the file's text plus the entries, never the whole JSON tree as well.
+    """
+    text = read_text(path, MAX_BYTES)
+    try:
+        doc, at = _scan_object(text, "entries")
+    except _NotAnObject:
+        raise ValueError(f"{path}: not an hpcdp flight record (a JSON object of format {_FLIGHT_FORMAT!r} "
+                         "expected)") from None
+    except (ValueError, RecursionError) as exc:  # also nesting too deep, integers too long
+        raise _bad_json(path, exc) from exc
+    rank, world, offset = _header(doc, path)
+    if at is None:
+        raise ValueError(f"{path}: entries must be a list")
+    shared = _Shared()
+    items = _array_items(text, at)   # its syntax was checked by the scan
+    entries = [_entry(d, rank, world, offset, f"{path}: entries[{n}]", shared) for n, d in enumerate(items)]
+    del text
+    return _record(doc, path, rank, world, offset, entries)
+
+
 def load_flight_records(directory: str, stale: list[int] | None = None) -> dict[int, FlightRecord]:
     """The ``flight-rank<N>.json`` files of ``directory``'s newest job, checked, by rank.
 
@@ -211,7 +366,7 @@ def load_flight_records(directory: str, stale: list[int] | None = None) -> dict[
     """
     out: dict[int, FlightRecord] = {}
     for rank, path in list_rank_files(directory, "flight-rank").items():
-        rec = parse_flight_record(read_json(path), path)
+        rec = read_flight_record(path)
         if rec.rank != rank:
             raise ValueError(f"{path}: the file name says rank {rank} but it holds rank {rec.rank}")
         out[rank] = rec

@@ -13,6 +13,7 @@ import math
 import os
 from typing import Any
 
+from .._atomic import atomic_write
 from ._files import list_rank_files, load_flight_records, load_timeline
 
 __all__ = ["merged_events", "merge", "assign_lanes", "clean_event"]
@@ -191,10 +192,9 @@ def merge(directory: str, out: str | None = None) -> str:
     """Write ``out`` (default ``DIR/merged-trace.json``): one Chrome trace of every rank; returns its path."""
     events, meta = merged_events(directory)
     out = out or os.path.join(directory, "merged-trace.json")
-    tmp = out + ".tmp"
-    with open(tmp, "w") as fh:
+    # a fresh exclusive temporary renamed onto ``out``: links planted in DIR are never followed
+    with atomic_write(out, "w") as fh:
         fh.write('{"traceEvents":[\n')
         fh.write(",\n".join(json.dumps(e, default=str) for e in events))
         fh.write('\n],"displayTimeUnit":"ms","otherData":' + json.dumps(meta) + "}\n")
-    os.replace(tmp, out)
     return out

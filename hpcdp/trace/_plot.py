@@ -10,6 +10,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
+from .._atomic import atomic_write
 from ._files import load_timeline
 from ._merge import clean_event, merged_events
 
@@ -98,7 +99,10 @@ def plot(source: str, out: str | None = None, *, title: str | None = None) -> st
     fig.tight_layout()
     if out is None:
         out = os.path.join(source, "phases.png") if os.path.isdir(source) else os.path.splitext(source)[0] + ".png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_write(out, "wb") as fh:  # never through a link planted at ``out``
+            fig.savefig(fh, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out
 

@@ -102,17 +102,19 @@ class _GroupP2P:
                              self.channel), self.sig)
 
     def wait(self, reqs: Sequence[Any]) -> None:
-        for rq in reqs:
-            self._waiting = rq
-            try:
-                # a peer that dies anywhere in the group fails the collective within the tick
-                if not rq.wait(0.2):
-                    self._wait_long(rq)
-            except PeerFailureError:
-                time.sleep(0.05)  # name the crashed rank, not a peer that gave up because of it
-                self.check_usable("collective")
-                raise
-        self._waiting = None
+        try:
+            for rq in reqs:
+                self._waiting = rq
+                try:
+                    # a peer that dies anywhere in the group fails the collective within the tick
+                    if not rq.wait(0.2):
+                        self._wait_long(rq)
+                except PeerFailureError:
+                    time.sleep(0.05)  # name the crashed rank, not a peer that gave up for it
+                    self.check_usable("collective")
+                    raise
+        finally:
+            self._waiting = None  # (a failed wait too: the request holds the call's buffer)
 
     def _wait_long(self, rq: Any) -> None:
         """A receive that takes a while: after ``PROBE_AFTER`` s, ask its sender (now and then)

@@ -426,6 +426,10 @@ class Transport(FrameReader, CollChecks):
                 peer.send_lock.release()
                 self.mark_dead(peer.rank, f"connection lost while sending ({exc})")
                 continue
+            finally:
+                # the frame is out: let go of the sender's buffer now, not when the next frame
+                # comes (the last large send of a run would stay alive for good)
+                view = req = None  # type: ignore[assignment]
             peer.send_lock.release()
 
     # -- shutdown ---------------------------------------------------------------------------
