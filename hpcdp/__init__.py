@@ -12,9 +12,10 @@ from ._world import (
 )
 from .backends import available_backends, register_backend
 from .collectives import (
-    all_gather, all_gather_object, all_reduce, all_to_all, allgather, allreduce, alltoall,
-    barrier, broadcast, broadcast_object, gather, gather_object, irecv, isend, recv, reduce,
-    reduce_scatter, scatter, send,
+    all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
+    all_to_all_single, allgather, allreduce, alltoall, barrier, broadcast, broadcast_object,
+    broadcast_object_list, gather, gather_object, get_rank, get_world_size, irecv, isend, recv,
+    reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
 )
 from ._p2p import (
     ANY_SOURCE, ANY_TAG, P2POp, Status, batch_isend_irecv, iprobe, probe, recv_any, wait_all,
@@ -25,6 +26,9 @@ from .errors import (
 )
 from .group import ProcessGroup
 from .ops import ReduceOp
+# eager, not lazy: importing the submodule hpcdp.progress (get_logger, "from hpcdp.progress
+# import ...") would bind the module over the lazily loaded function of the same name
+from .progress import get_logger, progress
 from .work import Work
 
 __version__ = "0.1.0"
@@ -37,8 +41,6 @@ _LAZY = {
     "optim": ("hpcdp.optim", None),
     "data": ("hpcdp.data", None),
     "checkpoint": ("hpcdp.checkpoint", None),
-    "progress": ("hpcdp.progress", "progress"),
-    "get_logger": ("hpcdp.progress", "get_logger"),
     "FSDP": ("hpcdp.fsdp", "FSDP"),
     "FullyShardedDataParallel": ("hpcdp.fsdp", "FSDP"),
     "fsdp": ("hpcdp.fsdp", None),
@@ -68,6 +70,8 @@ __all__ = [
     "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",
     "send", "recv", "isend", "irecv", "ANY_SOURCE", "ANY_TAG", "Status", "P2POp",
     "batch_isend_irecv", "wait_all", "probe", "iprobe", "recv_any", "broadcast_object", "all_gather_object", "gather_object",
+    "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+    "broadcast_object_list", "get_rank", "get_world_size",
     "HpcdpError", "BackendUnavailableError", "CommTimeoutError", "CollectiveMismatchError",
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",

@@ -1,6 +1,11 @@
-"""``python -m hpcdp info``: versions, MPI library, CUDA-awareness, h5py MPI support, backends."""
+"""``python -m hpcdp {info}``: versions, MPI library, CUDA-awareness, h5py MPI support, backends.
+
+argparse sub-commands, as ``python -m hpcdp.trace`` and ``python -m hpcdp.bench`` have, so
+``--help`` lists every command and option and ``--version`` answers without a command.
+"""
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import platform
@@ -58,15 +63,33 @@ def info() -> dict[str, str]:
     return out
 
 
+def _parser() -> argparse.ArgumentParser:
+    from hpcdp import __version__
+
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp",
+        description="hpcdp: distributed training on HPC clusters (MPI, TCP sockets, simulated ranks).",
+        epilog="Related commands: 'hpcdp-run' (or 'python -m hpcdp.run') launches N ranks; "
+               "'python -m hpcdp.bench --help' lists the benchmarks; 'python -m hpcdp.trace --help' "
+               "reads flight records and timelines.")
+    p.add_argument("--version", action="version", version=f"hpcdp {__version__}",
+                   help="print the hpcdp version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{info}", title="commands",
+                           help="'python -m hpcdp COMMAND --help' describes one")
+    sub.add_parser("info", help="versions, MPI library, CUDA-awareness, h5py MPI support, backends",
+                   description="Print what a bug report needs: hpcdp, Python, numpy, mpi4py, h5py and "
+                               "cupy versions, the MPI library and its thread level and CUDA-awareness, "
+                               "whether h5py was built with MPI, and the backends available here.")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] != ["info"]:
-        print("usage: python -m hpcdp info", file=sys.stderr)
-        return 2
-    rows = info()
-    width = max(map(len, rows))
-    for k, v in rows.items():
-        print(f"{k:<{width}} : {v}")
+    args = _parser().parse_args(argv)
+    if args.cmd == "info":
+        rows = info()
+        width = max(map(len, rows))
+        for k, v in rows.items():
+            print(f"{k:<{width}} : {v}")
     return 0
 
 

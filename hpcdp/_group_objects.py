@@ -11,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._validate import check_rank
+from .errors import public
 
 __all__ = ["ObjectCollectives"]
 
@@ -24,6 +25,7 @@ class ObjectCollectives:
     all_gather: Callable[..., Any]
     _where: Callable[[str], str]
 
+    @public
     def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> Any:
         """Every rank gets root's ``obj``."""
         where = self._where("broadcast_object")
@@ -46,8 +48,18 @@ class ObjectCollectives:
         self.broadcast(data, root, timeout=timeout)
         return obj if self.rank == root else pickle.loads(data.tobytes())
 
-    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> list[Any]:
-        """A list of every rank's ``obj``, in rank order."""
+    @public
+    def all_gather_object(self, obj: Any, *args: Any, timeout: float | None = None) -> Any:
+        """A list of every rank's ``obj``, in rank order.
+
+        torch's form ``all_gather_object(object_list, obj)`` fills ``object_list`` and returns
+        None.
+        """
+        if args:
+            if len(args) > 1:
+                raise TypeError(f"{self._where('all_gather_object')}: takes (obj) or torch's "
+                                f"(object_list, obj), got {1 + len(args)} positional arguments")
+            return self._torch_all_gather_object(obj, args[0], timeout)  # type: ignore[attr-defined]
         failure: BaseException | None = None
         try:
             data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
@@ -64,7 +76,31 @@ class ObjectCollectives:
         rows = self.all_gather(padded, timeout=timeout)
         return [pickle.loads(rows[i, : int(sizes[i])].tobytes()) for i in range(self.size)]
 
-    def gather_object(self, obj: Any, root: int = 0, *, timeout: float | None = None) -> list[Any] | None:
-        """Like ``all_gather_object`` but only ``root`` gets the list."""
+    @public
+    def gather_object(self, obj: Any, root: Any = 0, *, timeout: float | None = None,
+                      object_gather_list: list[Any] | None = None,
+                      dst: int | None = None) -> list[Any] | None:
+        """Like ``all_gather_object`` but only ``root`` gets the list.
+
+        torch's form ``gather_object(obj, object_gather_list, dst=0)`` fills the list on ``dst``
+        and returns None.
+        """
+        torch_form = (dst is not None or object_gather_list is not None
+                      or not isinstance(root, (int, np.integer)))
+        if torch_form:
+            if object_gather_list is None and isinstance(root, list):
+                object_gather_list = root  # positional: gather_object(obj, list, dst)
+            if dst is None:
+                dst = root if isinstance(root, (int, np.integer)) else 0
+            root = dst
+        root = check_rank(self._where("gather_object"), "dst" if torch_form else "root", root,
+                          self.size)
         objs = self.all_gather_object(obj, timeout=timeout)
-        return objs if self.rank == root else None
+        if not torch_form:
+            return objs if self.rank == root else None
+        if self.rank == root:
+            if not isinstance(object_gather_list, list) or len(object_gather_list) != self.size:
+                raise ValueError(f"{self._where('gather_object')}: object_gather_list on dst "
+                                 f"{root} must be a list of {self.size} entries")
+            object_gather_list[:] = objs
+        return None

@@ -11,7 +11,7 @@ from ._arrays import _SUPPORTED, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender
 from ._group_buffers import finish_into
 from ._validate import check_array, check_rank, check_tag
-from .errors import HpcdpError
+from .errors import HpcdpError, full_traceback, public, public_error
 from .work import Work, wait_for
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class PointToPoint:
             c = counts.setdefault(key, itertools.count(1))  # atomic: threads share the group
         return f"{op}({peer_name}={peer}, tag={tag}) #{next(c)}"
 
+    @public
     def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
         """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
         _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
@@ -69,6 +70,7 @@ class PointToPoint:
         req = self._post(name, 0, send, buf.reshape(-1), dst, tag, tok=tok)
         return Work(self, name, 0, req, lambda: None, None, tok)
 
+    @public
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
         return self._irecv(buf, src, tag, "full")
@@ -87,6 +89,7 @@ class PointToPoint:
         req = self._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
         return Work(self, name, 0, req, finish_into(buf, tmp), None, tok)
 
+    @public
     def probe(self, src: int = -1, tag: int = -1, *, timeout: float | None = None) -> Any:
         """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;
         its ``Status`` (source, tag, nbytes). See ``hpcdp.probe``."""
@@ -94,6 +97,7 @@ class PointToPoint:
 
         return probe(src, tag, group=self, timeout=timeout)
 
+    @public
     def iprobe(self, src: int = -1, tag: int = -1) -> Any:
         """The ``Status`` of a message ``recv(src, tag)`` would take now, else None."""
         from ._p2p import iprobe
@@ -129,29 +133,42 @@ class PointToPoint:
 
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
-        if self._p2p_fast(x, dst, tag):
-            self._p2p_blocking("send", "dst", self.backend.send, x, dst, tag, timeout)
-            return None
-        if dst == self.rank:
-            raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
-        self.isend(x, dst, tag).wait(timeout)
+        try:  # free on success; an HpcdpError is raised from here (errors.public)
+            if self._p2p_fast(x, dst, tag):
+                self._p2p_blocking("send", "dst", self.backend.send, x, dst, tag, timeout)
+                return None
+            if dst == self.rank:
+                raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
+            self.isend(x, dst, tag).wait(timeout)
+        except HpcdpError as exc:
+            if full_traceback():
+                raise
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
 
-    def recv(self, buf: Any = None, src: int = -1, tag: int = 0, *, dtype: Any = None,
+    def recv(self, buf: Any = None, src: int | None = -1, tag: int = 0, *, dtype: Any = None,
              return_status: bool = False, timeout: float | None = None) -> Any:
-        """Receive into ``buf`` from ``src``; returns ``buf``.
+        """Receive into ``buf`` from ``src``; returns ``buf`` (torch's returns the sender's rank:
+        ``return_status=True`` gives it as ``Status.source``).
 
         ``src=ANY_SOURCE`` (-1, the default) takes the next message from any rank, ``tag=ANY_TAG``
         any tag; ``buf=None`` allocates a 1-D array of ``dtype`` (default uint8) at the size the
         sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
         """
-        if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
-            self._p2p_blocking("recv", "src", self.backend.recv, buf, src, tag, timeout)
-            return buf
-        if buf is None or src == -1 or tag == -1 or return_status:
-            from ._p2p import recv_any
+        try:  # free on success; an HpcdpError is raised from here (errors.public)
+            if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
+                self._p2p_blocking("recv", "src", self.backend.recv, buf, src, tag, timeout)
+                return buf
+            if src is None:  # torch's spelling of "any source"
+                src = -1
+            if buf is None or src == -1 or tag == -1 or return_status:
+                from ._p2p import recv_any
 
-            got, status = recv_any(buf, src, tag, dtype=dtype, group=self, timeout=timeout)
-            return (got, status) if return_status else got
-        if src == self.rank:
-            raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
-        return self.irecv(buf, src, tag).wait(timeout)
+                got, status = recv_any(buf, src, tag, dtype=dtype, group=self, timeout=timeout)
+                return (got, status) if return_status else got
+            if src == self.rank:
+                raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
+            return self.irecv(buf, src, tag).wait(timeout)
+        except HpcdpError as exc:
+            if full_traceback():
+                raise
+            raise public_error(exc)  # noqa: B904 - exc is its __context__

@@ -21,7 +21,7 @@ from . import trace
 from ._debug_p2p import payload_nbytes
 from ._validate import check_rank, check_tag, check_timeout
 from .backends.base import ANY_SOURCE, ANY_TAG, poll_until
-from .errors import CommTimeoutError, HpcdpError
+from .errors import CommTimeoutError, HpcdpError, public
 from .work import Work
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ def _group(group: Any) -> "ProcessGroup":
     return get_default_group()
 
 
+@public
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     """Post every transfer of ``ops`` at once; one ``Work`` per op, in the order given.
 
@@ -93,6 +94,7 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     return [w for w in works if w is not None]
 
 
+@public
 def wait_all(works: Iterable[Work], timeout: float | None = None) -> list[Any]:
     """Wait for every work within one deadline (default: each work's own); their results."""
     works = list(works)
@@ -114,6 +116,7 @@ def _check_probe(g: "ProcessGroup", op: str, src: int, tag: int) -> tuple[str, i
     return where, src, tag
 
 
+@public
 def iprobe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None) -> Status | None:
     """The ``Status`` of a message waiting to be received from ``src`` with ``tag``, else None."""
     g = _group(group)
@@ -128,6 +131,7 @@ def _status(g: "ProcessGroup", found: tuple[int, int, int]) -> Status:
     return Status(s, t, nbytes if g._debug == "off" else payload_nbytes(nbytes))
 
 
+@public
 def probe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None,
           timeout: float | None = None) -> Status:
     """Block until a message from ``src`` with ``tag`` can be received; its ``Status``.
@@ -161,6 +165,7 @@ def probe(src: int = ANY_SOURCE, tag: int = ANY_TAG, *, group: Any = None,
     return _status(g, box[0])
 
 
+@public
 def recv_any(buf: Any = None, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
              dtype: Any = None, group: Any = None, timeout: float | None = None
              ) -> tuple[Any, Status]:

@@ -1,11 +1,15 @@
 """The default process group: ``init``, ``finalize`` and who-am-I queries.
 
 Simulated ranks are threads, so the default group is looked up thread-locally first and then
-process-wide.
+process-wide. ``init`` also installs an excepthook that tells the other ranks when this process
+dies of an uncaught exception (plain ``mpirun python train.py`` included), so they fail with a
+``PeerFailureError`` naming it at once instead of waiting out their timeout.
 """
 from __future__ import annotations
 
+import inspect
 import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -100,6 +104,9 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
     with _lock:
         current = getattr(_tls, "group", None) or _default
         name = backend or detect_backend()
+        factory = backend_factory(name)
+        if factory is not None:
+            check_options(name, factory, options)
         where = f"init(backend={name!r}" + (f", timeout={timeout!r})" if timeout is not None else ")")
         t = None if timeout is None else check_timeout(where, timeout)
         if current is not None:
@@ -113,7 +120,6 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
             raise HpcdpError(
                 f"{where}: already initialised with {current!r}; call finalize() first"
             )
-        factory = backend_factory(name)
         if factory is None:
             raise BackendUnavailableError(f"init: unknown backend {name!r}")
         try:
@@ -125,8 +131,66 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
         group = ProcessGroup(be, name="world", timeout=t)
         _started[group] = name
         _default = group
+    _install_excepthook()
     _start_tracing(group)
     return group
+
+
+def check_options(name: str, factory: Callable[..., Any], options: dict[str, Any]) -> None:
+    """Refuse ``options`` the backend's factory does not take, the same way for every backend:
+    a typo (``init(timout=5)``) must not be ignored on one backend and refused on another.
+    A factory taking ``**kwargs`` (a third-party backend) checks its own."""
+    if not options:
+        return
+    params = inspect.signature(factory).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = sorted(p.name for p in params
+                      if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "timeout")
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(
+            f"init(backend={name!r}): unknown option(s) {', '.join(map(repr, unknown))}; the "
+            f"{name} backend accepts " + (", ".join(accepted) if accepted else "no options")
+            + " (besides timeout)")
+
+
+_hooked = False
+
+
+def _install_excepthook() -> None:
+    """Chain an excepthook (once per process) that reports this rank's death to its peers."""
+    global _hooked
+    if _hooked:
+        return
+    _hooked = True
+    previous = sys.excepthook
+
+    def hpcdp_excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            _report_death(exc_type, exc)
+        finally:
+            previous(exc_type, exc, tb)
+
+    sys.excepthook = hpcdp_excepthook
+
+
+def _report_death(exc_type: type[BaseException], exc: BaseException) -> None:
+    """The main thread ends in an uncaught exception: tell the default group's peers (the
+    backend's ``report_death``, where it has one) what this rank died of. Not in an interactive
+    interpreter, where the excepthook runs for every error and the process lives on; threads
+    other than the main one do not come here (``threading.excepthook``) and end nothing."""
+    g = _default
+    if g is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return
+    report = getattr(g.backend, "report_death", None)
+    if report is None:
+        return
+    text = str(exc).split("\n", 1)[0]
+    try:
+        report(f"{exc_type.__name__}: {text}" if text else exc_type.__name__)
+    except Exception:  # noqa: BLE001 - the traceback must still be printed
+        pass
 
 
 def _start_tracing(group: ProcessGroup) -> None:

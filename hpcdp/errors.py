@@ -1,6 +1,11 @@
 """One error hierarchy for hpcdp: every message names the operation and the rank."""
 from __future__ import annotations
 
+import copy
+import functools
+import os
+from typing import Any, Callable, ParamSpec, TypeVar
+
 __all__ = [
     "HpcdpError",
     "BackendUnavailableError",
@@ -11,6 +16,9 @@ __all__ = [
     "ProtocolError",
     "CheckpointError",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class HpcdpError(RuntimeError):
@@ -47,3 +55,66 @@ class ProtocolError(HpcdpError):
 
 class CheckpointError(HpcdpError):
     """A checkpoint could not be written, or what was read is torn, corrupt or foreign."""
+
+
+# -- errors raised from the public call -------------------------------------------------------
+# A timeout inside a collective surfaces through a dozen internal frames (group, Work, request,
+# transport); a user reading one traceback per rank wants the line of *their* call. At each public
+# boundary an ``HpcdpError`` is re-raised as a copy whose traceback starts at that boundary; the
+# original, with every internal frame, stays reachable as the copy's ``__context__`` (printed
+# only with ``HPCDP_FULL_TRACEBACK=1``). Only ``HpcdpError``s are trimmed: anything else may come
+# from user code (a hook, a model) whose frames the user needs. Success costs a ``try`` only.
+
+_HIDDEN_NOTE = ("(hpcdp hid its internal frames: the full traceback is this error's __context__; "
+                "set HPCDP_FULL_TRACEBACK=1 to print it)")
+
+
+def full_traceback() -> bool:
+    """Whether ``HPCDP_FULL_TRACEBACK`` asks for hpcdp's internal frames to be kept."""
+    return os.environ.get("HPCDP_FULL_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def public_error(exc: BaseException, prefix: str = "") -> BaseException:
+    """What a public call raises for ``exc``: a copy of the same class (message prefixed with
+    ``prefix``) whose traceback will start at the ``raise``, with ``exc`` as its ``__context__``.
+
+    Use as ``except HpcdpError as exc: raise public_error(exc)``. An error already trimmed by an
+    inner public call is re-raised itself, with its traceback reset to the outer call.
+    """
+    if full_traceback() and not prefix:
+        return exc
+    if getattr(exc, "_hpcdp_public", False) and not prefix:
+        return exc.with_traceback(None)
+    try:
+        new = copy.copy(exc)  # same class, args and attributes (``peers``); no traceback, no chain
+        if prefix:
+            new.args = (prefix + str(exc),)
+    except Exception:  # noqa: BLE001 - an exception class that cannot be copied: raise it whole
+        return exc
+    if prefix:
+        new.__dict__.pop("__notes__", None)  # the prefix changed the message; notes stay below
+        for note in getattr(exc, "__notes__", ()):
+            if note != _HIDDEN_NOTE:
+                new.add_note(note)
+    new.__cause__ = None
+    new.__context__ = exc
+    new.__suppress_context__ = not full_traceback()
+    new._hpcdp_public = True  # type: ignore[attr-defined]
+    if not full_traceback() and _HIDDEN_NOTE not in getattr(new, "__notes__", ()):
+        new.add_note(_HIDDEN_NOTE)
+    return new
+
+
+def public(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a public entry point: its ``HpcdpError``s are raised from it (``public_error``)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except HpcdpError as exc:
+            if full_traceback():
+                raise
+            raise public_error(exc)  # noqa: B904 - the original is this error's __context__
+
+    return call  # type: ignore[return-value]

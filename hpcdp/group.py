@@ -21,9 +21,10 @@ from .backends._staging import HostStaged
 from ._group_buffers import finish_into, reduction_plan, result_buffer
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
+from ._group_torch import TorchSpellings
 from ._validate import check_array, check_divisible, check_out, check_rank, check_timeout
 from .backends.base import Backend, Request
-from .errors import CollectiveMismatchError, HpcdpError
+from .errors import CollectiveMismatchError, HpcdpError, full_traceback, public, public_error
 from .ops import ReduceOp, as_op, check_op_dtype
 from .work import CompletedWork, Work, annotate, timeout_error, work_where
 
@@ -56,8 +57,14 @@ for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
     _FAST_OPS[_o.value] = _o
 
 
-class ProcessGroup(PointToPoint, ObjectCollectives):
-    """A set of ranks that run collectives together. Ranks in arguments are group ranks."""
+class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
+    """A set of ranks that run collectives together. Ranks in arguments are group ranks.
+
+    Collectives are numpy style (return the result, or fill ``out=``); torch.distributed's
+    spellings (``all_reduce``, ``broadcast(x, src=)``, ...) work in place as torch's do
+    (``_group_torch``). An ``HpcdpError`` is raised from the public call, its internal frames
+    kept in ``__context__`` (``errors.public``).
+    """
 
     def __init__(
         self,
@@ -221,80 +228,91 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
     def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                   async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
-        # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
-        # checks as below, in fewer Python operations, because small allreduces are latency-bound.
-        # Two arrays that both own their memory cannot overlap (np.may_share_memory costs more
-        # than the rest of this path); views take the general path, which handles overlap.
         try:
-            rop = _FAST_OPS.get(op)
-        except TypeError:  # unhashable: the general path says what is wrong with it
-            rop = None
-        if (rop is not None and self._fast and not async_op and type(x) is _ndarray
-                and (xd := x.dtype) in _FAST_DTYPES and (xf := x.flags).c_contiguous
-                and (out is None or (
-                    type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
-                    and (out is x or (f.owndata and xf.owndata and out.dtype is xd
-                                      and out.shape == x.shape))))):
-            t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
-            if out is None:  # small: a copy reduced in place is cheaper than empty + separate
-                out = x.copy() if x.nbytes <= 65536 else np.empty(x.shape, x.dtype)
-                send = out if x.nbytes <= 65536 else x
-            else:
-                send = x
-            seq = next(self._seq)
-            rec = self._rec
-            tok, ring, slot = 0, None, 0
-            if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
-                ring = rec.inline
-                if ring is None:
-                    tok = rec.begin("allreduce", self, seq, x.shape, xd, -1)
-                else:
-                    rows, ends, nxt, clock, ident, cap = ring
-                    tok = nxt()
-                    slot = tok % cap
-                    rows[slot] = (tok, "allreduce", self, seq, x.shape, xd, -1, clock(), ident(), None)
+            # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
+            # checks as below, in fewer Python operations, because small allreduces are latency-bound.
+            # Two arrays that both own their memory cannot overlap (np.may_share_memory costs more
+            # than the rest of this path); views take the general path, which handles overlap.
             try:
-                if x.ndim == 1:
-                    req = self.backend.allreduce_blocking(send, out, rop, t)
+                rop = _FAST_OPS.get(op)
+            except TypeError:  # unhashable: the general path says what is wrong with it
+                rop = None
+            if (rop is not None and self._fast and not async_op and type(x) is _ndarray
+                    and (xd := x.dtype) in _FAST_DTYPES and (xf := x.flags).c_contiguous
+                    and (out is None or (
+                        type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
+                        and (out is x or (f.owndata and xf.owndata and out.dtype is xd
+                                          and out.shape == x.shape))))):
+                t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
+                if out is None:  # small: a copy reduced in place is cheaper than empty + separate
+                    out = x.copy() if x.nbytes <= 65536 else np.empty(x.shape, x.dtype)
+                    send = out if x.nbytes <= 65536 else x
                 else:
-                    rflat = out.reshape(-1)
-                    req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
-                                                          rflat, rop, t)
-            except HpcdpError as exc:
-                self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
-                err = annotate(exc, work_where(self, "allreduce", seq))
-                trace.on_error(rec, tok, err)
-                raise err from exc
-            if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
-                trace.on_error(rec, tok, err)
-                raise err
-            if ring is not None:
-                row = rows[slot]
-                if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
-                    ends[slot] = (tok, clock(), _COMPLETED, None)
-            elif rec is not None:
-                rec.end(tok)
-            return out
-        where = self._where("allreduce")
-        rop = as_op(op, where)
-        check_array(where, x)
-        be = self._transport(x)
-        check_op_dtype(rop, x.dtype, where)
-        xp = xp_of(x)
-        result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
-        t = self._timeout_of("allreduce", timeout)
-        seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
-        send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
-        rflat = rbuf.reshape(-1)
-        req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
-        return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
+                    send = x
+                seq = next(self._seq)
+                rec = self._rec
+                tok, ring, slot = 0, None, 0
+                if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
+                    ring = rec.inline
+                    if ring is None:
+                        tok = rec.begin("allreduce", self, seq, x.shape, xd, -1)
+                    else:
+                        rows, ends, nxt, clock, ident, cap = ring
+                        tok = nxt()
+                        slot = tok % cap
+                        rows[slot] = (tok, "allreduce", self, seq, x.shape, xd, -1, clock(), ident(), None)
+                try:
+                    if x.ndim == 1:
+                        req = self.backend.allreduce_blocking(send, out, rop, t)
+                    else:
+                        rflat = out.reshape(-1)
+                        req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
+                                                              rflat, rop, t)
+                except HpcdpError as exc:
+                    self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
+                    err = annotate(exc, work_where(self, "allreduce", seq))
+                    trace.on_error(rec, tok, err)
+                    raise err from exc
+                if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+                    trace.on_error(rec, tok, err)
+                    raise err
+                if ring is not None:
+                    row = rows[slot]
+                    if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
+                        ends[slot] = (tok, clock(), _COMPLETED, None)
+                elif rec is not None:
+                    rec.end(tok)
+                return out
+            where = self._where("allreduce")
+            rop = as_op(op, where)
+            check_array(where, x)
+            be = self._transport(x)
+            check_op_dtype(rop, x.dtype, where)
+            xp = xp_of(x)
+            result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
+            t = self._timeout_of("allreduce", timeout)
+            seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+            send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
+            rflat = rbuf.reshape(-1)
+            req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
+            return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
+        except HpcdpError as exc:  # raised from here, not from a dozen frames below
+            if full_traceback():
+                raise
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
 
-    # torch spelling
-    all_reduce = allreduce
+    @public
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
+                  timeout: float | None = None, src: int | None = None) -> Any:
+        """Every rank gets root's ``x``; fills ``x`` (or ``out=``) in place when it can.
 
-    def broadcast(self, x: Any, root: int = 0, *, out: Any = None,
-                  async_op: bool = False, timeout: float | None = None) -> Any:
-        """Every rank gets root's ``x``; fills ``x`` (or ``out=``) in place when it can."""
+        ``src=`` is torch's spelling of ``root``: with it the call is torch's (``x`` in place,
+        returns None or a Work).
+        """
+        if src is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('broadcast')}: torch's form (src=) takes no out=")
+            return self._torch_broadcast(x, src, async_op, timeout)
         where = self._where("broadcast")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
@@ -314,9 +332,20 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         req = self._post("broadcast", seq, be.broadcast, buf.reshape(-1), root, tok=tok)
         return self._run("broadcast", seq, req, finish_into(target, buf), async_op, t, tok)
 
+    @public
     def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
-               async_op: bool = False, timeout: float | None = None) -> Any:
-        """Reduce ``x`` across ranks onto ``root``; other ranks get None."""
+               async_op: bool = False, timeout: float | None = None, dst: int | None = None) -> Any:
+        """Reduce ``x`` across ranks onto ``root``; other ranks get None.
+
+        torch's form, ``reduce(x, dst=0, op=...)`` or ``reduce(x, 0)``, reduces into ``x`` on
+        ``dst`` in place and returns None (or a Work).
+        """
+        if dst is not None or (isinstance(op, (int, np.integer)) and not isinstance(op, bool)):
+            if out is not None:
+                raise TypeError(f"{self._where('reduce')}: torch's form (dst=) takes no out=")
+            if dst is None:  # torch's positional order: reduce(tensor, dst, op)
+                dst, op = int(op), (root if isinstance(root, (str, ReduceOp)) else "sum")
+            return self._torch_reduce(x, dst, op, async_op, timeout)
         where = self._where("reduce")
         rop = as_op(op, where)
         root = check_rank(where, "root", root, self.size)
@@ -341,9 +370,18 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         finish = finish_into(result, buf, post) if is_root else (lambda: None)
         return self._run("reduce", seq, req, finish, async_op, t, tok)
 
-    def all_gather(self, x: Any, *, out: Any = None, async_op: bool = False,
+    @public
+    def all_gather(self, x: Any, tensor: Any = None, *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None) -> Any:
-        """Stack every rank's ``x``: shape ``(size, *x.shape)``."""
+        """Stack every rank's ``x``: shape ``(size, *x.shape)``.
+
+        torch's form ``all_gather(tensor_list, tensor)`` fills ``tensor_list[i]`` with rank i's
+        ``tensor`` and returns None (or a Work).
+        """
+        if tensor is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('all_gather')}: torch's form takes no out=")
+            return self._torch_all_gather(x, tensor, async_op, timeout)
         where = self._where("all_gather")
         check_array(where, x)
         be = self._transport(x)
@@ -356,9 +394,23 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
 
     allgather = all_gather
 
+    @public
     def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
-               timeout: float | None = None) -> Any:
-        """Stack every rank's ``x`` on ``root``; other ranks get None."""
+               timeout: float | None = None, gather_list: Any = None,
+               dst: int | None = None) -> Any:
+        """Stack every rank's ``x`` on ``root``; other ranks get None.
+
+        torch's form ``gather(x, gather_list, dst=0)`` fills ``gather_list`` on ``dst`` and
+        returns None (or a Work).
+        """
+        if dst is not None or gather_list is not None or isinstance(root, (list, tuple)):
+            if out is not None:
+                raise TypeError(f"{self._where('gather')}: torch's form takes no out=")
+            if gather_list is None and not isinstance(root, (int, np.integer)):
+                gather_list = root  # positional: gather(tensor, gather_list, dst)
+            if dst is None:
+                dst = root if isinstance(root, (int, np.integer)) else 0
+            return self._torch_gather(x, gather_list, dst, async_op, timeout)
         where = self._where("gather")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
@@ -378,12 +430,24 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         finish = finish_into(result, buf) if is_root else (lambda: None)
         return self._run("gather", seq, req, finish, async_op, t, tok)
 
+    @public
     def scatter(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
-                timeout: float | None = None) -> Any:
+                timeout: float | None = None, scatter_list: Any = None,
+                src: int | None = None) -> Any:
         """Split root's ``x`` along axis 0 into ``size`` parts; rank i gets part i.
 
         Non-root ranks pass an array shaped like root's (its values are ignored) or ``out=``.
+        torch's form ``scatter(x, scatter_list, src=0)`` fills ``x`` with ``scatter_list[i]``
+        on rank i and returns None (or a Work).
         """
+        if src is not None or scatter_list is not None or isinstance(root, (list, tuple)):
+            if out is not None:
+                raise TypeError(f"{self._where('scatter')}: torch's form takes no out=")
+            if scatter_list is None and not isinstance(root, (int, np.integer)):
+                scatter_list = root  # positional: scatter(tensor, scatter_list, src)
+            if src is None:
+                src = root if isinstance(root, (int, np.integer)) else 0
+            return self._torch_scatter(x, scatter_list, src, async_op, timeout)
         where = self._where("scatter")
         root = check_rank(where, "root", root, self.size)
         is_root = self.rank == root
@@ -407,9 +471,19 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         req = self._post("scatter", seq, be.scatter, send, buf.reshape(-1), root, tok=tok)
         return self._run("scatter", seq, req, finish_into(result, buf), async_op, t, tok)
 
+    @public
     def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
                        async_op: bool = False, timeout: float | None = None) -> Any:
-        """Reduce ``x`` across ranks and give rank i part i of axis 0."""
+        """Reduce ``x`` across ranks and give rank i part i of axis 0.
+
+        torch's list form ``reduce_scatter(output, input_list)`` is not offered (a TypeError
+        says so): use ``reduce_scatter_tensor(output, input)``, torch's own successor.
+        """
+        if isinstance(op, (list, tuple)):
+            raise TypeError(f"{self._where('reduce_scatter')}: torch's list form reduce_scatter("
+                            "output, input_list) is not offered; call reduce_scatter_tensor("
+                            "output, np.concatenate(input_list)) (in place, as torch's), or "
+                            "reduce_scatter(x) for the result")
         where = self._where("reduce_scatter")
         rop = as_op(op, where)
         check_array(where, x)
@@ -425,9 +499,18 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         req = self._post("reduce_scatter", seq, be.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
         return self._run("reduce_scatter", seq, req, finish_into(result, buf, post), async_op, t, tok)
 
-    def all_to_all(self, x: Any, *, out: Any = None, async_op: bool = False,
-                   timeout: float | None = None) -> Any:
-        """Part j of ``x`` (axis 0) goes to rank j; part i of the result came from rank i."""
+    @public
+    def all_to_all(self, x: Any, input_list: Any = None, *, out: Any = None,
+                   async_op: bool = False, timeout: float | None = None) -> Any:
+        """Part j of ``x`` (axis 0) goes to rank j; part i of the result came from rank i.
+
+        torch's form ``all_to_all(output_list, input_list)`` fills ``output_list[i]`` with what
+        rank i sent this rank and returns None (or a Work).
+        """
+        if input_list is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('all_to_all')}: torch's form takes no out=")
+            return self._torch_all_to_all(x, input_list, async_op, timeout)
         where = self._where("all_to_all")
         check_array(where, x)
         be = self._transport(x)
@@ -444,6 +527,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
 
     alltoall = all_to_all
 
+    @public
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Return once every rank of the group has called ``barrier``."""
         t = self._timeout_of("barrier", timeout)
@@ -452,6 +536,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives):
         return self._run("barrier", seq, req, lambda: None, async_op, t, tok)
 
     # -- sub-groups -------------------------------------------------------------------------
+    @public
     def new_group(self, ranks: Sequence[int], *, name: str | None = None,
                   timeout: float | None = None) -> "ProcessGroup":
         """Collective over this group: a group of ``ranks`` (ranks of this group, in that order).

@@ -1,24 +1,37 @@
 """Rank-aware output: a tqdm progress bar on rank 0 only, and loggers that prefix ``[rank N]``.
 
 The rank is read when something is printed (not when the logger is made), so one logger serves
-every simulated rank (threads) correctly.
+every simulated rank (threads) correctly; before ``hpcdp.init`` it is the launcher's (``RANK``,
+``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``...), so ranks do not all say 0. A line reads
+``[rank N] LEVEL name: message`` under every launcher: ``hpcdp-run`` prefixes each line of a rank
+with ``[rank N] `` too, but not one that starts with that already.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Iterable, Iterator
 
 __all__ = ["progress", "get_logger", "NullBar"]
+
+#: where launchers put the rank of the process they start (hpcdp-run/torchrun, Open MPI, MPICH
+#: and Intel MPI, PMIx, Slurm)
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
 
 def _rank() -> int:
     try:
         import hpcdp
 
-        return int(hpcdp.rank()) if hpcdp.is_initialized() else 0
+        if hpcdp.is_initialized():
+            return int(hpcdp.rank())
     except Exception:  # noqa: BLE001 - output helpers must never fail a run
         return 0
+    for key in _RANK_ENV:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 class NullBar:

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import trace
 from ._validate import check_timeout
 from .backends.base import Request
-from .errors import CommTimeoutError, HpcdpError, PeerFailureError
+from .errors import CommTimeoutError, HpcdpError, PeerFailureError, public
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["Work"]
+__all__ = ["Work", "then"]
 
 
 class Work:
@@ -59,6 +59,7 @@ class Work:
     def _raise(self, exc: BaseException) -> None:
         raise self._fail(exc)
 
+    @public
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done or ``timeout`` (default: the call's, else the group's); the result."""
         if self._done:
@@ -93,6 +94,7 @@ class Work:
             self._progress(0)
         return self._done or self._error is not None
 
+    @public
     def wait_for(self, seconds: float) -> bool:
         """Wait up to ``seconds`` and say whether the call is done, without giving it up.
 
@@ -117,6 +119,17 @@ class Work:
 
 def _nothing() -> None:
     return None
+
+
+def then(work: Work, after: Callable[[Any], Any]) -> Work:
+    """``work``, whose completion also runs ``after(result)`` and yields what it returns (the
+    torch spellings copy a result into the caller's arrays this way, and return None)."""
+    if work._done:
+        work._result = after(work._result)
+        return work
+    inner = work._finish
+    work._finish = lambda: after(inner())
+    return work
 
 
 def work_where(group: "ProcessGroup", op: str, seq: int) -> str:

@@ -144,11 +144,13 @@ class _Spy:
 
     def __init__(self) -> None:
         self.seen: list[type] = []
+        self.sent: list[np.ndarray] = []
 
     def allreduce(self, sendbuf, recvbuf, op):  # noqa: ANN001 - mirrors Backend
         from hpcdp.backends.base import Request
 
         self.seen += [type(sendbuf), type(recvbuf)]
+        self.sent += [sendbuf, recvbuf]
         np.copyto(recvbuf, sendbuf * 2)
         spy = self
 
@@ -183,7 +185,8 @@ def test_host_staging_hands_the_transport_host_arrays_and_reuses_pinned_buffers(
         assert staged.allreduce(y, y, None).wait(1.0)  # in place: one host copy, both roles
         np.testing.assert_array_equal(y.get(), 2.0)
     assert set(spy.seen) == {np.ndarray}, spy.seen  # never a device array
-    assert staged.pool.allocations == 2  # one send + one receive buffer, reused every step
+    assert staged.pool.allocations == 1  # one host buffer, reduced in place, reused every step
+    assert all(a is b for a, b in zip(spy.sent[::2], spy.sent[1::2]))  # in place on the host
     assert staged.allreduce(np.ones(2), np.ones(2), None).wait(1.0)  # numpy: straight through
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcdp.launch._slurm import node_layout, parse_nodelist
+from hpcdp.launch._slurm import expand_nodelist, node_layout, parse_nodelist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,7 +133,8 @@ def test_ranks_see_the_script_as_python_runs_it(tmp_path, module: bool) -> None:
     ("c[1,3-4]", ["c1", "c3", "c4"]),
 ])
 def test_parse_nodelist(spec: str, hosts: list[str]) -> None:
-    assert parse_nodelist(spec) == hosts
+    assert parse_nodelist(spec) == hosts  # scontrol's expansion where it is installed
+    assert expand_nodelist(spec) == hosts  # the built-in fallback everywhere
 
 
 def _start(args: list[str], tmp_path, script: str) -> subprocess.Popen:
@@ -292,6 +293,7 @@ def test_spawn_collect_sentinel_before_eof(monkeypatch) -> None:
 ])
 def test_parse_nodelist_suffixes_and_several_brackets(spec: str, hosts: list[str]) -> None:
     assert parse_nodelist(spec) == hosts
+    assert expand_nodelist(spec) == hosts
 
 
 # -- multi-node: two launchers on this machine form one world --------------------------------

@@ -65,3 +65,20 @@ def test_logger_prefixes_each_rank() -> None:
         logging.getLogger(name).handlers.clear()
     lines = sorted(buf.getvalue().splitlines())
     assert lines == [f"[rank {r}] INFO {name}: hello from {r}" for r in range(2)], lines
+
+
+def test_hpcdp_progress_stays_the_function_whatever_was_imported_first() -> None:
+    """``hpcdp.progress`` is the function the README shows, even after ``get_logger`` or
+    ``from hpcdp.progress import ...`` loaded the submodule of the same name (which Python binds
+    on the package, so ``hpcdp.progress(...)`` raised "'module' object is not callable")."""
+    import subprocess
+    import sys
+
+    code = ("import hpcdp, sys\n"
+            "hpcdp.get_logger('x')\n"
+            "from hpcdp.progress import NullBar\n"
+            "import hpcdp.progress\n"
+            "assert callable(hpcdp.progress), type(hpcdp.progress)\n"
+            "assert list(hpcdp.progress(range(3), rank=1)) == [0, 1, 2]\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr

@@ -11,7 +11,7 @@ import pytest
 
 from hpcdp import trace
 from hpcdp.trace import COMPLETED, FAILED, TIMED_OUT
-from hpcdp.trace import _files
+from hpcdp.trace import _clock, _files
 from hpcdp.trace._analyze import analyze, find_divergence, fmt_ranks
 from hpcdp.trace._files import load_flight_records
 
@@ -23,6 +23,7 @@ F32 = np.dtype("float32")
 @pytest.fixture(autouse=True)
 def fresh():
     trace.reset()
+    _clock._offsets.clear()  # other tests' clock offsets would reorder the synthetic ranks' ops
     trace.configure(lines=True)  # synthetic ranks record every line, as HPCDP_TRACE_LINES=1 does
     yield
     trace.reset()
@@ -81,12 +82,13 @@ def test_rank_calling_another_collective_is_named_with_lines(tmp_path) -> None:
         else:
             rk.op("allreduce", state=TIMED_OUT)  # MARK-ALLREDUCE
     text = analyze(_dump(tmp_path))
-    assert text.startswith("First divergence: allreduce #3 on group world (shape (4,), float32) was "
-                           "reached by ranks 0, 1, 3 at "), text
-    assert f"{HERE}:{_line_of('MARK-ALLREDUCE')} " in text
-    assert "but not by rank 2: rank 2 called barrier #3 on group world instead" in text
-    assert f"{HERE}:{_line_of('MARK-BARRIER')} " in text
-    assert "timed out" in text and "Records dumped on: CommTimeoutError" in text
+    lines = text.splitlines()
+    assert lines[0] == "First divergence: allreduce #3 on group world (shape (4,), float32)", text
+    assert lines[1].startswith(f"Reached by ranks 0, 1, 3 (timed out) at {HERE}:{_line_of('MARK-ALLREDUCE')} "), text
+    assert lines[2] == "Not reached by rank 2:", text
+    assert lines[3].startswith("  rank 2: called barrier #3 on group world instead (no arguments; timed out) "
+                               f"at {HERE}:{_line_of('MARK-BARRIER')} "), text
+    assert lines[4] == "Record of ranks 0-3 written on: CommTimeoutError: allreduce #3 on group world timed out"
 
 
 def test_rank_that_went_to_another_group_is_told_from_the_majority(tmp_path) -> None:
@@ -105,8 +107,8 @@ def test_rank_that_went_to_another_group_is_told_from_the_majority(tmp_path) -> 
     assert (d.group, d.seq, d.expected.op, sorted(d.reached), d.not_reached) == ("world", 3, "allreduce",
                                                                                 [0, 1, 3], [2])
     text = analyze(str(tmp_path))
-    assert "but not by rank 2: rank 2 was in barrier #1 on group side (timed out) at " in text, text
-    assert f":{_line_of('MARK-SIDE')} " in text and "its last operation on group world was #2" in text
+    assert "\n  rank 2: was in barrier #1 on group side (timed out) at " in text, text
+    assert f":{_line_of('MARK-SIDE')} " in text and "\n  rank 2: its last operation on group world was allreduce #2 at " in text
 
 
 def test_rank_blocked_in_point_to_point(tmp_path) -> None:
@@ -117,7 +119,8 @@ def test_rank_blocked_in_point_to_point(tmp_path) -> None:
     ranks[1].op("allreduce", state="started")
     ranks[2].op("recv", seq=0, peer=0, state="started")  # MARK-RECV
     text = analyze(_dump(tmp_path))
-    assert "reached by ranks 0, 1" in text and "but not by rank 2: rank 2 was in recv(peer 0) on group world (started)" in text, text
+    assert "Reached by rank 0 (started)" in text and "Reached by rank 1 (started)" in text, text
+    assert "Not reached by rank 2:\n  rank 2: was in recv(peer 0) on group world (started)" in text, text
     assert f":{_line_of('MARK-RECV')} " in text
 
 
@@ -129,19 +132,133 @@ def test_rank_without_a_record_and_one_that_finished(tmp_path) -> None:
         rk.op("allreduce", state=TIMED_OUT)
     ranks[2].op("broadcast", gname="other", ranks=(2,), peer=0)  # finished, then did nothing more
     text = analyze(_dump(tmp_path, drop=[3]))  # rank 3's record is missing
-    assert "reached by ranks 0, 1" in text and "but not by ranks 2, 3" in text, text
-    assert "rank 2 had finished broadcast #1 on group other" in text
-    assert "rank 3 wrote no flight record" in text
+    assert "Reached by ranks 0, 1 (timed out)" in text and "Not reached by ranks 2, 3:" in text, text
+    assert "  rank 2: had finished broadcast #1 on group other" in text
+    assert "  rank 3: wrote no flight record: killed or crashed hard" in text
+
+
+def test_one_fact_per_line_when_a_rank_skipped_a_collective(tmp_path) -> None:
+    """Issue 21 item 11: the divergent op, who reached it, who did not and what each was doing,
+    each on a line of its own with its source line, not one ~400-character paragraph."""
+    ranks = [Rank(r, 3) for r in range(3)]
+    for rk in ranks:
+        rk.op("allreduce")  # MARK-BOTH
+    for rk in ranks:
+        if rk.r == 1:
+            rk.op("barrier", gname="side", ranks=(1,), state=TIMED_OUT, shape=None, dtype=None)  # MARK-SKIP
+        else:
+            rk.op("allreduce", state=TIMED_OUT)  # MARK-WAIT
+    lines = analyze(_dump(tmp_path)).splitlines()
+    fn = "(test_one_fact_per_line_when_a_rank_skipped_a_collective)"
+    assert lines == [
+        "First divergence: allreduce #2 on group world (shape (4,), float32)",
+        f"Reached by ranks 0, 2 (timed out) at {HERE}:{_line_of('MARK-WAIT')} {fn}",
+        "Not reached by rank 1:",
+        f"  rank 1: was in barrier #1 on group side (timed out) at {HERE}:{_line_of('MARK-SKIP')} {fn}",
+        f"  rank 1: its last operation on group world was allreduce #1 at {HERE}:{_line_of('MARK-BOTH')} {fn}",
+        "Record of ranks 0-2 written on: CommTimeoutError: allreduce #3 on group world timed out",
+    ], "\n".join(lines)
+
+
+def test_a_peer_that_finalized_is_said_to_have_finished(tmp_path) -> None:
+    """Rank 1 finished normally (``hpcdp.finalize`` marks its record) while rank 0 waits in a
+    collective: not "killed or crashed", and no lead to a failed link."""
+    ranks = [Rank(r, 2) for r in range(2)]
+    for rk in ranks:
+        rk.op("allreduce")
+        rk.op("allreduce")  # MARK-LAST
+    trace.mark_finished("finalize", 1, write=False)
+    ranks[0].op("allreduce", state=TIMED_OUT)  # MARK-ALONE
+    lines = analyze(_dump(tmp_path)).splitlines()
+    fn = "(test_a_peer_that_finalized_is_said_to_have_finished)"
+    assert lines[:5] == [
+        "First divergence: allreduce #3 on group world (shape (4,), float32)",
+        f"Reached by rank 0 (timed out) at {HERE}:{_line_of('MARK-ALONE')} {fn}",
+        "Not reached by rank 1:",
+        f"  rank 1: finished normally: hpcdp.finalize() at {HERE}:{_line_of('def _dump(') + 2} (_dump)",
+        f"  rank 1: its last operation on group world was allreduce #2 at {HERE}:{_line_of('MARK-LAST')} {fn}",
+    ], "\n".join(lines)
+    text = "\n".join(lines)
+    assert "killed" not in text and "crashed" not in text and "failed link" not in text, text
+    assert json.loads((tmp_path / "flight-rank1.json").read_text())["finished"] == "finalize"
+
+
+_FINISHING_JOB = """
+import sys
+import numpy as np
+import hpcdp
+from hpcdp.errors import HpcdpError
+
+def body(rank):
+    g = hpcdp.get_default_group()
+    for _ in range(2):
+        g.allreduce(np.ones(4))
+    if rank == 1:
+        return "done"  # spawn calls hpcdp.finalize() on it while rank 0 still waits
+    try:
+        g.allreduce(np.ones(4), timeout=20.0)  # LINE-WAIT
+    except HpcdpError as exc:
+        return type(exc).__name__
+    return "no error"
+
+if __name__ == "__main__":
+    print(hpcdp.spawn(body, 2, backend="tcp", timeout=30, join_timeout=60))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("trace_dir", ["named", "default"])
+def test_finalize_writes_a_finished_record_that_analyze_reads(tmp_path, trace_dir: str) -> None:
+    """A real TCP job: rank 1 returns and finalizes, rank 0 is left in allreduce #3. Before, rank 1
+    wrote no record and the analysis said "killed or crashed?" and "look for a failed link".
+    With ``HPCDP_TRACE_DIR`` named, rank 1 writes a "finished" record; by default a clean rank
+    leaves no file behind, and the analysis reads rank 1's finalize from rank 0's error."""
+    script = tmp_path / "job.py"
+    script.write_text(_FINISHING_JOB)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("HPCDP_BACKEND", "RANK", "WORLD_SIZE", "HPCDP_MASTER_ADDR", "MASTER_ADDR",
+              "HPCDP_TRACE_DIR", "HPCDP_TRACE"):
+        env.pop(k, None)
+    if trace_dir == "named":
+        d = tmp_path / "trace"
+        env["HPCDP_TRACE_DIR"] = str(d)
+    else:
+        d = tmp_path / "hpcdp-trace"  # the default, under the job's working directory
+    job = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150,
+                         env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert job.returncode == 0 and "'done'" in job.stdout, job.stdout + job.stderr
+    if trace_dir == "named":
+        doc = json.loads((d / "flight-rank1.json").read_text())
+        assert doc["finished"] == "finalize" and doc["reason"] == "finished: hpcdp.finalize() on rank 1", doc["reason"]
+    else:
+        assert not (d / "flight-rank1.json").exists()  # a clean rank leaves no litter
+        assert (d / "flight-rank0.json").exists()  # the rank that failed wrote its record
+    text = analyze(str(d))
+    lines = text.splitlines()
+    line = next(i for i, t in enumerate(_FINISHING_JOB.split("\n"), 1) if "LINE-WAIT" in t)
+    assert lines[0] == "First divergence: allreduce #3 on group world (shape (4,), float64)", text
+    assert lines[1].startswith("Reached by rank 0 (") and lines[1].endswith(f"at {script}:{line} (body)"), text
+    assert lines[2] == "Not reached by rank 1:", text
+    if trace_dir == "named":
+        assert lines[3].startswith("  rank 1: finished normally: hpcdp.finalize()"), text
+        assert lines[4].startswith("  rank 1: its last operation on group world was allreduce #2"), text
+    else:
+        assert lines[3] == ("  rank 1: finished normally: it called hpcdp.finalize() and told its peers "
+                            "(rank 0's error says so); it wrote no flight record of its own"), text
+    assert "killed" not in text and "crashed" not in text and "failed link" not in text, text
 
 
 def test_all_reached_but_stuck(tmp_path) -> None:
     ranks = [Rank(r, 2) for r in range(2)]
     for rk in ranks:
         rk.op("allreduce")
-        rk.op("all_gather", state=TIMED_OUT)
+        rk.op("all_gather", state=TIMED_OUT)  # MARK-GATHER
     text = analyze(_dump(tmp_path))
-    assert "all_gather #2 on group world" in text and "called it alike" in text, text
-    assert "did not complete on ranks 0, 1" in text
+    assert text.splitlines()[:4] == [
+        "First divergence: all_gather #2 on group world (shape (4,), float32)",
+        f"Reached by ranks 0, 1 (timed out) at {HERE}:{_line_of('MARK-GATHER')} (test_all_reached_but_stuck)",
+        "Every member of group world with a record called it alike; it did not complete on ranks 0, 1",
+        "Look for a peer stalled inside the transport or a failed link"], text
 
 
 def test_argument_mismatch_is_a_divergence(tmp_path) -> None:
@@ -149,7 +266,7 @@ def test_argument_mismatch_is_a_divergence(tmp_path) -> None:
     for rk in ranks:
         rk.op("allreduce", shape=(4,) if rk.r != 1 else (5,), state=FAILED)
     text = analyze(_dump(tmp_path))
-    assert "reached by ranks 0, 2" in text and "rank 1 called allreduce #1 on group world instead (shape (5,)" in text, text
+    assert "Reached by ranks 0, 2 (failed)" in text and "  rank 1: called allreduce #1 on group world instead (shape (5,)" in text, text
 
 
 def test_no_divergence(tmp_path) -> None:
@@ -262,7 +379,7 @@ def test_cli_analyze(tmp_path) -> None:
     p = subprocess.run([sys.executable, "-m", "hpcdp.trace", "analyze", "-v", str(tmp_path)],
                        capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stderr
-    assert "allreduce #2 on group world" in p.stdout and "rank 1 called barrier #2" in p.stdout
+    assert "allreduce #2 on group world" in p.stdout and "  rank 1: called barrier #2" in p.stdout
     assert "rank 0 (" in p.stdout and "rank 1 (" in p.stdout  # -v: one line per rank
     q = subprocess.run([sys.executable, "-m", "hpcdp.trace", "analyze", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
@@ -280,7 +397,7 @@ def test_records_of_an_earlier_job_are_set_aside(tmp_path) -> None:
 
     _rewrite(tmp_path / "flight-rank3.json", older)
     text = analyze(str(tmp_path))
-    assert "Set aside the records of rank 3: they are from an earlier job." in text, text
+    assert "\nSet aside the records of rank 3: they are from an earlier job." in text, text
     assert sorted(load_flight_records(str(tmp_path))) == [0, 1, 2]
 
 
@@ -316,7 +433,7 @@ def test_a_huge_sequence_number_does_not_stall_the_analysis(tmp_path) -> None:
         rk.op("allreduce")
     ranks[0].op("allreduce", seq=10**15)          # a damaged record: the walk must not count up to it
     text = analyze(_dump(tmp_path))
-    assert "allreduce #1000000000000000 on group world" in text and "not by rank 1" in text, text
+    assert "allreduce #1000000000000000 on group world" in text and "Not reached by rank 1" in text, text
 
 
 # -- hostile sizes: time and memory stay bounded (issue 20, item 3) ------------------------------
@@ -369,7 +486,7 @@ def test_analysis_is_not_quadratic_in_groups(tmp_path) -> None:
     assert size > 8 << 20
     p = _capped(["analyze", str(tmp_path)], limit=2 << 30, timeout=60)   # raises TimeoutExpired if stuck
     assert p.returncode == 0 and json.loads(p.stdout.splitlines()[-1])["code"] == 0, p.stderr
-    assert "First divergence: allreduce #1 on group g0-0" in p.stdout and "not by rank 1" in p.stdout
+    assert "First divergence: allreduce #1 on group g0-0" in p.stdout and "Not reached by rank 1" in p.stdout
 
 
 @pytest.mark.timeout(200)

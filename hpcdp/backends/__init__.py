@@ -20,16 +20,18 @@ __all__ = ["Backend", "Request", "register_backend", "available_backends", "back
            "backend_spawner", "spawnable_backends", "ANY_SOURCE", "ANY_TAG"]
 
 
-def _mpi_factory(**options: Any) -> Backend:
+# The factories spell out the options each backend takes: ``hpcdp.init`` refuses any other
+# (``_world.check_options``), the same way for every backend.
+def _mpi_factory() -> Backend:
     from .mpi import create_world
 
-    return create_world(**options)
+    return create_world()
 
 
-def _tcp_factory(**options: Any) -> Backend:
+def _tcp_factory(*, connect_timeout: float | None = None) -> Backend:
     from .tcp import create_world
 
-    return create_world(**options)
+    return create_world(connect_timeout=connect_timeout)
 
 
 def _mpi_available() -> bool:

@@ -105,7 +105,7 @@ class MPIRequest(Request):
         if self.error is not None:
             raise self.error
         if self.be.notice_waiting():
-            self.be.check_notices(self.index)
+            self.be.check_notices(self.index, not self.done)  # (a p2p wait fails if a peer died)
         return self.done
 
     def wait(self, timeout: float | None) -> bool:

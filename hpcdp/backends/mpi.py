@@ -490,7 +490,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
             raise self.mpi_error(exc, "new_group", 0) from None
 
 
-def create_world(**_: Any) -> MPIBackend:
+def create_world() -> MPIBackend:
     """The world group on a private duplicate of ``COMM_WORLD``."""
     MPI = get_mpi()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

@@ -27,16 +27,24 @@ from ._common import JsonSink, Row, fmt_size, interleaved, pretouch
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench checkpoint")
+def parser() -> argparse.ArgumentParser:
+    """Options of G1 and G2."""
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench checkpoint",
+        description="G1 (save) and G2 (load) of a row-sharded state against raw MPI-IO on the same "
+                    "buffers, in the same launch. Run under mpirun.")
     p.add_argument("--total", type=int, default=256 << 20, help="bytes in the whole state")
-    p.add_argument("--arrays", type=int, default=4)
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--arrays", type=int, default=4, help="float32 arrays the state is split into")
+    p.add_argument("--trials", type=int, default=5, help="interleaved baseline/checkpoint trials")
     p.add_argument("--dir", default=None, help="where to write (default: ./.bench-ckpt)")
     p.add_argument("--mode", default=None, help="checkpoint mode: mpio, vds or auto")
     p.add_argument("--json", default=None, help="append JSON lines here")
     add_plot_argument(p)
-    return p.parse_args(argv)
+    return p
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,21 +31,45 @@ from ._plot import PlotSink, add_plot_argument, maybe_plot
 OPS = ("allreduce", "all_gather", "reduce_scatter", "broadcast")
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench collectives")
-    p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--min-size", type=int, default=8)
-    p.add_argument("--max-size", type=int, default=64 << 20)
-    p.add_argument("--trials", type=int, default=5)
+BACKENDS = ("mpi", "tcp", "sim")
+
+
+def parser() -> argparse.ArgumentParser:
+    """Options of the MPI benchmark, and ``--backend`` naming the TCP and simulated ones."""
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench collectives",
+        description="hpcdp collectives against raw mpi4py on the same buffers (A1-A5, under mpirun), "
+                    "the TCP backend against sockets and gloo (B1, B2) or the simulated backend "
+                    "against numpy (C1).",
+        epilog="'--backend tcp --help' and '--backend sim --help' list the options of those backends.")
+    p.add_argument("--backend", choices=BACKENDS, default="mpi",
+                   help="mpi: A1-A5 under mpirun, the options below; tcp: B1/B2, local processes; "
+                        "sim: C1, thread ranks (default: mpi)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated collectives to time (default: all)")
+    p.add_argument("--min-size", type=int, default=8, help="smallest message in bytes")
+    p.add_argument("--max-size", type=int, default=64 << 20, help="largest message in bytes")
+    p.add_argument("--trials", type=int, default=5, help="interleaved hpcdp/mpi4py trials per size")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds per timed loop")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="numpy dtype of the buffers")
     p.add_argument("--json", default=None, help="append JSON lines here")
     p.add_argument("--import-order", choices=("hpcdp-first", "mpi4py-first", "both"), default=None,
                    help="import hpcdp or mpi4py first (default: hpcdp-first under mpirun; both, "
                         "as two mpirun launches, outside it)")
     p.add_argument("--ranks", type=int, default=2, help="ranks per launch with --import-order both")
     add_plot_argument(p)
-    return p.parse_args(argv)
+    return p
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def _backend(argv: list[str]) -> tuple[str, list[str]]:
+    """``--backend`` and the other arguments, for the TCP and sim benchmarks' own parsers."""
+    pre = argparse.ArgumentParser(prog="python -m hpcdp.bench collectives", add_help=False)
+    pre.add_argument("--backend", choices=BACKENDS, default="mpi")
+    known, rest = pre.parse_known_args(argv)
+    return known.backend, rest
 
 
 _ORDERS = ("hpcdp-first", "mpi4py-first")
@@ -173,7 +197,16 @@ def _iters(fn: Callable[[], Any], comm: Any, min_time: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    backend, rest = _backend(argv)
+    if backend == "tcp":
+        from .tcp import main_tcp
+
+        return main_tcp(rest, prog="python -m hpcdp.bench collectives --backend tcp")
+    if backend == "sim":
+        from .sim import main as main_sim
+
+        return main_sim(rest, prog="python -m hpcdp.bench collectives --backend sim")
     args = _parse(argv)
     order = args.import_order or ("hpcdp-first" if _under_launcher() else "both")
     if order == "both":

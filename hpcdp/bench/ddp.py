@@ -241,10 +241,14 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run D1, D2, D4 and the hidden-communication share; print rows and summaries."""
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench ddp")
-    p.add_argument("--trials", type=int, default=5)
+def parser() -> argparse.ArgumentParser:
+    """Options of D1, D2, D4."""
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench ddp",
+        description="D1, D2, D4: DDP gradient sync against per-tensor allreduces and one mpi4py "
+                    "Allreduce, weak-scaling efficiency, and the share of communication hidden by "
+                    "backward. Run under 'mpirun -n 2 --bind-to core'.")
+    p.add_argument("--trials", type=int, default=5, help="interleaved trials per figure")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
     p.add_argument("--only", default="D1,D2,D4", help="comma-separated subset of D1,D2,D4")
     p.add_argument("--iters", type=int, default=None,
@@ -254,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d4-hidden", type=int, default=1024, help="D4: hidden width of the MLP")
     p.add_argument("--d4-batch", type=int, default=64, help="D4: batch per rank")
     add_plot_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run D1, D2, D4 and the hidden-communication share; print rows and summaries."""
+    p = parser()
     args = p.parse_args(argv)
     for name in ("trials", "d1_tensors", "d4_hidden", "d4_batch"):
         if getattr(args, name) < 1:

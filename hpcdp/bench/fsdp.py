@@ -314,20 +314,30 @@ def bench_e4(depth: int, budget_mib: float, sink: JsonSink) -> bool:
     return ratio >= 0.8 * n
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run E1-E4 (``--only`` picks); print tables on rank 0; JSON lines with ``--json``."""
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench fsdp")
-    p.add_argument("--only", default="E1,E2,E3,E4")
+def parser() -> argparse.ArgumentParser:
+    """Options of E1-E4."""
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench fsdp",
+        description="E1-E4: FSDP and ZeRO stages against DDP: bytes held per rank, bytes sent per "
+                    "step, step time, and the largest model that fits a memory budget. Run under "
+                    "'mpirun -n 2 --bind-to core' (and -n 4).")
+    p.add_argument("--only", default="E1,E2,E3,E4", help="comma-separated subset of E1,E2,E3,E4")
     p.add_argument("--depth", type=int, default=8, help="E1-E3: Linear layers")
     p.add_argument("--width", type=int, default=512, help="E1, E2: layer width")
     p.add_argument("--e3-width", type=int, default=1024, help="E3: layer width (communication-bound)")
     p.add_argument("--e3-batch", type=int, default=4, help="E3: rows per rank per step")
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--trials", type=int, default=5, help="E3: interleaved trials")
     p.add_argument("--iters", type=int, default=3, help="E3: steps per timed trial")
-    p.add_argument("--e4-depth", type=int, default=32)
+    p.add_argument("--e4-depth", type=int, default=32, help="E4: Linear layers of the bisected model")
     p.add_argument("--budget-mib", type=float, default=64.0, help="E4: memory budget per rank")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
     add_plot_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run E1-E4 (``--only`` picks); print tables on rank 0; JSON lines with ``--json``."""
+    p = parser()
     args = p.parse_args(argv)
     if min(args.depth, args.width, args.e3_width, args.e3_batch, args.trials, args.iters, args.e4_depth) < 1 \
             or args.budget_mib <= 0:

@@ -201,18 +201,27 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Any = sys.
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpcdp.bench pipeline")
+def parser() -> argparse.ArgumentParser:
+    """Options of F1 and F2."""
+    ap = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench pipeline",
+        description="F1, F2: each pipeline schedule's step time and bubble against theory and a "
+                    "bare-thread floor, and the activations each rank stashes. Runs on the ranks of "
+                    "a launch, or on --ranks simulated ranks when started alone.")
     ap.add_argument("--ranks", type=int, default=4, help="simulated ranks when started alone")
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=8, help="microbatches per step (m)")
     ap.add_argument("--trials", type=int, default=5, help="timed steps, each after a floor run")
     ap.add_argument("--t-f", type=float, default=50.0, help="forward sleep per stage, ms")
     ap.add_argument("--t-i", type=float, default=50.0, help="input-gradient sleep, ms")
     ap.add_argument("--t-w", type=float, default=50.0, help="weight-gradient sleep, ms")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="append JSON lines here")
     ap.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
     add_plot_argument(ap)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     started = not hpcdp.is_initialized()
     if started:
         hpcdp.init()

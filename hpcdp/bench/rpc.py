@@ -192,18 +192,23 @@ def _print(rows: Sequence[dict[str, Any]]) -> None:
     sys.stdout.flush()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpcdp.bench rpc [--backend mpi|tcp|sim] [--trials N] [--json PATH]``."""
+def parser() -> argparse.ArgumentParser:
+    """Options of R1 and R2."""
     p = argparse.ArgumentParser(prog="python -m hpcdp.bench rpc", description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["auto", "mpi", "tcp", "sim"], default="auto",
                    help="auto: mpi under mpirun/srun, else tcp (two local ranks)")
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--trials", type=int, default=5, help="interleaved raw/RPC trials")
     p.add_argument("--iters", type=int, default=1000, help="R1 round trips per trial")
     p.add_argument("--window", type=int, default=64, help="R2 calls in flight")
     p.add_argument("--mib", type=int, default=1, help="R2 array size in MiB")
     p.add_argument("--rounds", type=int, default=4, help="R2 windows per trial")
     p.add_argument("--json", default=None, help="append JSON lines here")
-    a = p.parse_args(list(argv) if argv is not None else None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hpcdp.bench rpc [--backend mpi|tcp|sim] [--trials N] [--json PATH]``."""
+    a = parser().parse_args(list(argv) if argv is not None else None)
     import hpcdp
     from hpcdp._world import detect_backend
 

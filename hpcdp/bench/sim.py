@@ -1,4 +1,4 @@
-"""``python -m hpcdp.bench collectives --backend sim``: C1 of PERF.md.
+"""``python -m hpcdp.bench collectives --backend sim`` (or ``python -m hpcdp.bench sim``): C1 of PERF.md.
 
 Simulated allreduce on N thread-ranks vs what it must at least do: numpy adds of the N arrays
 into one result plus one copy out per rank, timed in the same process on the same buffers.
@@ -17,15 +17,23 @@ from ._common import JsonSink, fmt_size, interleaved, pretouch, sizes
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench collectives --backend sim")
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--min-size", type=int, default=1 << 20)
-    p.add_argument("--max-size", type=int, default=64 << 20)
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--json", default=None)
+def parser(prog: str = "python -m hpcdp.bench sim") -> argparse.ArgumentParser:
+    """Options of C1."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Simulated backend: C1, allreduce on N thread ranks against numpy adding the N "
+                    "arrays and copying the sum out to each, in the same process.")
+    p.add_argument("--ranks", type=int, default=4, help="simulated (thread) ranks")
+    p.add_argument("--min-size", type=int, default=1 << 20, help="smallest array in bytes")
+    p.add_argument("--max-size", type=int, default=64 << 20, help="largest array in bytes")
+    p.add_argument("--trials", type=int, default=5, help="interleaved sim/numpy trials per size")
+    p.add_argument("--json", default=None, help="append JSON lines here")
     add_plot_argument(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m hpcdp.bench sim") -> int:
+    args = parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
     n = args.ranks
     sink = PlotSink(JsonSink(args.json))
     print(f"# sim allreduce, {n} thread ranks, float32, median of {args.trials} interleaved trials")

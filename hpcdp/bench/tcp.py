@@ -5,8 +5,8 @@ B1: hpcdp ``send``/``recv`` ping-pong against a raw Python socket ping-pong betw
 B2: hpcdp TCP ``allreduce`` bus bandwidth against torch.distributed gloo ``all_reduce`` on the
     same numpy buffers (``torch.from_numpy``), >= 4 MiB; skipped with a note without torch.
 
-``python -m hpcdp.bench collectives --backend tcp`` calls ``main_tcp``; so does
-``python -m hpcdp.bench.tcp``.
+``python -m hpcdp.bench collectives --backend tcp`` calls ``main_tcp``; so do
+``python -m hpcdp.bench tcp`` and ``python -m hpcdp.bench.tcp``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .._atomic import open_append
 
 from ._plot import add_plot_argument, maybe_plot
 
-__all__ = ["main_tcp", "run_b1", "run_b2"]
+__all__ = ["main", "main_tcp", "parser", "run_b1", "run_b2"]
 
 
 def _raw_pair(rank: int) -> socket.socket:
@@ -184,15 +184,24 @@ def run_b2(ranks: int, sizes: Sequence[int] = (4 << 20, 16 << 20), trials: int =
     return spawn_processes(_b2_body, ranks, args=(list(sizes), trials, free_port()), timeout=600)[0]
 
 
-def main_tcp(argv: Sequence[str] | None = None) -> int:
-    """Run B1 (2 ranks) and B2 (each ``--ranks``); print nccl-tests-style rows and the ratios."""
-    p = argparse.ArgumentParser(prog="hpcdp.bench collectives --backend tcp")
-    p.add_argument("--ranks", default="2,4", help="comma-separated world sizes for B2")
-    p.add_argument("--trials", type=int, default=5)
+def parser(prog: str = "python -m hpcdp.bench tcp") -> argparse.ArgumentParser:
+    """Options of B1 and B2."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="TCP backend: B1, hpcdp send/recv against a raw socket ping-pong (2 ranks); B2, "
+                    "hpcdp allreduce against torch.distributed gloo (each of --ranks). Local "
+                    "processes, no mpirun.")
+    p.add_argument("--ranks", default="2,4", help="comma-separated world sizes for B2 (default: 2,4)")
+    p.add_argument("--trials", type=int, default=5, help="interleaved hpcdp/baseline trials")
     p.add_argument("--json", default=None, help="append JSON lines here")
-    p.add_argument("--skip-b1", action="store_true")
+    p.add_argument("--skip-b1", action="store_true", help="run B2 only")
     add_plot_argument(p)
-    ns, _ = p.parse_known_args(argv)
+    return p
+
+
+def main_tcp(argv: Sequence[str] | None = None, prog: str = "python -m hpcdp.bench tcp") -> int:
+    """Run B1 (2 ranks) and B2 (each ``--ranks``); print nccl-tests-style rows and the ratios."""
+    ns = parser(prog).parse_args(argv)
     rows: list[dict[str, Any]] = []
     if not ns.skip_b1:
         print("# B1: hpcdp send/recv vs raw socket ping-pong, 2 ranks (median of interleaved trials)")
@@ -228,6 +237,8 @@ def main_tcp(argv: Sequence[str] | None = None) -> int:
     maybe_plot(ns, rows, title="hpcdp TCP (B1, B2) beside raw sockets and gloo")
     return 0
 
+
+main = main_tcp  # python -m hpcdp.bench tcp
 
 if __name__ == "__main__":
     sys.exit(main_tcp(sys.argv[1:]))

@@ -160,17 +160,27 @@ def measure(group: Any, *, trials: int, steps: int, hidden: int, batch: int,
             "ring_ns_per_op": statistics.median(per_op) * 1e9}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run T1; print the table and ratios on rank 0; JSON lines with ``--json``."""
-    p = argparse.ArgumentParser(prog="python -m hpcdp.bench trace")
-    p.add_argument("--trials", type=int, default=7)
+def parser() -> argparse.ArgumentParser:
+    """Options of T1."""
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench trace",
+        description="T1: the DDP example's training step with the flight recorder off, the default "
+                    "ring, and full tracing (HPCDP_TRACE=1), interleaved; and the ring's cost per "
+                    "recorded 8 B allreduce. Run under any launcher.")
+    p.add_argument("--trials", type=int, default=7, help="interleaved trials per mode")
     p.add_argument("--steps", type=int, default=60, help="training steps per trial")
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     p.add_argument("--batch", type=int, default=16, help="rows per rank")
     p.add_argument("--calls", type=int, default=2000,
                    help="8 B allreduces per latency trial (0: skip the latency comparison)")
     p.add_argument("--json", default=None, help="append JSON lines here")
     add_plot_argument(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run T1; print the table and ratios on rank 0; JSON lines with ``--json``."""
+    p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if min(args.trials, args.steps, args.hidden, args.batch) < 1 or args.calls < 0:
         p.error("--trials, --steps, --hidden and --batch must be >= 1, --calls >= 0")

@@ -178,7 +178,9 @@ def open_rank_file(directory: str, name: str, where: str) -> Any:
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise CheckpointError(f"{where}: slab file {name} is missing: {exc}") from None
+        raise CheckpointError(f"{where}: slab file {name} is missing ({exc.strerror}): a checkpoint "
+                              f"is its directory, data.h5 reads its arrays from the rank files beside "
+                              f"it; copy the whole directory") from None
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{where}: slab file {name} is not a regular file")
     try:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import trace
 from .._arrays import is_cupy
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HpcdpError
 from ._commit import DATA, recover
 from ._format import Shard, checksum_of, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
 from ._group import resolve as resolve_group
@@ -270,7 +270,20 @@ def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any
             optimizer state not created yet) come back whole. ``like`` itself is not modified.
             None: the whole saved state, every array at its global shape.
         group: the ranks that load together (default: the default group, or none at all).
+
+    Collective: every rank of ``group`` must call ``load``; one guarded by ``if rank == 0:``
+    raises (a ``CommTimeoutError``, ``PeerFailureError`` or ``CollectiveMismatchError``) saying
+    that ``load`` is collective.
     """
+    from ._save import raised_from
+
+    try:
+        return _load(path, like, group)
+    except HpcdpError as exc:
+        raise raised_from("load", path, group, exc)  # noqa: B904 - exc is its __context__
+
+
+def _load(path: str | os.PathLike, like: Any, group: Any) -> Any:
     from ._save import wait_pending
 
     group = resolve_group(group)

@@ -28,15 +28,37 @@ from typing import Any
 
 from .. import _world, trace
 from .._validate import check_timeout
-from ..errors import CheckpointError
+from ..errors import (
+    CheckpointError, CollectiveMismatchError, CommTimeoutError, HpcdpError, PeerFailureError,
+    public, public_error,
+)
 from . import _commit
 from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
 from ._group import backend_label, ckpt_group, native_comm, pending, resolve, set_pending
 from ._plan import make_plan, slab_data
 
-__all__ = ["save", "AsyncSave", "choose_mode"]
+__all__ = ["save", "AsyncSave", "choose_mode", "raised_from"]
 
 MODES = ("auto", "mpio", "vds")
+
+#: what one rank sees when its peers never join a checkpoint's internal collectives
+_COLLECTIVE_FAILURES = (CollectiveMismatchError, CommTimeoutError, PeerFailureError)
+
+
+def raised_from(call: str, path: Any, group: Any, exc: HpcdpError) -> BaseException:
+    """What ``checkpoint.save``/``load`` raise for ``exc``: the same class, raised from the public
+    call (``errors.public_error``). A failed internal collective (mismatch, timeout, peer gone)
+    first says that the call is collective: ``all_gather #19 ... timed out`` alone does not tell
+    a torch user that ``if rank == 0: save(...)`` is the mistake."""
+    if not isinstance(exc, _COLLECTIVE_FAILURES):
+        return public_error(exc)
+    try:
+        rank: Any = resolve(group).rank
+    except Exception:  # noqa: BLE001 - the message only
+        rank = "?"
+    return public_error(exc, f"checkpoint.{call}({os.fspath(path)!r}) on rank {rank}: "
+                             f"checkpoint.{call} is collective: every rank of the group must call "
+                             "it (a `if rank == 0:` guard around it is the usual cause). ")
 
 
 def choose_mode(group: Any, mode: str | None) -> str:
@@ -303,6 +325,7 @@ class AsyncSave:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @public
     def wait(self, timeout: float | None = None) -> str:
         """Block until the save committed (or failed: raises its ``CheckpointError``)."""
         timeout = None if timeout is None else check_timeout("AsyncSave.wait", timeout)
@@ -353,6 +376,11 @@ def save(path: str | os.PathLike, state: dict, *, group: Any = None, keep_last: 
          async_save: bool = False, mode: str | None = None) -> str | AsyncSave:
     """Write ``state`` as the checkpoint ``path`` (a directory); collective over ``group``.
 
+    Collective: every rank of ``group`` must call ``save`` with the same ``path`` (each passes
+    its own state; shards are written by their owners, replicated arrays once). A save guarded
+    by ``if rank == 0:`` waits for ranks that never come, and raises (a ``CommTimeoutError``,
+    ``PeerFailureError`` or ``CollectiveMismatchError``) saying that ``save`` is collective.
+
     Args:
         path: e.g. ``"ckpt/step-100"``; the same on every rank. An existing ``path`` is replaced
             only if it is a committed hpcdp checkpoint with nothing else in it; anything else (a
@@ -369,6 +397,14 @@ def save(path: str | os.PathLike, state: dict, *, group: Any = None, keep_last: 
     Returns:
         The checkpoint path, or an ``AsyncSave`` handle whose ``wait()`` returns it.
     """
+    try:
+        return _save(path, state, group, keep_last, async_save, mode)
+    except HpcdpError as exc:
+        raise raised_from("save", path, group, exc)  # noqa: B904 - exc is its __context__
+
+
+def _save(path: str | os.PathLike, state: dict, group: Any, keep_last: int | None,
+          async_save: bool, mode: str | None) -> str | AsyncSave:
     if keep_last is not None and int(keep_last) < 1:
         raise ValueError(f"save: keep_last must be >= 1, got {keep_last}")
     group = resolve(group)
@@ -384,8 +420,14 @@ def save(path: str | os.PathLike, state: dict, *, group: Any = None, keep_last: 
     if not async_save:
         return _save_on(cg, final, tree, leaves, m, keep_last, local_err)
     handle = AsyncSave(final)
-    t = threading.Thread(target=handle._run, name="hpcdp-ckpt-save",
-                         args=(lambda: _save_on(cg, final, tree, leaves, m, keep_last, local_err),))
+
+    def write() -> str:
+        try:
+            return _save_on(cg, final, tree, leaves, m, keep_last, local_err)
+        except HpcdpError as exc:
+            raise raised_from("save", path, group, exc)  # noqa: B904 - exc is its __context__
+
+    t = threading.Thread(target=handle._run, name="hpcdp-ckpt-save", args=(write,))
     handle._thread = t
     set_pending(group, handle)
     t.start()

@@ -5,6 +5,14 @@ slabs' checksums are gathered, rank 0 writes ``data.h5``: the groups, attributes
 dataset written by rank 0 alone as a plain dataset, and every other dataset as an HDF5 virtual
 dataset mapping the slabs in the rank files (relative names, so the directory can be renamed).
 Readers see the same single-file view as in mpio mode: ``h5py.File("data.h5")["a/b"][...]``.
+
+A checkpoint is its directory: ``data.h5`` copied alone maps nothing, and HDF5 then reads each
+virtual dataset's fill value without a word. So that no reader can take that for data, every
+virtual dataset gets a fill value that cannot pass for it (``missing_source_fill``: NaN for
+floating and complex types and bfloat16, the smallest value of a signed integer type, the largest
+of an unsigned one, True for bool) and an attribute ``hpcdp_sources`` naming the rank files it
+needs; the file's attribute ``hpcdp_files`` names them all, beside a sentence saying to copy the
+whole directory. hpcdp's own loader refuses a missing rank file, naming it.
 """
 from __future__ import annotations
 
@@ -19,7 +27,35 @@ from ._format import MANIFEST, Leaf, container_groups, rank_file, scalar_attrs, 
 from ._h5util import create_dataset, write_slab
 from ._plan import DatasetPlan, slab_data
 
-__all__ = ["VdsWriter", "rank_file", "vds_name"]
+__all__ = ["VdsWriter", "rank_file", "vds_name", "missing_source_fill", "SOURCES_ATTR", "FILES_ATTR"]
+
+#: attribute of each virtual dataset: the rank files it reads from (names in its directory)
+SOURCES_ATTR = "hpcdp_sources"
+#: attribute of data.h5: every rank file of the checkpoint, and a note on what to copy
+FILES_ATTR = "hpcdp_files"
+NOTE_ATTR = "hpcdp_note"
+NOTE = ("this checkpoint is its directory: data.h5 maps datasets from the rank files listed in "
+        "hpcdp_files, which must sit beside it; copy the whole directory. Where one is missing, "
+        "h5py reads the fill value (NaN for floats, the extreme value of an integer type).")
+
+
+def missing_source_fill(dtype: np.dtype, note: str = "") -> object:
+    """The value a virtual dataset reads where its source file is missing: one that cannot pass
+    for data. NaN for floats and complex numbers (bfloat16, stored as uint16 bits: its quiet NaN
+    0x7FC0), the most negative value of a signed integer type, the largest of an unsigned one
+    (all bits set), and True for bool (no third value exists; ``hpcdp_sources`` is the signal)."""
+    dt = np.dtype(dtype)
+    if note == "bfloat16":
+        return np.uint16(0x7FC0)
+    if dt.kind in "fc":
+        return dt.type(np.nan)
+    if dt.kind == "i":
+        return np.iinfo(dt).min
+    if dt.kind == "u":
+        return np.iinfo(dt).max
+    if dt.kind == "b":
+        return True
+    return None
 
 
 def _in_main(p: DatasetPlan) -> bool:
@@ -67,6 +103,10 @@ class VdsWriter:
         main = os.path.join(self.dir, DATA)
         with h5py.File(main, "w-", libver="latest") as f:
             f.attrs["hpcdp_format"] = "hpcdp-checkpoint"
+            every = sorted({rank_file(s.rank) for p in self.plans if not _in_main(p) for s in p.slabs})
+            if every:
+                f.attrs[FILES_ATTR] = every
+                f.attrs[NOTE_ATTR] = NOTE
             for g in container_groups(self.tree0):
                 f.create_group(g)
             for i, p in enumerate(self.plans):
@@ -81,7 +121,9 @@ class VdsWriter:
                         src = h5py.VirtualSource(vds_name(rank_file(s.rank)), vds_name(p.path),
                                                  shape=s.shape, dtype=dt)
                         layout[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.shape))] = src
-                    d = f.create_virtual_dataset(p.path, layout)
+                    d = f.create_virtual_dataset(p.path, layout,
+                                                 fillvalue=missing_source_fill(dt, p.note or ""))
+                    d.attrs[SOURCES_ATTR] = sorted({rank_file(s.rank) for s in p.slabs})
                 if p.note:
                     d.attrs["hpcdp_type"] = p.note
             for gpath, name, value in scalar_attrs(self.tree0):

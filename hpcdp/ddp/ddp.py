@@ -42,8 +42,9 @@ import numpy as np
 
 from .. import trace
 from .._arrays import xp_of
-from ..errors import HpcdpError
+from ..errors import HpcdpError, public
 from ..nn.module import Module
+from ..optim._names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
 from .._world import group_or_default
@@ -116,6 +117,12 @@ class DDP:
                 ddp._reducer.on_grad(p)
 
         self._handles = [p.register_hook(on_grad) for _, p in named]
+        # An optimizer built on ddp.parameters() keys its state_dict by these names (held weakly
+        # through the module, which outlives this wrapper), so it loads under FSDP or a pipeline.
+        try:
+            tag_names(module, [p for _, p in every])
+        except TypeError:   # a module that cannot be referenced weakly
+            tag_names(self, [p for _, p in every])
 
     def close(self) -> None:
         """Detach from the model: remove the gradient hooks and stop the progress thread.
@@ -203,6 +210,7 @@ class DDP:
             return self.module(*args, **kwargs)
         return self.module.forward(*args, **kwargs)
 
+    @public
     def backward(self, grad_output: Any) -> Any:
         """Run the module's backward; return its result once all gradients are averaged."""
         self._check_open("backward")
@@ -242,60 +250,24 @@ class DDP:
     def optim_state_dict(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s state keyed by parameter name (plain arrays), as ``FSDP.optim_state_dict``.
 
-        Returns ``{"state": {name: {key: array | scalar}}, "param_groups": [{..., "params": [names]}]}``,
-        so optimizer state moves between DDP, FSDP and world sizes through a checkpoint.
+        Returns ``{"state": {name: {key: array | scalar}}, "param_groups": [{..., "params": [names]}]}``
+        (what ``optimizer.state_dict()`` returns too), so optimizer state moves between DDP, FSDP,
+        pipelines and world sizes through a checkpoint.
         """
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        groups, state = [], {}
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in names:
-                    raise ValueError(f"DDP.optim_state_dict (rank {self.group.rank}): the optimizer holds a "
-                                     "parameter that is not one of the module's")
-                if optimizer.state.get(p):
-                    state[names[id(p)]] = dict(optimizer.state[p])
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": [names[id(p)] for p in g["params"]]})
-        return {"state": state, "param_groups": groups}
+        return state_by_name(optimizer, self._optim_names(optimizer, "DDP.optim_state_dict"))
 
     def load_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
-        """Load name-keyed optimizer state (whole arrays, or ``checkpoint.Shard`` blocks covering
-        the whole parameter) into ``optimizer``, e.g. from ``FSDP.optim_state_dict`` via a checkpoint."""
+        """Load optimizer state keyed by name (whole arrays, or ``checkpoint.Shard`` blocks covering
+        the whole parameter, e.g. from ``FSDP.optim_state_dict`` via a checkpoint) or by index (in
+        the optimizer's parameter order, as older checkpoints hold it) into ``optimizer``."""
         where = f"DDP.load_optim_state_dict (rank {self.group.rank})"
-        by_name = dict(self.module.named_parameters())
-        groups = list(state.get("param_groups", []))
-        if len(groups) != len(optimizer.param_groups):
-            raise ValueError(f"{where}: state has {len(groups)} param groups, the optimizer "
-                             f"{len(optimizer.param_groups)}")
-        names = {id(p): n for n, p in by_name.items()}
-        for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
-            if sorted(names.get(id(p), "?") for p in mine["params"]) != sorted(map(str, theirs.get("params", []))):
-                raise ValueError(f"{where}: param group {i} names {theirs.get('params')} do not match")
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = tuple(v.tolist() if hasattr(v, "tolist") else v) if isinstance(mine.get(k), tuple) \
-                        else (v.item() if isinstance(v, np.generic) else v)
-        new: dict[Any, dict[str, Any]] = {}
-        for name, st in state.get("state", {}).items():
-            p = by_name.get(str(name))
-            if p is None:
-                raise KeyError(f"{where}: state for {name!r}, which the module does not have")
-            entry = {}
-            for k, v in st.items():
-                if hasattr(v, "global_shape") and hasattr(v, "local"):   # a checkpoint.Shard
-                    if tuple(v.local.shape) != tuple(v.global_shape):
-                        raise ValueError(f"{where}: {name}.{k} is a block {tuple(v.local.shape)} of "
-                                         f"{tuple(v.global_shape)}; DDP needs the whole array")
-                    v = v.local
-                if hasattr(v, "shape") and v.ndim == 0 and k == "step":
-                    v = int(v)
-                elif hasattr(v, "shape"):
-                    xp = xp_of(p.data)
-                    v = xp.asarray(v.get() if hasattr(v, "get") and xp is np else v)
-                    v = v.astype(p.data.dtype if np.issubdtype(v.dtype, np.floating) else v.dtype, copy=True)
-                entry[k] = v
-            new[p] = entry
-        optimizer.state = new
+        names = self._optim_names(optimizer, where)
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        load_by_name(where, optimizer, names, by_name(where, state, order))
+
+    def _optim_names(self, optimizer: Any, where: str) -> dict[int, str]:
+        return optimizer_names(f"{where} (rank {self.group.rank})", self.module.named_parameters(),
+                               optimizer, "ddp.parameters()")
 
     def train(self, mode: bool = True) -> DDP:
         """Set the module's training mode; return self."""

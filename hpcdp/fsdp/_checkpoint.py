@@ -21,6 +21,7 @@ import numpy as np
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn._backend import to_module
+from ..optim._names import by_name, optimizer_names
 from ..optim._state_check import check_groups, load_param_state
 
 __all__ = ["state_dict", "load_state_dict", "full_state_dict", "optim_state_dict", "load_optim_state_dict"]
@@ -160,14 +161,8 @@ def _groups_out(optimizer: Any, names: dict[int, str]) -> list[dict[str, Any]]:
 
 
 def _name_map(fsdp: Any, optimizer: Any, where: str) -> dict[int, str]:
-    names = {id(sp): n for n, sp in fsdp._named_shards}
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if id(p) not in names:
-                raise ValueError(f"{where} (rank {fsdp.group.rank}): the optimizer holds a parameter "
-                                 f"of shape {tuple(p.data.shape)} that is not one of this FSDP's shard "
-                                 "parameters; build the optimizer on fsdp.parameters()")
-    return names
+    return optimizer_names(f"{where} (rank {fsdp.group.rank})", fsdp._named_shards, optimizer,
+                           "fsdp.parameters() (the shards)")
 
 
 def optim_state_dict(fsdp: Any, optimizer: Any) -> dict[str, Any]:
@@ -201,26 +196,30 @@ def _check_groups(where: str, optimizer: Any, groups: Any, names: dict[int, str]
 
 
 def load_optim_state_dict(fsdp: Any, optimizer: Any, osd: dict[str, Any]) -> None:
-    """Load name-keyed optimizer state; shapes, dtypes and settings are checked (naming the
-    parameter and the entry) before the optimizer changes."""
+    """Load optimizer state keyed by name (any layer's, any world size) or by index (older
+    checkpoints of DDP or a plain optimizer: the i-th parameter is the i-th of this optimizer's,
+    in ``fsdp.parameters()`` order, which is the module's); shapes, dtypes and settings are
+    checked (naming the parameter and the entry) before the optimizer changes."""
     where, rank = "FSDP.load_optim_state_dict", fsdp.group.rank
     names = _name_map(fsdp, optimizer, where)
-    by_name = {n: sp for n, sp in fsdp._named_shards}
+    shard_of = {n: sp for n, sp in fsdp._named_shards}
     slots = _slots(fsdp)
     at = f"{where} (rank {rank})"
     if not isinstance(osd, dict) or not isinstance(osd.get("state", {}), dict):
         raise TypeError(f"{at}: expected a dict with 'state' (a dict) and 'param_groups', got "
                         f"{type(osd).__name__}")
+    if "param_groups" in osd:
+        osd = by_name(at, osd, [names[id(p)] for g in optimizer.param_groups for p in g["params"]])
     settings = _check_groups(at, optimizer, list(osd.get("param_groups", [])), names)
     spec = getattr(type(optimizer), "state_spec", None)
     new_state: dict[Any, dict[str, Any]] = {}
     for name, st in osd.get("state", {}).items():
         name = str(name)
-        if name not in by_name:
+        if name not in shard_of:
             raise KeyError(f"{at}: state for {name!r}, which this model does not have")
         if not isinstance(st, dict):
             raise TypeError(f"{at}: state of {name!r} must be a dict, got {type(st).__name__}")
-        sp, slot = by_name[name], slots[name][1]
+        sp, slot = shard_of[name], slots[name][1]
         entry: dict[str, Any] = {}
         for k, v in st.items():
             if isinstance(v, _shard_type()) or (hasattr(v, "shape") and tuple(v.shape) == slot.shape and v.ndim > 0):

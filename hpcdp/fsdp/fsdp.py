@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .._arrays import xp_of
-from ..errors import CollectiveMismatchError, HpcdpError
+from ..errors import CollectiveMismatchError, HpcdpError, public
 from ..nn.module import Module
 from . import _checkpoint
 from ._api import STRATEGIES, Event, MixedPrecision
@@ -259,6 +259,7 @@ class FSDP:
             sched.abort_forward()
             raise
 
+    @public
     def backward(self, grad_output: Any) -> Any:
         """Run the module's backward; return its input gradient once the shard gradients are reduced.
 

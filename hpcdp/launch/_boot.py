@@ -21,7 +21,7 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["SIGNALS", "remember", "pending", "take", "main"]
+__all__ = ["SIGNALS", "remember", "pending", "take", "main", "reason"]
 
 #: the signals ``hpcdp-run`` forwards without stopping the job: preemption notices
 SIGNALS: tuple[int, ...] = tuple(getattr(signal, n) for n in ("SIGUSR1", "SIGUSR2")
@@ -61,12 +61,47 @@ def take(signum: int) -> bool:
     return False
 
 
+def reason(exc: BaseException) -> str:
+    """One line saying what ended a rank: ``ValueError: bad value`` (the message's first line,
+    at most 200 characters); for ``sys.exit("text")`` the text, for ``sys.exit(N)`` nothing."""
+    if isinstance(exc, SystemExit):
+        return "" if exc.code is None or isinstance(exc.code, int) else str(exc.code)[:200]
+    text = str(exc).strip().split("\n", 1)[0]
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return line[:200]
+
+
+def _write_reason(folder: str, exc: BaseException) -> None:
+    """For ``hpcdp-run``'s summary: ``folder/RANK`` holds what ended this rank."""
+    why = reason(exc)
+    if not why:
+        return
+    try:
+        with open(os.path.join(folder, os.environ.get("RANK", str(os.getpid()))), "w") as f:
+            f.write(why)
+    except OSError:
+        pass  # the summary then gives the exit code alone
+
+
 def main(argv: list[str]) -> None:
-    """``[--path SCRIPT | --module NAME] ARGS...``: remember early signals, run the target."""
+    """``[--report DIR] [--path SCRIPT | --module NAME] ARGS...``: remember early signals, run
+    the target; with ``--report``, an exception that ends the script is named in ``DIR/RANK``
+    (one line, for the launcher's summary) before it propagates as usual."""
     remember()
+    report = None
+    if argv[:1] == ["--report"] and len(argv) > 1:
+        report, argv = argv[1], argv[2:]
     if len(argv) < 2 or argv[0] not in ("--path", "--module"):
         sys.exit(f"hpcdp-run: rank bootstrap: expected --path SCRIPT or --module NAME, got {argv!r}")
-    mode, target, args = argv[0], argv[1], argv[2:]
+    try:
+        _run(*argv[:2], argv[2:])
+    except BaseException as exc:
+        if report is not None:
+            _write_reason(report, exc)
+        raise
+
+
+def _run(mode: str, target: str, args: list[str]) -> None:
     sys.argv = [target, *args]
     if mode == "--module":
         sys.path[0] = os.getcwd()  # as ``python -m``

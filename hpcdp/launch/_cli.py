@@ -44,21 +44,39 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hpcdp-run", description=__doc__.split("\n")[0])
-    p.add_argument("-n", "--nproc-per-node", "--nproc", type=int, default=None,
-                   help="ranks to start on this node (omit under mpirun/srun: run in-process)")
-    p.add_argument("--nnodes", type=int, default=None)
-    p.add_argument("--node-rank", type=int, default=None)
-    p.add_argument("--master-addr", default=None)
-    p.add_argument("--master-port", type=int, default=None)
-    p.add_argument("--grace", type=float, default=GRACE,
-                   help="seconds between SIGTERM and SIGKILL when stopping ranks")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p = argparse.ArgumentParser(
+        prog="hpcdp-run", description=__doc__.split("\n")[0].replace("``", ""),
+        epilog="examples:\n" + __doc__.split("::\n", 1)[1].strip("\n").split("\n\n", 1)[0]
+               + "\n\nWhen a rank fails, the others are stopped and one line on stderr names "
+                 "the rank that\nfailed first (exit code or signal, and its exception) and "
+                 "what happened to the others.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--nproc-per-node", "--nproc", type=int, default=None, metavar="N",
+                   help="ranks to start on this node, as local TCP processes (omit under "
+                        "mpirun/srun: the script then runs in-process as this MPI rank)")
+    p.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="nodes in the job, one hpcdp-run on each (default: from SLURM, "
+                        "SLURM_STEP_NUM_NODES or SLURM_JOB_NUM_NODES; else 1)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="I",
+                   help="this node's index, 0 to NNODES-1; its ranks are I*N to I*N+N-1 "
+                        "(default: SLURM_NODEID; else 0)")
+    p.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="host of node 0, where the rendezvous store listens (default: the first "
+                        "host of the SLURM node list; else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="port of the rendezvous store (default: a free port on one node; 29500 "
+                        "across nodes; restart K uses PORT+K)")
+    p.add_argument("--grace", type=float, default=GRACE, metavar="SECONDS",
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks "
+                        f"(default {GRACE:g})")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="when a rank fails, restart all ranks up to this many times "
-                        "(ranks see HPCDP_RESTART_COUNT)")
-    p.add_argument("-m", dest="module", action="store_true", help="run the target as a module")
-    p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
+                        "(ranks see HPCDP_RESTART_COUNT; default 0)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="run the target as a module, like python -m")
+    p.add_argument("script", help="the training script (a module name with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="arguments passed to the script (after an optional --)")
     return p
 
 

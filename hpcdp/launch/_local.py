@@ -9,9 +9,11 @@ import hashlib
 import hmac
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Any, Sequence
@@ -27,11 +29,13 @@ BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot.py")
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    """Copy a rank's lines to ours with ``prefix`` in front; a line that starts with it already
+    (``hpcdp.get_logger``'s, whatever the launcher) keeps one, so every launcher shows one."""
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
-            out.write(prefix + line)
+            out.write(line if line.startswith(prefix) else prefix + line)
             out.flush()
     stream.close()
 
@@ -82,6 +86,7 @@ class _Supervisor:
         self.notices: list[int] = []  # SIGUSR1/SIGUSR2 sent to the launcher in this attempt
         self.sent: dict[int, set[int]] = {}  # pid -> signals forwarded to it in this attempt
         self.killed_by: int | None = None  # the forwarded signal the failed rank died of
+        self.summary = ""  # one line on the last failed attempt: who failed first, the others
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Supervisor:
@@ -122,9 +127,23 @@ class _Supervisor:
     def run(self, cmd: Sequence[str], envs: list[tuple[int, dict[str, str]]]) -> tuple[int, int | None]:
         """Start one rank per ``(rank, env)``, supervise them; ``(exit code, first failed rank)``."""
         self.procs, self.sent, self.notices, self.killed_by = [], {}, [], None
+        self.summary = ""
         # Through the bootstrap a rank starts with the notices blocked: one that comes before the
         # script has a handler is remembered, not fatal. Other commands keep the default action.
-        preexec = _start_boot_rank if BOOT in list(cmd)[:3] else _die_with_parent
+        # It names the exception that ended a rank in ``reports/RANK`` (for the summary).
+        boot = BOOT in list(cmd)[:3]
+        preexec = _start_boot_rank if boot else _die_with_parent
+        reports = tempfile.mkdtemp(prefix="hpcdp-run-")
+        if boot:
+            at = list(cmd).index(BOOT) + 1
+            cmd = [*cmd[:at], "--report", reports, *cmd[at:]]
+        try:
+            return self._run(cmd, envs, preexec, reports)
+        finally:
+            shutil.rmtree(reports, ignore_errors=True)
+
+    def _run(self, cmd: Sequence[str], envs: list[tuple[int, dict[str, str]]], preexec: Any,
+             reports: str) -> tuple[int, int | None]:
         ranks: dict[int, int] = {}  # pid -> rank
         for rank, env in envs:
             if self.received:
@@ -146,18 +165,23 @@ class _Supervisor:
                 t = threading.Thread(target=_pump, args=(stream, prefix, out, self.lock), daemon=True)
                 t.start()
                 self.pumps.append(t)
-        code, failed_rank = 0, None
+        code, failed_rank, first = 0, None, None
+        stopped: set[int] = set()  # pids still running when the launcher sent SIGTERM
         while not self.received:
             alive = [p for p in self.procs if p.poll() is None]
             failed = [p for p in self.procs if p.returncode not in (None, 0)]
             if failed:
-                # a rank that died of a signal forwarded to it explains its peers' failures
+                # a rank that died of a signal forwarded to it explains its peers' failures, and
+                # one that raised PeerFailureError is a consequence of another's failure
                 by_signal = [p for p in failed if -p.returncode in self.sent.get(p.pid, ())]
-                first = (by_signal or failed)[0]
+                cause = [p for p in failed
+                         if not _reason(reports, ranks[p.pid]).startswith("PeerFailureError")]
+                first = (by_signal or cause or failed)[0]
                 code = first.returncode
                 code = code if code > 0 else 128 - code  # killed by a signal: 128 + signum
                 failed_rank = ranks[first.pid]
                 self.killed_by = -first.returncode if by_signal else None
+                stopped = {p.pid for p in alive}
                 self._signal_all(signal.SIGTERM)
                 break
             if not alive:
@@ -169,7 +193,10 @@ class _Supervisor:
         deadline = time.monotonic() + self.grace
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
             time.sleep(0.02)
+        late = {p.pid for p in self.procs if p.poll() is None}
         self.reap()
+        if first is not None:
+            self.summary = _summary(first, self.procs, ranks, stopped, late, reports, self.grace)
         return code, failed_rank
 
     def reap(self) -> None:
@@ -183,6 +210,57 @@ class _Supervisor:
         for t in self.pumps:
             t.join(1.0)
         self.pumps = []
+
+
+def _reason(reports: str, rank: int) -> str:
+    """The one line the bootstrap wrote about what ended ``rank`` ("" if none)."""
+    try:
+        with open(os.path.join(reports, str(rank))) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _outcome(code: int | None, why: str) -> str:
+    """``killed by SIGKILL`` / ``exit code 1, ValueError: bad value``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            text = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            text = f"killed by signal {-code}"
+    else:
+        text = f"exit code {code}"
+    return f"{text}, {why}" if why else text
+
+
+def _summary(first: subprocess.Popen, procs: list[subprocess.Popen], ranks: dict[int, int],
+             stopped: set[int], late: set[int], reports: str, grace: float) -> str:
+    """The failed attempt in one line: the rank that failed first and how, then what happened
+    to every other rank of this node, ranks with the same fate together."""
+    fates: dict[str, list[int]] = {}
+    for p in procs:
+        if p is first:
+            continue
+        rc, why = p.returncode, _reason(reports, ranks[p.pid])
+        if p.pid in late:
+            fate = f"{{was}} killed (SIGKILL: still running {grace:g} s after SIGTERM)"
+        elif p.pid in stopped and rc == -signal.SIGTERM:
+            fate = "{was} stopped (SIGTERM)"
+        elif p.pid in stopped:
+            fate = f"ended after SIGTERM ({_outcome(rc, why)})"
+        elif rc == 0:
+            fate = "had finished (exit code 0)"
+        else:
+            fate = f"also failed ({_outcome(rc, why)})"
+        fates.setdefault(fate, []).append(ranks[p.pid])
+    parts = [f"rank {ranks[first.pid]} failed first "
+             f"({_outcome(first.returncode, _reason(reports, ranks[first.pid]))})"]
+    for fate, rs in sorted(fates.items(), key=lambda kv: min(kv[1])):
+        who = f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, sorted(rs)))}"
+        parts.append(f"{who} {fate.format(was='was' if len(rs) == 1 else 'were')}")
+    return "; ".join(parts)
 
 
 def attempt_secret(base: str, attempt: int) -> str:
@@ -244,6 +322,8 @@ def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 
                     env.pop(k, None)
                 envs.append((rank, env))
             code, failed = sup.run(cmd, envs)
+            if sup.summary:  # every failed attempt, restarted or not
+                _say(sup.summary)
             if code == 0 or sup.received or failed is None:
                 return code
             if sup.killed_by is not None:  # preempted or stopped, not broken: a restart would

@@ -2,13 +2,38 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from typing import Mapping
 
-__all__ = ["parse_nodelist", "node_layout"]
+__all__ = ["parse_nodelist", "expand_nodelist", "node_layout", "SCONTROL_TIMEOUT"]
+
+#: seconds ``scontrol show hostnames`` may take before the built-in expansion is used instead
+SCONTROL_TIMEOUT = 10.0
 
 
 def parse_nodelist(spec: str) -> list[str]:
-    """Expand a SLURM nodelist such as ``node[01-03,7],gpu7`` or ``r[1-2]-n[1-2]`` into host names."""
+    """Expand a SLURM nodelist such as ``node[01-03,7],gpu7`` into host names.
+
+    Slurm's own ``scontrol show hostnames`` when it is on ``PATH`` (it knows every syntax the
+    installed Slurm accepts); when it is absent, fails, prints nothing or takes more than
+    ``SCONTROL_TIMEOUT`` s, the built-in expansion (``expand_nodelist``).
+    """
+    if spec and shutil.which("scontrol"):
+        try:
+            res = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True,
+                                 text=True, timeout=SCONTROL_TIMEOUT, stdin=subprocess.DEVNULL)
+            hosts = res.stdout.split()
+            if res.returncode == 0 and hosts:
+                return hosts
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return expand_nodelist(spec)
+
+
+def expand_nodelist(spec: str) -> list[str]:
+    """The built-in expansion: ``node[01-03,7],gpu7`` or ``r[1-2]-n[1-2]`` into host names
+    (zero-padded ranges, several bracket groups, later ones varying fastest as in SLURM)."""
     hosts: list[str] = []
     for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", spec):  # commas outside brackets split
         hosts += _expand_hosts(item)

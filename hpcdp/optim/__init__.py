@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from . import lr_scheduler
+from ._names import name_keyed
 from .adam import Adam, AdamW
 from .optimizer import Optimizer
 from .sgd import SGD
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler", "ZeroRedundancyOptimizer"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler", "ZeroRedundancyOptimizer",
+           "name_keyed"]

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 
 
 from ..errors import HpcdpError
+from ._names import NAME_HINT, by_name, is_name_keyed, load_by_name, names_of, state_by_name
 from ._state_check import check_groups, load_param_state, state_index
 
 __all__ = ["Optimizer", "live_optimizers"]
@@ -30,14 +31,19 @@ class Optimizer:
     """Base class holding ``param_groups`` (list of dicts) and per-parameter ``state``.
 
     Parameters are any objects with ``.data`` and ``.grad`` arrays (``hpcdp.nn.Parameter`` or a
-    wrapper's flat parameter); updates are in place on ``p.data`` because DDP/FSDP hold references
-    to the same arrays. Parameters whose ``.grad is None`` are skipped by ``step``. ``state`` is keyed
-    by the parameter objects, which must hash by identity (``nn.Parameter`` does).
+    wrapper's flat parameter), or ``(name, parameter)`` pairs such as ``model.named_parameters()``;
+    updates are in place on ``p.data`` because DDP/FSDP hold references to the same arrays.
+    Parameters whose ``.grad is None`` are skipped by ``step``. ``state`` is keyed by the parameter
+    objects, which must hash by identity (``nn.Parameter`` does).
 
-    ``state_dict()`` returns ``{"state": {index: {name: array | scalar}}, "param_groups": [...]}``
-    with integer indices counting parameters across groups in order, exactly like torch, and
-    nothing that needs pickling, so it can be written to HDF5. Arrays in it are the live state
-    arrays (not copies); ``load_state_dict`` copies what it is given.
+    ``state_dict()`` is keyed by parameter *name* wherever names are known (see ``_names``):
+    ``{"state": {"0.weight": {...}}, "param_groups": [{..., "params": ["0.weight", ...]}]}``, so it
+    loads under DDP, FSDP, a pipeline or one process alike. Names come from ``DDP`` (which tags its
+    module's parameters), from ``(name, parameter)`` pairs given here, and on FSDP shards and
+    pipeline stages from the wrapper itself (``fsdp.optim_state_dict(self)``: Shards;
+    ``stage.optim_state_dict(self)``: collective over the pipeline). Unnamed parameters keep
+    torch's integer indices. Nothing in it needs pickling, so it can be written to HDF5; arrays
+    in it are the live state arrays (not copies); ``load_state_dict`` copies what it is given.
     """
 
     #: what each parameter's state holds (see ``_state_check``); None: checked generically
@@ -47,6 +53,7 @@ class Optimizer:
         self.defaults = dict(defaults)
         self.param_groups: list[dict[str, Any]] = []
         self.state: dict[Any, dict[str, Any]] = {}
+        self._given_names: dict[int, str] = {}
         params = list(params)
         if not params:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
@@ -61,6 +68,14 @@ class Optimizer:
             raise TypeError(f"param group must be a dict, got {type(group).__name__}")
         ps = group["params"]
         ps = [ps] if hasattr(ps, "data") and hasattr(ps, "grad") else list(ps)
+        named = [x for x in ps if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)]
+        if named and len(named) != len(ps):
+            raise TypeError("a param group mixes (name, parameter) pairs with bare parameters")
+        if named:
+            given = dict(getattr(self, "_given_names", {}))
+            for n, p in named:
+                given[id(p)] = n
+            ps = [p for _, p in named]
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         for p in ps:
             if not (hasattr(p, "data") and hasattr(p, "grad")):
@@ -72,6 +87,8 @@ class Optimizer:
         new.update({k: v for k, v in group.items() if k != "params"})
         new["params"] = ps
         self.param_groups.append(new)
+        if named:
+            self._given_names = given
 
     # -- the loop --------------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -99,12 +116,19 @@ class Optimizer:
     def _index(self) -> dict[int, Any]:
         return {i: p for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
-    def _sharded_owner(self) -> Any:
-        """The wrapper (FSDP) whose shards these parameters are, or None for plain parameters.
+    def _params(self) -> list[Any]:
+        return [p for g in self.param_groups for p in g["params"]]
 
-        Its shards are pieces of global arrays, so their state must be saved as ``Shard`` blocks at
-        the parameters' global names; a plain index-keyed dict would write one rank's piece as if
-        it were the whole array.
+    def param_names(self) -> list[str] | None:
+        """The names of the parameters in order (across groups), or None where any is unnamed."""
+        return names_of(self._params(), getattr(self, "_given_names", None))
+
+    def _sharded_owner(self) -> Any:
+        """The wrapper (FSDP, PipelineStage) that produces these parameters' state, or None.
+
+        FSDP shards are pieces of global arrays, so their state must be saved as ``Shard`` blocks
+        at the parameters' global names; a pipeline stage holds some of the model's parameters,
+        so its state is the whole model's, every other stage's blocks empty.
         """
         owners = {id(o): o for g in self.param_groups for p in g["params"]
                   if (o := _owner_of(p)) is not None}
@@ -112,20 +136,27 @@ class Optimizer:
             return None
         plain = [p for g in self.param_groups for p in g["params"] if _owner_of(p) is None]
         if len(owners) > 1 or plain:
-            raise HpcdpError(f"{type(self).__name__}.state_dict: the optimizer mixes the shards of "
-                             f"{len(owners)} FSDP wrapper(s) with {len(plain)} other parameter(s); "
-                             "save each wrapper's part with fsdp.optim_state_dict(opt)")
+            raise HpcdpError(f"{type(self).__name__}.state_dict: the optimizer mixes the parameters "
+                             f"of {len(owners)} FSDP wrapper(s) or pipeline stage(s) with "
+                             f"{len(plain)} other parameter(s); build one optimizer per wrapper and "
+                             "save each one's part with fsdp.optim_state_dict(opt) or "
+                             "stage.optim_state_dict(opt)")
         return next(iter(owners.values()))
 
     def state_dict(self) -> dict[str, Any]:
-        """Return ``{"state": {index: {...}}, "param_groups": [{..., "params": [indices]}]}``.
+        """Return ``{"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}``.
 
-        On FSDP shards it returns ``fsdp.optim_state_dict(self)`` instead: state keyed by parameter
-        name, each array a ``checkpoint.Shard``, so a checkpoint reshards across world sizes.
+        Keyed by index (torch's layout) where the parameters have no names. On FSDP shards it
+        returns ``fsdp.optim_state_dict(self)`` (each array a ``checkpoint.Shard``, so a checkpoint
+        reshards across world sizes), on a pipeline stage's parameters
+        ``stage.optim_state_dict(self)``, which is collective over the pipeline's ranks.
         """
         owner = self._sharded_owner()
         if owner is not None:
             return owner.optim_state_dict(self)
+        names = self.param_names()
+        if names is not None:
+            return state_by_name(self, dict(zip(map(id, self._params()), names)))
         index = self._index()
         state = {i: dict(self.state[p]) for i, p in index.items() if self.state.get(p)}
         groups, start = [], 0
@@ -150,6 +181,15 @@ class Optimizer:
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
                             f"{type(state_dict).__name__}")
+        if is_name_keyed(state_dict):
+            names = self.param_names()
+            if names is None:
+                shown = [str(n) for g in state_dict["param_groups"] for n in g.get("params", [])][:4]
+                raise ValueError(f"{where}: the state is keyed by parameter name ({shown}...), and "
+                                 f"this optimizer's parameters have no names: {NAME_HINT}")
+            load_by_name(where, self, dict(zip(map(id, self._params()), names)),
+                         by_name(where, state_dict, names))
+            return
         groups = state_dict["param_groups"]
         settings = check_groups(where, self.defaults, self.param_groups, groups)
         for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
 from ..nn.parameter import Parameter
+from ._names import index_keyed, is_name_keyed
 from ._state_check import check_groups, load_param_state, state_index
 from .optimizer import Optimizer
 from .._world import group_or_default
@@ -142,8 +143,9 @@ class ZeroRedundancyOptimizer(Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
         """Collect the whole optimizer state on rank ``to`` (collective); return it there, None elsewhere.
 
-        The result has the wrapped optimizer's ``state_dict`` format, indices counting every
-        parameter across ``param_groups``, so it loads into a plain optimizer too.
+        The result has the wrapped optimizer's ``state_dict`` format: keyed by parameter name
+        where the parameters have names (``ddp.parameters()``), else by indices counting every
+        parameter across ``param_groups``; it loads into a plain optimizer too.
         """
         index = {id(p): i for i, p in enumerate(self._all)}
         mine = {index[id(p)]: {k: (v.copy() if hasattr(v, "copy") else v) for k, v in st.items()}
@@ -162,6 +164,11 @@ class ZeroRedundancyOptimizer(Optimizer):
             groups.append(gd)
             start += len(grp["params"])
         self._consolidated = {"state": dict(sorted(state.items())), "param_groups": groups}
+        names = self.param_names()
+        if names is not None:
+            self._consolidated = {
+                "state": {names[i]: st for i, st in self._consolidated["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups]}
         return self._consolidated
 
     def state_dict(self) -> dict[str, Any]:
@@ -182,6 +189,13 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
                             f"{type(state_dict).__name__}")
+        if is_name_keyed(state_dict):
+            names = self.param_names()
+            if names is None:
+                raise ValueError(f"{where}: the state is keyed by parameter name and this "
+                                 "optimizer's parameters have no names; build it on "
+                                 "ddp.parameters() or model.named_parameters()")
+            state_dict = index_keyed(where, state_dict, names)
         groups = state_dict["param_groups"]
         settings = check_groups(where, self.defaults, self.param_groups, groups)
         for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):

@@ -153,6 +153,8 @@ class Pipeline:
         xp_param = next(iter(stage.parameters()), None)
         self._xp = xp_of(xp_param.data) if xp_param is not None else np
         self._dp = DataParallelGrads(stage, self._actions, dp_group) if dp_group is not None else None
+        if dp_group is not None:
+            stage.dp_group = dp_group   # stage.state_dict() and opt.state_dict(): replica 0 writes
         #: most microbatches whose saved activations this rank held at once in the last step
         self.peak_activations = 0
 
@@ -172,6 +174,16 @@ class Pipeline:
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         self.stage.load_state_dict(state, strict)
+
+    def optim_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """``stage.optim_state_dict(optimizer)`` with only data-parallel rank 0 writing; collective
+        over the pipeline's ranks."""
+        owner = self._dp is None or self._dp.group.rank == 0
+        return self.stage.optim_state_dict(optimizer, owner=owner)
+
+    def load_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """``stage.load_optim_state_dict(optimizer, state)``."""
+        self.stage.load_optim_state_dict(optimizer, state)
 
     def step(self, x: Any = None, y: Any = None) -> float:
         """Forward and backward of one batch; gradients accumulate into the stages' parameters.

@@ -8,12 +8,14 @@ split loads into another, or into the plain model.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from .. import nn
 from ..errors import CollectiveMismatchError
+from . import _optim
 
 __all__ = ["PipelineStage", "balanced_split"]
 
@@ -121,6 +123,14 @@ class PipelineStage:
         self._entries: dict[str, tuple[tuple[int, ...], np.dtype, int]] = {
             key: (tuple(val.shape), np.dtype(val.dtype), stage_of[key.split(".", 1)[0]])
             for key, val in model.state_dict().items()}
+        #: the unsplit model's parameter names, in its order (index-keyed optimizer state counts so)
+        self.param_names: tuple[str, ...] = tuple(n for n, _ in model.named_parameters())
+        #: the data-parallel replicas of these stages (set by ``Pipeline(dp_group=...)``): only
+        #: replica 0 writes entries by default
+        self.dp_group: Any = None
+        # opt.state_dict() on these parameters defers to optim_state_dict (the whole model's state)
+        for _, p in self.named_parameters():
+            p._state_owner = weakref.ref(self)
 
     # -- who is where ---------------------------------------------------------------------------
     @property
@@ -172,17 +182,24 @@ class PipelineStage:
             out.update(self.modules[s].state_dict())
         return out
 
-    def state_dict(self, *, owner: bool = True) -> dict[str, Any]:
+    def _owner(self, owner: bool | None) -> bool:
+        if owner is not None:
+            return bool(owner)
+        return self.dp_group is None or self.dp_group.rank == 0
+
+    def state_dict(self, *, owner: bool | None = None) -> dict[str, Any]:
         """Every entry of the unsplit model as a checkpoint ``Shard`` at its unsplit name.
 
         The entries of this rank's stages are whole blocks, the others empty blocks, so
         ``hpcdp.checkpoint.save(path, {"model": stage.state_dict()})`` (collective) writes the
         whole model, and ``load(path, like={"model": stage.state_dict()})`` reads just this
         rank's entries. ``owner=False`` contributes empty blocks only: pass it on every data
-        parallel replica but one when saving, so no entry is written twice.
+        parallel replica but one when saving, so no entry is written twice (None: replica 0 of
+        ``dp_group`` writes, which ``Pipeline(dp_group=...)`` sets).
         """
         from ..checkpoint import Shard
 
+        owner = self._owner(owner)
         local = self.local_state_dict()
         out: dict[str, Any] = {}
         for name, (shape, dtype, _) in self._entries.items():
@@ -222,6 +239,28 @@ class PipelineStage:
                     v = v.local
                 sub[k] = v
             self.modules[s].load_state_dict(sub, strict=False)
+
+    def optim_state_dict(self, optimizer: Any, *, owner: bool | None = None) -> dict[str, Any]:
+        """The whole model's optimizer state, keyed by unsplit parameter name; collective over
+        ``group`` (every rank calls it, like ``checkpoint.save`` right after).
+
+        Each array is a ``checkpoint.Shard``: whole on the rank whose stage holds the parameter,
+        empty on the others; scalars (Adam's ``step``) and param groups are the same on every
+        rank. So ``save(path, {"optim": stage.optim_state_dict(opt)})`` writes the state a DDP or
+        plain optimizer over the whole model has, and it loads there, or into any other split.
+        ``opt.state_dict()`` on this stage's parameters returns the same.
+
+        Args:
+            optimizer: the optimizer over this rank's ``parameters()``; None on a rank whose
+                stages have none.
+            owner: as for ``state_dict``.
+        """
+        return _optim.optim_state_dict(self, optimizer, self._owner(owner))
+
+    def load_optim_state_dict(self, optimizer: Any, state: dict[str, Any]) -> None:
+        """Load this rank's parameters' part of a whole model's optimizer state (a pipeline's of
+        any split, DDP's, FSDP's or a plain one's; see ``optim_state_dict``). Not collective."""
+        _optim.load_optim_state_dict(self, optimizer, state)
 
     def __repr__(self) -> str:
         parts = ", ".join(f"stage {s}: layers {self.bounds[s][0]}..{self.bounds[s][1] - 1}"

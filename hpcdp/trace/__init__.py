@@ -11,7 +11,7 @@ from ._chrome import counter, disable, enable, enabled, instant, span, state, ti
 from ._chrome import close_all as close_timelines
 from ._chrome import flush as flush_timelines
 from ._clock import ClockSync, clock_offset_ns, estimate_clock_offset, set_clock_offset
-from ._dump import dump, install, on_error, trace_dir
+from ._dump import dump, install, mark_finished, on_error, trace_dir
 from ._recorder import (
     COMPLETED, FAILED, STARTED, TIMED_OUT, Recorder, active_recorder, bind_rank, configure,
     hide_frames, pinned_line, recorder, reset,
@@ -21,7 +21,7 @@ from ._straggler import StragglerReport, StragglerReporter, gather_arrivals, rep
 __all__ = [
     "recorder", "active_recorder", "Recorder", "configure", "reset", "bind_rank", "hide_frames",
     "pinned_line",
-    "install", "dump", "on_error",
+    "install", "dump", "on_error", "mark_finished",
     "trace_dir", "STARTED", "COMPLETED", "TIMED_OUT", "FAILED", "span", "instant", "counter",
     "enable", "disable", "enabled", "state", "timeline", "flush_timelines", "close_timelines",
     "estimate_clock_offset", "ClockSync", "clock_offset_ns", "set_clock_offset", "report_stragglers",
@@ -30,7 +30,7 @@ __all__ = [
 
 
 def analyze(directory: str) -> str:
-    """The paragraph ``python -m hpcdp.trace analyze DIR`` prints."""
+    """The lines ``python -m hpcdp.trace analyze DIR`` prints (one fact per line)."""
     from ._analyze import analyze as _analyze
 
     return _analyze(directory)

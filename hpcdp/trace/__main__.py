@@ -12,9 +12,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(default ./hpcdp-trace/).")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{analyze,merge,plot,plot-bench,overhead}")
     a = sub.add_parser("analyze", help="name the first operation where the ranks' flight records diverge",
-                       description="Merge the ranks' flight records (flight-rank<N>.json) and print, in one "
-                                   "paragraph, the first operation where the ranks diverge: which ranks "
-                                   "reached it, which did not and what those were doing instead.")
+                       description="Merge the ranks' flight records (flight-rank<N>.json) and print, one "
+                                   "fact per line, the first operation where the ranks diverge: which ranks "
+                                   "reached it, which did not and what those were doing instead (or that "
+                                   "they finished normally), with source lines.")
     a.add_argument("directory", help="directory holding flight-rank<N>.json files")
     a.add_argument("-v", "--verbose", action="store_true", help="also one line per rank")
     m = sub.add_parser("merge", help="one Chrome-trace JSON of every rank (opens in Perfetto)",

@@ -8,14 +8,16 @@ what each rank that did not get there was doing instead and the source lines.
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+import re
+
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._files import Entry, FlightRecord, clean, load_flight_records
 from ._recorder import COMPLETED
 
-__all__ = ["Divergence", "find_divergence", "describe", "analyze", "fmt_ranks"]
+__all__ = ["Divergence", "find_divergence", "describe", "analyze", "fmt_ranks", "finished_note", "NO_RECORD"]
 
 
 def fmt_ranks(ranks: Any) -> str:
@@ -52,6 +54,7 @@ class Divergence:
     no_record: list[int]                # members that wrote no flight record at all
     instead: dict[int, str] = field(default_factory=dict)
     instead_at: dict[int, tuple[str, int] | None] = field(default_factory=dict)
+    facts: dict[int, list[str]] = field(default_factory=dict)
 
     @property
     def first_start(self) -> int:
@@ -161,41 +164,89 @@ def _group_divergence(records: dict[int, FlightRecord], group: str,
     return None
 
 
+NO_RECORD = ("wrote no flight record: killed or crashed hard (a rank of a multi-process job that "
+             "finishes, raises or times out writes one)")
+
+
+def _last_on_group(r: int, d: Divergence, index: _Index) -> tuple[Entry | None, str]:
+    """Rank ``r``'s newest entry on ``d.group`` before ``d.seq`` (entries are in id order), and a
+    sentence saying what it was."""
+    for e in reversed(index.by_group[r].get(d.group, ())):
+        if 0 < e.seq < d.seq:
+            where = f" at {clean(e.line, 300)}" if e.line else ""
+            return e, f"its last operation on group {clean(d.group, 80)} was {clean(e.op, 60)} #{e.seq}{where}"
+    return None, f"it recorded nothing on group {clean(d.group, 80)}"
+
+
+def finished_note(rec: FlightRecord, now: str | None = None) -> str | None:
+    """What a record written as its rank finished says about how it ended (None: not such a record)."""
+    if rec.finished is None:
+        return None
+    where = f" at {clean(now)}" if now else ""
+    if rec.finished == "exit":
+        return ("exited without an uncaught exception, without calling hpcdp.finalize() "
+                "(its interpreter exit wrote this record)")
+    failed = [x for x in rec.reasons if x.startswith("uncaught ")]
+    if failed:
+        return f"finished after an error: hpcdp.finalize(){where}, after {clean(failed[-1], 200)}"
+    return f"finished normally: hpcdp.finalize(){where}"
+
+
 def _instead(d: Divergence, records: dict[int, FlightRecord], index: _Index | None = None) -> None:
-    """Fill ``d.instead``: what each rank that did not reach the operation was doing."""
+    """Fill ``d.instead`` (what each rank that did not reach the operation was doing) and
+    ``d.facts`` (more about it, one sentence each)."""
     index = index or _Index(records)
     for r, e in d.others.items():
         d.instead[r] = f"called {e.call()} instead ({_shape(e) or 'no arguments'}; {e.state}){_at(e)}"
         d.instead_at[r] = (e.group, e.seq)
     for r in d.missing:
         rec = records[r]
-        # its newest entry on the group before d.seq; entries are in id order
-        prior = None
-        for e in reversed(index.by_group[r].get(d.group, ())):
-            if 0 < e.seq < d.seq:
-                prior = e
-                break
+        prior, last = _last_on_group(r, d, index)
         after_id = -1 if prior is None else prior.id
-        last = f"its last operation on group {clean(d.group, 80)} was #{prior.seq}" if prior else \
-            f"it recorded nothing on group {clean(d.group, 80)}"
         pending = index.pending[r]
-        if pending and pending[-1].id > after_id:
+        done = finished_note(rec, index.now[r])
+        if done is None and pending and pending[-1].id > after_id:
             # the newest unfinished one is where it is (older ones may be forgotten async ops)
             e = pending[-1]
-            d.instead[r] = f"was in {e.call()} ({e.state}){_at(e)}; {last}"
+            d.instead[r] = f"was in {e.call()} ({e.state}){_at(e)}"
+            d.facts[r] = [last]
             d.instead_at[r] = (e.group, e.seq) if e.seq else None
             continue
         d.instead_at[r] = None
+        newest = rec.entries[-1] if rec.entries and rec.entries[-1].id > after_id else None
+        if done is not None:
+            d.instead[r] = done
+            d.facts[r] = ([f"its last operation was {newest.call()} ({newest.state}){_at(newest)}"]
+                          if newest is not None else []) + [last]
+            continue
         now = index.now[r]
-        where = f"; its thread was at {clean(now)} when it dumped" if now is not None else ""
-        if rec.entries and rec.entries[-1].id > after_id:
-            e = rec.entries[-1]
-            d.instead[r] = f"had finished {e.call()}{_at(e)} and started nothing after it{where}; {last}"
+        where = [f"its thread was at {clean(now)} when it dumped"] if now is not None else []
+        if newest is not None:
+            d.instead[r] = f"had finished {newest.call()}{_at(newest)} and started nothing after it"
         else:
-            d.instead[r] = f"had started no operation since{where}; {last}"
+            d.instead[r] = "had started no operation since"
+        d.facts[r] = where + [last]
     for r in d.no_record:
-        d.instead[r] = "wrote no flight record (killed, crashed hard, or never reached a dump)"
+        told = _told_finished(r, records)
+        d.instead[r] = told or NO_RECORD
         d.instead_at[r] = None
+
+
+_SHUT_DOWN = re.compile(r"\brank (\d+) has shut down \(finalize\)")
+
+
+def _told_finished(r: int, records: dict[int, FlightRecord]) -> str | None:
+    """What a peer's record says of rank ``r`` that wrote none: a rank that calls
+    ``hpcdp.finalize`` tells its peers, and a peer left waiting records that notice in its error.
+    (A finished rank writes a record of its own only under ``HPCDP_TRACE=1`` or an explicit
+    ``HPCDP_TRACE_DIR``: clean runs leave no files behind.)"""
+    for peer, rec in sorted(records.items()):
+        for why in [rec.reason, *rec.reasons]:
+            m = _SHUT_DOWN.search(why or "")
+            if m and int(m.group(1)) == r:
+                return (f"finished normally: it called hpcdp.finalize() and told its peers "
+                        f"(rank {peer}'s error says so); it wrote no flight record of its own")
+    return None
 
 
 def find_divergence(records: dict[int, FlightRecord]) -> Divergence | None:
@@ -231,46 +282,78 @@ def _order(d: Divergence) -> tuple[int, str, int]:
     return (d.first_start, d.group, d.seq)
 
 
+def _states(rs: list[int], entries: dict[int, Entry]) -> str:
+    by: dict[str, list[int]] = defaultdict(list)
+    for r in rs:
+        by[entries[r].state].append(r)
+    if len(by) == 1:
+        return next(iter(by))
+    return "; ".join(f"{st} on {_plural(x)}" for st, x in by.items())
+
+
 def describe(d: Divergence | None, records: dict[int, FlightRecord]) -> str:
-    """One paragraph for a person at 3 a.m."""
+    """What ``analyze`` prints: one fact per line, for a person at 3 a.m.
+
+    The divergent operation; who reached it (with the source line); who did not, and for each
+    such rank what it was doing instead (with its line), whether it finished normally (its
+    record says so: ``hpcdp.finalize`` writes one) or left no record at all; why records were
+    written.
+    """
     world = max(rec.world_size for rec in records.values())
     absent = sorted(set(range(world)) - set(records))
     if d is None:
         n = sum(len(r.entries) for r in records.values())
-        tail = f" ({_plural(absent)} wrote no record)" if absent else ""
-        return (f"No divergence found in {len(records)} flight records{tail}: every operation that all "
-                f"members of its group still hold was called alike and completed ({n} entries read).")
+        out = [f"No divergence found in {len(records)} flight records: every operation that all "
+               f"members of its group still hold was called alike and completed ({n} entries read)."]
+        if absent:
+            out.append(f"No flight record from {_plural(absent)}.")
+        return "\n".join(out)
     e = d.expected
-    lines: dict[str, list[int]] = defaultdict(list)
-    states: dict[str, list[int]] = defaultdict(list)
-    for r, x in d.reached.items():
-        lines[x.line or "?"].append(r)
-        states[x.state].append(r)
-    if len(lines) == 1:
-        where = _at(e)
-    else:
-        where = " at " + "; ".join(f"{clean(ln)} ({_plural(rs)})" for ln, rs in lines.items())
-    state = "; ".join(f"{st} on {_plural(rs)}" for st, rs in states.items())
-    head = (f"First divergence: {e.call()} ({_shape(e) or 'no arguments'}) was reached by "
-            f"{_plural(d.reached)}{where} ({state})")
-    if d.kind == "stuck":
-        text = (f"{head}. Every member of group {clean(d.group, 80)} with a record called it alike: "
-                f"it did not complete on {_plural([r for r, x in d.reached.items() if x.state != COMPLETED])}; "
-                "look for a peer stalled inside the transport or a failed link.")
+    out = [f"First divergence: {e.call()} ({_shape(e) or 'no arguments'})"]
+    at_line: dict[str | None, list[int]] = defaultdict(list)
+    for r in sorted(d.reached):
+        at_line[d.reached[r].line].append(r)
+    for ln, rs in at_line.items():
+        where = f" at {clean(ln, 300)}" if ln else _at(d.reached[rs[0]])
+        out.append(f"Reached by {_plural(rs)} ({_states(rs, d.reached)}){where}")
+    for r in sorted(d.reached):
+        done = finished_note(records[r], None) if r in records else None
+        if done is not None:
+            out.append(f"  rank {r}: {done}")
+    told = {r: _told_finished(r, records) for r in d.no_record} if d.kind == "stuck" else {}
+    if any(told.values()):  # the ranks without a record finished: that is the divergence
+        done = [r for r, t in told.items() if t]
+        out.append(f"Not reached by {_plural(done)}:")
+        out.extend(f"  rank {r}: {told[r]}" for r in done)
+        rest = [r for r, t in told.items() if not t]
+        if rest:
+            out.append(f"  {_plural(rest)}: {NO_RECORD}")
+    elif d.kind == "stuck":
+        out.append(f"Every member of group {clean(d.group, 80)} with a record called it alike; it did not "
+                   f"complete on {_plural([r for r, x in d.reached.items() if x.state != COMPLETED])}")
         if d.no_record:
-            text = text[:-1] + f"; {_plural(d.no_record)} of the group wrote no flight record (killed or crashed?)."
+            out.append(f"  {_plural(d.no_record)}: {NO_RECORD}")
+        else:
+            out.append("Look for a peer stalled inside the transport or a failed link")
     else:
-        groups: dict[str, list[int]] = defaultdict(list)
+        out.append(f"Not reached by {_plural(d.not_reached)}:")
+        told: dict[tuple[str, tuple[str, ...]], list[int]] = defaultdict(list)
         for r in d.not_reached:
-            groups[d.instead[r]].append(r)
-        rest = "; ".join(f"{_plural(rs)} {what}" for what, rs in groups.items())
-        text = f"{head}, but not by {_plural(d.not_reached)}: {rest}."
-    reasons = Counter(rec.reason for rec in records.values() if rec.reason)
-    if reasons:
-        text += " Records dumped on: " + "; ".join(f"{clean(k, 120)} ({n})" for k, n in reasons.most_common(3)) + "."
+            told[(d.instead[r], tuple(d.facts.get(r, ())))].append(r)
+        for (what, facts), rs in told.items():
+            out.append(f"  {_plural(rs)}: {what}")
+            out.extend(f"  {_plural(rs)}: {f}" for f in facts)
+    why: dict[str, list[int]] = defaultdict(list)
+    for r, rec in sorted(records.items()):
+        if rec.reason:
+            why[rec.reason].append(r)
+    for reason, rs in sorted(why.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))[:4]:
+        out.append(f"Record of {_plural(rs)} written on: {clean(reason, 160)}")
+    if len(why) > 4:
+        out.append(f"(and {len(why) - 4} other reasons)")
     if absent and not set(absent) <= set(d.no_record):
-        text += f" No flight record from {_plural(absent)}."
-    return text
+        out.append(f"No flight record from {_plural(absent)}.")
+    return "\n".join(out)
 
 
 def analyze(directory: str) -> str:
@@ -281,7 +364,7 @@ def analyze(directory: str) -> str:
 
 
 def stale_note(stale: list[int]) -> str:
-    return (f" (Set aside the records of {_plural(stale)}: they are from an earlier job.)"
+    return (f"\nSet aside the records of {_plural(stale)}: they are from an earlier job."
             if stale else "")
 
 
@@ -296,6 +379,8 @@ def summary(records: dict[int, FlightRecord]) -> list[str]:
             head += f"; last {last.call()} {last.state}{_at(last)}"
         if pend:
             head += "; unfinished: " + ", ".join(f"{e.call()} ({e.state})" for e in pend[-3:])
+        if rec.finished is not None:
+            head += f"; {finished_note(rec)}"
         out.append(head)
     return out
 

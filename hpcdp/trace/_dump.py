@@ -1,8 +1,15 @@
-"""Writing flight records: on ``CommTimeoutError``, on SIGUSR1, after an uncaught exception.
+"""Writing flight records: on ``CommTimeoutError``, on SIGUSR1, after an uncaught exception, and
+when a rank of a multi-process job finishes (``hpcdp.finalize``, or interpreter exit without it).
 
 One JSON file per rank, ``<HPCDP_TRACE_DIR>/flight-rank<R>.json`` (default ``./hpcdp-trace/``),
 written to a temporary name and renamed, so a reader never sees half a record. A later dump
 replaces an earlier one: it holds everything the earlier did plus what happened since.
+
+The record a finishing rank writes (``"finished": "finalize"``) is what lets ``analyze`` say
+"rank 1 finished normally" instead of "wrote no record (killed?)" when a peer later times out
+waiting for it: without it, a rank that left in good order and one that was killed look alike.
+Ranks that are threads of one process write nothing then (a peer's dump writes every rank of the
+process), nor does a one-rank job (there is no peer to explain).
 """
 from __future__ import annotations
 
@@ -26,12 +33,14 @@ from ._recorder import (
 )
 
 __all__ = ["FORMAT", "trace_dir", "dump", "install", "record_path", "describe_group", "op_json",
-           "on_error", "job_id"]
+           "on_error", "job_id", "mark_finished"]
 
 FORMAT = "hpcdp.flight/1"
 _dump_lock = threading.RLock()
 _reasons: list[str] = []
 _installed: set[str] = set()
+#: world size this process's main thread was installed into (``install``); 0: none
+_process_world = [0]
 #: run at every dump (the timeline module flushes, so a rank killed after it leaves its events)
 on_dump: list[Callable[[], None]] = []
 
@@ -183,13 +192,15 @@ def _record(rec: Recorder, reason: str) -> dict[str, Any]:
         "clock_offset_ns": clock_offset_ns(rec.rank),
         "capacity": rec.capacity,
         "total_ops": rec.total(),
+        "finished": None if rec.finished is None else rec.finished[0],
+        "finished_at_ns": None if rec.finished is None else rec.finished[1] + WALL_MINUS_MONO_NS,
         "threads": [dict(v, ident=k) for k, v in sorted(threads.items())],
         "entries": entries,
     }
 
 
 def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None = None,
-         rank: int | None = None, raise_errors: bool = False) -> list[str]:
+         rank: int | None = None, raise_errors: bool = False, _headline: str | None = None) -> list[str]:
     """Write the flight record of every rank recorded in this process (or only ``rank``).
 
     Called by the collective layer on ``CommTimeoutError``, by the SIGUSR1 handler and by the
@@ -215,7 +226,7 @@ def dump(reason: str = "requested", *, directory: str | os.PathLike[str] | None 
                 # under either name. dumps, not dump: one call into the C encoder (json.dump
                 # streams through the pure-Python one, several times slower, and a dump sits on
                 # the error path)
-                atomic_write_text(path, json.dumps(_record(rec, reason), default=str), perms=0o644)
+                atomic_write_text(path, json.dumps(_record(rec, _headline or reason), default=str), perms=0o644)
                 written.append(path)
         except Exception as exc:  # noqa: BLE001 - reported; the caller has a worse error to raise
             if raise_errors:
@@ -270,11 +281,18 @@ def install(rank: int, world_size: int, *, signals: bool = True) -> None:
     if not 0 <= rank < world_size:
         raise ValueError(f"install: rank {rank} is not in [0, {world_size})")
     world_size_seen[0] = max(world_size_seen[0], world_size)
-    recorder(rank)
+    recorder(rank).finished = None  # a fresh init: this rank is running again
+    with _dump_lock:
+        if "finalize" not in _installed:
+            from .._world import on_finalize
+
+            on_finalize(_on_finalize)
+            _installed.add("finalize")
     if threading.current_thread() is not threading.main_thread():
         bind_rank(rank)
         return
     _process_rank[0] = rank
+    _process_world[0] = world_size
     with _dump_lock:
         if signals and "signal" not in _installed and hasattr(signal, "SIGUSR1"):
             _chain_signal(signal.SIGUSR1)
@@ -319,11 +337,55 @@ def _chain_excepthooks() -> None:
     threading.excepthook = thread_hook
 
 
+def mark_finished(how: str, rank: int | None = None, *, write: bool = True) -> list[str]:
+    """Record that ``rank`` (default: the current one) is done, ``how``: "finalize" or "exit".
+
+    ``write``: also write its flight record now (a rank that is a process of its own: nobody
+    else will, and a peer that times out later reads it). Returns the paths written.
+    """
+    rec = recorder(rank)
+    if not rec.capacity:
+        return []
+    rec.finished = (how, now_ns())
+    if not write:
+        return []
+    what = "hpcdp.finalize()" if how == "finalize" else "interpreter exit without hpcdp.finalize()"
+    with _dump_lock:
+        earlier = _reasons[-1] if _reasons else None
+    # an earlier dump's reason (a timeout this rank handled, a SIGUSR1) stays the record's headline:
+    # it says more than "finished", which the record's "finished" field and reasons hold anyway
+    return dump(f"finished: {what} on rank {rec.rank}", rank=rec.rank, _headline=earlier)
+
+
+def _keep_finished_records() -> bool:
+    """Whether a rank that finished in good order writes its record: only when the user asked
+    for traces (``HPCDP_TRACE=1``) or named where they go (``HPCDP_TRACE_DIR``). A clean run
+    otherwise leaves no files in the working directory; ``analyze`` then learns that a rank
+    finished from the notice its waiting peers recorded."""
+    return bool(os.environ.get("HPCDP_TRACE_DIR")) or os.environ.get("HPCDP_TRACE", "").strip().lower() \
+        not in ("", "0", "false", "no", "off")
+
+
+def _on_finalize(group: Any) -> None:
+    """``hpcdp.finalize`` (an ``on_finalize`` hook): this rank finished in good order."""
+    try:
+        rank = int(group.ranks[group.rank])
+        alone = group.size <= 1 or bool(getattr(group.backend, "shares_process", False))
+        mark_finished("finalize", rank, write=not alone and _keep_finished_records())
+    except Exception as exc:  # noqa: BLE001 - finishing must not fail because of its record
+        print(f"hpcdp.trace: could not record that this rank finished: {exc}", file=sys.stderr)
+
+
 def _at_exit() -> None:
     """After an uncaught exception, dump once more at exit: handlers and ``finally`` blocks
-    may have run (and timed out) operations since the excepthook's dump."""
+    may have run (and timed out) operations since the excepthook's dump. A rank of a
+    multi-process job that exits without ``hpcdp.finalize`` says that it exited."""
     if _uncaught:
         dump(f"exit after {_uncaught[-1]}")
+    elif _process_world[0] > 1:
+        rec = recorder(_process_rank[0])
+        if rec.capacity and rec.finished is None and rec.total():
+            mark_finished("exit", rec.rank, write=_keep_finished_records())
 
 
 def reset_hooks_for_tests() -> None:

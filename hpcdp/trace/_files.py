@@ -37,6 +37,7 @@ MAX_TIMELINE_BYTES = 256 << 20
 MAX_WORLD = 1 << 20
 _INT64 = 1 << 63
 _FLIGHT_FORMAT = "hpcdp.flight/1"
+_FINISHED = ("finalize", "exit")
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -194,6 +195,11 @@ class FlightRecord:
     threads: list[dict[str, Any]] = field(default_factory=list)
     capacity: int = 0
     total_ops: int = 0
+    #: "finalize" or "exit" when the rank wrote this record as it finished (see ``_dump``), else None
+    finished: str | None = None
+    finished_at: int | None = None
+    #: every reason this process dumped for, oldest first (an uncaught exception shows here)
+    reasons: list[str] = field(default_factory=list)
 
 
 def _entry(d: Any, rank: int, world: int, offset: int, where: str, shared: _Shared | None = None) -> Entry:
@@ -237,12 +243,20 @@ def _record(doc: dict[str, Any], path: str, rank: int, world: int, offset: int,
             entries: list[Entry]) -> FlightRecord:
     entries.sort(key=lambda e: e.id)
     threads = [t for t in doc.get("threads", []) if isinstance(t, dict)] if isinstance(doc.get("threads"), list) else []
+    finished = doc.get("finished")
+    if finished is not None and finished not in _FINISHED:
+        raise ValueError(f"{path}: finished must be one of {_FINISHED} or null, got {clean(repr(finished), 60)}")
+    fin_at = doc.get("finished_at_ns")
+    raw_reasons = doc.get("reasons")
+    reasons = [clean(r, 400) for r in raw_reasons[:20] if isinstance(r, str)] if isinstance(raw_reasons, list) else []
     return FlightRecord(
         path=path, rank=rank, world_size=world, job=clean(doc.get("job", ""), 200), host=clean(doc.get("host", "?"), 100),
         pid=_int(doc.get("pid", 0), f"{path}: pid"), reason=clean(doc.get("reason", ""), 400),
         dumped_at=_int(doc.get("dumped_at_ns", 0), f"{path}: dumped_at_ns") + offset,
         entries=entries, threads=threads, capacity=_int(doc.get("capacity", 0), f"{path}: capacity", 0),
         total_ops=_int(doc.get("total_ops", 0), f"{path}: total_ops", 0),
+        finished=finished, reasons=reasons,
+        finished_at=None if fin_at is None else _int(fin_at, f"{path}: finished_at_ns") + offset,
     )
 
 

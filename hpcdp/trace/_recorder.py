@@ -179,6 +179,9 @@ class Recorder:
         #: (rows, ends, next token, clock, thread ident, capacity) while ``begin`` would only store
         #: a row (no source lines, no timeline), else None: the layout in the module docstring
         self.inline: tuple[Any, ...] | None = None
+        #: (how, wall-clock ns) once this rank is done ("finalize", or "exit" without it): its
+        #: record then says so, and ``analyze`` tells a rank that finished from one that died
+        self.finished: tuple[str, int] | None = None
         self._build()
 
     def attach_timeline(self, timeline: Any) -> None:

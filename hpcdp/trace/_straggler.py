@@ -17,6 +17,8 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._clock import clock_offset_ns, wall_ns
+from ._chrome import instant as _instant
+from ._chrome import state as _chrome_state
 from ._recorder import Recorder, current_rank, recorder as _recorder_of
 
 __all__ = [
@@ -199,7 +201,10 @@ def report_stragglers(every: int, group: Any = None, **options: Any) -> Straggle
 
 
 def step() -> StragglerReport | None:
-    """Mark the end of a training step for this rank's straggler reporter, if there is one."""
+    """Mark the end of a training step: for this rank's straggler reporter, if there is one, and
+    (``HPCDP_TRACE=1``) as a "step" mark on its timeline, which ``plot`` splits the time at."""
+    if _chrome_state.on:
+        _instant("step", "step")
     rep = _reporters.get(current_rank()) if _reporters else None
     return None if rep is None else rep.step()
 

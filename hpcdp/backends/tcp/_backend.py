@@ -271,9 +271,13 @@ class _World:
             self.server.close()
 
 
-def create_world(*, timeout: float | None = None, connect_timeout: float | None = None,
-                 **_: Any) -> TCPBackend:
-    """The world backend of this process, from the torchrun-style environment."""
+def create_world(*, connect_timeout: float | None = None) -> TCPBackend:
+    """The world backend of this process, from the torchrun-style environment.
+
+    Args:
+        connect_timeout: seconds to reach the store and the peers (``HPCDP_CONNECT_TIMEOUT``,
+            default 60).
+    """
     master = _env("HPCDP_MASTER_ADDR", "MASTER_ADDR")
     rank_s, size_s = _env("RANK", "HPCDP_RANK"), _env("WORLD_SIZE", "HPCDP_WORLD_SIZE")
     if not master or rank_s is None or size_s is None:
