@@ -1,4 +1,5 @@
-"""``python -m hpcdp {info}``: versions, MPI library, CUDA-awareness, h5py MPI support, backends.
+"""``python -m hpcdp {info}``: versions, MPI library, CUDA-awareness, h5py MPI support, backends,
+and every ``HPCDP_*`` setting with its value and where it came from (``hpcdp._config``).
 
 argparse sub-commands, as ``python -m hpcdp.trace`` and ``python -m hpcdp.bench`` have, so
 ``--help`` lists every command and option and ``--version`` answers without a command.
@@ -63,6 +64,18 @@ def info() -> dict[str, str]:
     return out
 
 
+def settings() -> dict[str, list[tuple[str, str, str]]]:
+    """``info``'s settings sections: section title -> ``(variable, value, source)`` rows, the
+    source "default" or "environment". Internal switches appear only when set."""
+    from hpcdp import _config
+
+    rows = _config.listing()
+    internal = {s.name for s in _config.internal_switches()}
+    return {"settings (HPCDP_* environment variables)": [r for r in rows if r[0] not in internal],
+            "internal switches set (tests and benchmarks; not settings)":
+                [r for r in rows if r[0] in internal]}
+
+
 def _parser() -> argparse.ArgumentParser:
     from hpcdp import __version__
 
@@ -76,10 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the hpcdp version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{info}", title="commands",
                            help="'python -m hpcdp COMMAND --help' describes one")
-    sub.add_parser("info", help="versions, MPI library, CUDA-awareness, h5py MPI support, backends",
+    sub.add_parser("info", help="versions, MPI library, CUDA-awareness, h5py MPI support, backends, "
+                                "settings",
                    description="Print what a bug report needs: hpcdp, Python, numpy, mpi4py, h5py and "
                                "cupy versions, the MPI library and its thread level and CUDA-awareness, "
-                               "whether h5py was built with MPI, and the backends available here.")
+                               "whether h5py was built with MPI, the backends available here, and "
+                               "every HPCDP_* setting with its value and its source (default or "
+                               "environment).")
     return p
 
 
@@ -90,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         width = max(map(len, rows))
         for k, v in rows.items():
             print(f"{k:<{width}} : {v}")
+        for title, found in settings().items():
+            if not found:
+                continue
+            print(f"\n{title}")
+            name_w = max(len(name) for name, _, _ in found)
+            for name, value, src in found:
+                print(f"  {name:<{name_w}} : {value}  [{src}]")
     return 0
 
 

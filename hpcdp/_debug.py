@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._config import setting
 from .errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
@@ -24,19 +25,13 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 #: the levels a group accepts; ``HPCDP_DEBUG`` also takes "", "0", "false" and "no" for "off"
-#: and "1", "true", "yes" and "on" for "detail"
+#: and "1", "true", "yes" and "on" for "detail" (its declaration in ``_config``)
 LEVELS = frozenset({"off", "detail"})
-_OFF = ("", "0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
 
 
 def debug_level() -> str:
     """``HPCDP_DEBUG`` as a level; an unknown value is an error, not silently "off"."""
-    raw = os.environ.get("HPCDP_DEBUG", "off").strip().lower()
-    level = "off" if raw in _OFF else "detail" if raw in _ON else raw
-    if level not in LEVELS:
-        raise ValueError(f"HPCDP_DEBUG={raw!r}: expected one of {sorted(LEVELS)}")
-    return level
+    return setting("HPCDP_DEBUG")
 
 
 def caller_line() -> str:

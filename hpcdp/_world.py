@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from . import trace
+from ._config import setting
 from .backends import backend_factory
 from ._validate import check_timeout
 from .errors import BackendUnavailableError, HpcdpError
@@ -47,12 +48,12 @@ def _mpi_env_size() -> int:
 
 def detect_backend() -> str:
     """The backend ``init()`` picks here: explicit env, then MPI launcher, then TCP env, else sim."""
-    explicit = os.environ.get("HPCDP_BACKEND")
+    explicit = setting("HPCDP_BACKEND")
     if explicit:
         return explicit
     if _mpi_env_size() > 0:
         return "mpi"
-    if os.environ.get("HPCDP_MASTER_ADDR") or (
+    if setting("HPCDP_MASTER_ADDR") or (
         os.environ.get("MASTER_ADDR") and os.environ.get("RANK") and os.environ.get("WORLD_SIZE")
     ):
         return "tcp"

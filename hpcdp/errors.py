@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 from typing import Any, Callable, ParamSpec, TypeVar
 
 __all__ = [
@@ -15,6 +14,7 @@ __all__ = [
     "AuthError",
     "ProtocolError",
     "CheckpointError",
+    "ConfigError",
 ]
 
 P = ParamSpec("P")
@@ -57,6 +57,20 @@ class CheckpointError(HpcdpError):
     """A checkpoint could not be written, or what was read is torn, corrupt or foreign."""
 
 
+class ConfigError(ValueError):
+    """An ``HPCDP_*`` environment variable holds a value its declaration (``hpcdp._config``)
+    does not allow. A ``ValueError`` rather than an ``HpcdpError``: it is a bad input, found
+    before any communication, and callers that catch ``HpcdpError`` to handle a failed
+    operation must not swallow it. ``name``, ``raw`` and ``allowed`` say what was wrong."""
+
+    def __init__(self, name: str, raw: str, allowed: str) -> None:
+        super().__init__(f"{name}={raw!r}: expected {allowed}")
+        self.name, self.raw, self.allowed = name, raw, allowed
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across spawn's processes
+        return (type(self), (self.name, self.raw, self.allowed))
+
+
 # -- errors raised from the public call -------------------------------------------------------
 # A timeout inside a collective surfaces through a dozen internal frames (group, Work, request,
 # transport); a user reading one traceback per rank wants the line of *their* call. At each public
@@ -70,8 +84,11 @@ _HIDDEN_NOTE = ("(hpcdp hid its internal frames: the full traceback is this erro
 
 
 def full_traceback() -> bool:
-    """Whether ``HPCDP_FULL_TRACEBACK`` asks for hpcdp's internal frames to be kept."""
-    return os.environ.get("HPCDP_FULL_TRACEBACK", "").strip().lower() not in ("", "0", "false", "no")
+    """Whether ``HPCDP_FULL_TRACEBACK`` asks for hpcdp's internal frames to be kept (read while
+    an error is being raised: a bad value reads as the default rather than hide that error)."""
+    from ._config import setting  # _config imports this module for ConfigError
+
+    return setting("HPCDP_FULL_TRACEBACK", strict=False)
 
 
 def public_error(exc: BaseException, prefix: str = "") -> BaseException:

@@ -8,7 +8,6 @@ into ``out=`` (in place when ``out is x``).
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from typing import Any, Callable, Sequence
@@ -22,6 +21,7 @@ from ._group_buffers import finish_into, reduction_plan, result_buffer
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
 from ._group_torch import TorchSpellings
+from ._config import setting
 from ._validate import check_array, check_divisible, check_out, check_rank, check_timeout
 from .backends.base import Backend, Request
 from .errors import CollectiveMismatchError, HpcdpError, full_traceback, public, public_error
@@ -35,14 +35,7 @@ DEFAULT_TIMEOUT = 1800.0
 
 def default_timeout() -> float:
     """``HPCDP_TIMEOUT`` seconds if set, else 30 minutes (nan, inf, 0 and negatives refused)."""
-    raw = os.environ.get("HPCDP_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        t = float(raw)
-    except ValueError:
-        raise ValueError(f"HPCDP_TIMEOUT={raw!r} is not a number of seconds") from None
-    return check_timeout(f"HPCDP_TIMEOUT={raw!r}", t, named=True)
+    return setting("HPCDP_TIMEOUT")
 
 
 _ndarray = np.ndarray

@@ -1,13 +1,14 @@
 """Every ``HPCDP_*`` environment variable hpcdp reads is in README.md's "## Environment variables"
-table (issue 21, item 15).
+table (issue 21, item 15), unless ``hpcdp/_config.py`` declares it an internal switch (issue 22).
 
 The reads are found in the source with ``ast``, not listed by hand: a string constant starting with
 ``HPCDP_`` used as the key of ``os.environ.get`` / ``os.getenv`` / ``environ[...]`` / ``... in
 os.environ`` (also on a mapping named ``env...``), bound by a loop over a literal tuple whose items
 are such keys, or passed to an env-parsing helper: any function of hpcdp that reads the
-environment with a key it was given (``_truthy``, ``_env_int``, ``_env``, ...), found the same way,
-so a new helper needs no edit here. Writes (``env["HPCDP_X"] = ...``, ``dict(..., HPCDP_X=...)``)
-and mentions in docstrings are not reads.
+environment with a key it was given (``_config.setting`` and ``_config.raw`` today), found the
+same way, so a new helper needs no edit here. Writes (``env["HPCDP_X"] = ...``,
+``dict(..., HPCDP_X=...)``) and mentions in docstrings are not reads. ``direct_reads`` (used by
+tests/test_config.py) is the same scan, keeping only reads that bypass ``hpcdp/_config.py``.
 """
 from __future__ import annotations
 
@@ -18,17 +19,13 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from hpcdp import _config
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: variables hpcdp reads that are not user settings, each with why it stays out of the README
-INTERNAL = {
-    # tests/conftest.py sets it to run the simulated backend's collectives through the p2p
-    # algorithms the TCP backend uses, so those are tested without sockets
-    "HPCDP_SIM_ALGORITHMS": "test switch of the simulated backend",
-    # ci/gpu/run.sh sets it so the GPU check fails when cupy has no device instead of falling
-    # back to the numpy stand-in (hpcdp.testing.cupy_stand_in)
-    "HPCDP_TEST_CUPY": "GPU-check switch",
-}
+#: (declared in hpcdp/_config.py as internal: tests' and benchmarks' switches)
+INTERNAL = {s.name: s.meaning for s in _config.internal_switches()}
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -100,10 +97,17 @@ def _literal_loop_keys(tree: ast.AST, key: ast.Name) -> list[str]:
     return out
 
 
-def env_reads(package: Path) -> dict[str, list[str]]:
-    """``HPCDP_*`` variable -> ``file:line`` of every place under ``package`` that reads it."""
+def env_reads(package: Path, *, bypassing: Path | None = None) -> dict[str, list[str]]:
+    """``HPCDP_*`` variable -> ``file:line`` of every place under ``package`` that reads it.
+
+    ``bypassing``: only the reads that do not go through that module (``hpcdp/_config.py``):
+    its own reads and calls of the helpers it defines are left out; a helper defined anywhere
+    else counts, even one with the same name as a function of that module."""
     trees = _trees(package)
     helpers = _helpers(trees)
+    if bypassing is not None:
+        trees.pop(bypassing, None)
+        helpers = _helpers(trees)
     reads: dict[str, list[str]] = {}
     for path, tree in trees.items():
         where = f"{path.relative_to(package.parent)}"
@@ -122,6 +126,11 @@ def env_reads(package: Path) -> dict[str, list[str]]:
             for name in names:
                 reads.setdefault(name, []).append(f"{where}:{node.lineno}")
     return reads
+
+
+def direct_reads(package: Path) -> dict[str, list[str]]:
+    """Reads of ``HPCDP_*`` variables under ``package`` that bypass its ``_config.py``."""
+    return env_reads(package, bypassing=package / "_config.py")
 
 
 def documented(readme: str) -> set[str]:
@@ -155,12 +164,14 @@ def test_internal_switches_are_still_read_and_not_user_settings() -> None:
 def test_the_scan_sees_every_known_form_of_read() -> None:
     """The forms in hpcdp today, each found: a direct get, a helper, a two-name helper, a loop."""
     reads = env_reads(ROOT / "hpcdp")
-    for name in ("HPCDP_TIMEOUT",            # os.environ.get
-                 "HPCDP_TRACE_LINES",        # _truthy(name)
-                 "HPCDP_RPC_MAX_DEPTH",      # _env_int(name, ...) in a lambda
-                 "HPCDP_WORLD_SIZE",         # _env("WORLD_SIZE", "HPCDP_WORLD_SIZE"): for n in names
-                 "HPCDP_RESTART_COUNT"):     # [os.environ.get(k) for k in ("HPCDP_RESTART_COUNT", ...)]
+    for name in ("HPCDP_TIMEOUT",            # setting(name)
+                 "HPCDP_TRACE_LINES",        # setting(name) at import
+                 "HPCDP_RPC_MAX_DEPTH",      # setting(name) in a lambda
+                 "HPCDP_WORLD_SIZE",         # os.environ.get("WORLD_SIZE") or setting(name)
+                 "HPCDP_CUDA_AWARE",         # raw(name), for display
+                 "HPCDP_RESTART_COUNT"):     # setting(name) beside a Slurm variable
         assert name in reads, (name, sorted(reads))
+    assert not set(reads) - set(_config.SETTINGS), sorted(set(reads) - set(_config.SETTINGS))
 
 
 def test_a_planted_undocumented_read_is_caught(tmp_path: Path) -> None:
@@ -170,14 +181,39 @@ def test_a_planted_undocumented_read_is_caught(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "hpcdp", pkg, ignore=shutil.ignore_patterns("__pycache__"))
     readme = (ROOT / "README.md").read_text()
     before = undocumented(pkg, readme)  # empty once the first test passes; this one stands alone
-    target = pkg / "group.py"
+    plant(pkg / "group.py")
+    missing = {k: v for k, v in undocumented(pkg, readme).items() if k not in before}
+    assert sorted(missing) == PLANTED, missing
+    assert all(v and v[0].startswith(os.path.join("hpcdp", "group.py") + ":") for v in missing.values()), missing
+    # documenting one in the table clears it
+    readme2 = readme.replace("| `HPCDP_TIMEOUT` |", "| `HPCDP_PLANTED_GET` | planted |\n| `HPCDP_TIMEOUT` |", 1)
+    assert "HPCDP_PLANTED_GET" not in undocumented(pkg, readme2)
+
+
+#: the variables ``plant`` reads, one per form of read
+PLANTED = sorted(f"HPCDP_PLANTED_{s}" for s in ("GET", "GETENV", "SUBSCRIPT", "IN", "TRUTHY", "ENV_INT", "LOOP"))
+
+
+def plant(target: Path) -> None:
+    """Append to ``target`` reads of ``PLANTED`` in every form (two through helpers of its own,
+    as the parsers before hpcdp/_config.py were), beside writes and a docstring mention."""
     target.write_text(target.read_text() + '''
+
+import os as _planted_os
+
+
+def _truthy(name):
+    return _planted_os.environ.get(name, "").strip().lower() in ("1", "true")
+
+
+def _env_int(name, default):
+    raw = _planted_os.environ.get(name, "")
+    return int(raw) if raw else default
+
 
 def _planted() -> object:
     """HPCDP_PLANTED_DOCSTRING is only mentioned here."""
-    from hpcdp.rpc._codec import _env_int
-    from hpcdp.trace._recorder import _truthy
-
+    os = _planted_os
     env = dict(os.environ, HPCDP_PLANTED_KEYWORD_WRITE="1")
     env["HPCDP_PLANTED_WRITE"] = "1"
     return (os.environ.get("HPCDP_PLANTED_GET"), os.getenv("HPCDP_PLANTED_GETENV"),
@@ -185,10 +221,3 @@ def _planted() -> object:
             _truthy("HPCDP_PLANTED_TRUTHY"), _env_int("HPCDP_PLANTED_ENV_INT", 1),
             [os.environ.get(k) for k in ("HPCDP_PLANTED_LOOP", "OTHER")])
 ''')
-    missing = {k: v for k, v in undocumented(pkg, readme).items() if k not in before}
-    assert sorted(missing) == sorted(
-        f"HPCDP_PLANTED_{s}" for s in ("GET", "GETENV", "SUBSCRIPT", "IN", "TRUTHY", "ENV_INT", "LOOP")), missing
-    assert all(v and v[0].startswith(os.path.join("hpcdp", "group.py") + ":") for v in missing.values()), missing
-    # documenting one in the table clears it
-    readme2 = readme.replace("| `HPCDP_TIMEOUT` |", "| `HPCDP_PLANTED_GET` | planted |\n| `HPCDP_TIMEOUT` |", 1)
-    assert "HPCDP_PLANTED_GET" not in undocumented(pkg, readme2)

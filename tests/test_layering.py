@@ -1,5 +1,6 @@
 """The layers stay layered: the transports and the modules under them (``backends``,
-``_arrays``, ``errors``, ``ops``) never import the layers built on them, not even lazily."""
+``_arrays``, ``errors``, ``ops``, ``_config``, ``_atomic``, ``_validate``) never import the
+layers built on them, not even lazily."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +9,7 @@ import os
 import hpcdp
 
 PKG = os.path.dirname(os.path.abspath(hpcdp.__file__))
-LOWER = ("backends", "_arrays", "errors", "ops")
+LOWER = ("backends", "_arrays", "errors", "ops", "_config", "_atomic", "_validate")
 UPPER = ("ddp", "fsdp", "pipeline", "rpc", "checkpoint", "trace", "nn", "optim", "bench")
 
 

@@ -117,3 +117,43 @@ def test_async_checkpoint_wait_refuses_bad_timeouts(bad: Any, exc: type) -> None
     handle._done.set()  # a finished save: only the timeout is in question
     why = _refused(lambda v: handle.wait(timeout=v), bad, exc, "timeout")
     assert why is None, f"AsyncSave.wait(timeout={bad!r}): {why}"
+
+
+@pytest.mark.parametrize("bad,exc", BAD)
+def test_spawn_pipeline_and_tcp_refuse_bad_timeouts(bad: Any, exc: type, monkeypatch) -> None:
+    """hpcdp.spawn's timeouts, Pipeline(timeout=...) and the TCP backend's connect timeout."""
+    from hpcdp.backends.tcp._backend import _connect_timeout
+
+    fails = []
+    for name, param, fn in [
+        ("spawn", "timeout", lambda v: hpcdp.spawn(lambda r: r, 1, timeout=v)),
+        ("spawn", "join_timeout", lambda v: hpcdp.spawn(lambda r: r, 1, join_timeout=v)),
+        ("init(backend='tcp')", "connect_timeout", _connect_timeout),
+    ]:
+        why = _refused(fn, bad, exc, param)
+        if why is not None:
+            fails.append(f"{name}({param}={bad!r}): {why}")
+
+    def pipeline_body(rank: int) -> str | None:
+        from hpcdp import nn
+        from hpcdp.pipeline import Pipeline, PipelineStage
+
+        stage = PipelineStage(nn.Sequential(nn.Linear(2, 2, seed=0)))
+        return _refused(lambda v: Pipeline(stage, schedule="1f1b", n_microbatches=2,
+                                           loss_fn=nn.MSELoss(), timeout=v), bad, exc, "timeout")
+
+    why = hpcdp.spawn(pipeline_body, 1, timeout=30, join_timeout=60)[0]
+    if why is not None:
+        fails.append(f"Pipeline(timeout={bad!r}): {why}")
+    assert fails == [], fails
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "0", "-1", "five"])
+def test_connect_timeout_env_refused(raw: str, monkeypatch) -> None:
+    from hpcdp.backends.tcp._backend import _connect_timeout
+
+    monkeypatch.setenv("HPCDP_CONNECT_TIMEOUT", raw)
+    with pytest.raises(ValueError, match="HPCDP_CONNECT_TIMEOUT"):
+        _connect_timeout(None)
+    monkeypatch.setenv("HPCDP_CONNECT_TIMEOUT", "12.5")
+    assert _connect_timeout(None) == 12.5 and _connect_timeout(3) == 3.0

@@ -36,11 +36,11 @@ collectives do outside ``HPCDP_DEBUG``.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from .._config import setting
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..ops import ReduceOp
 from . import _mpi_requests as _rq
@@ -74,7 +74,7 @@ def initializer(MPI: Any) -> Init | None:
 
 
 def _probe(MPI: Any) -> Init | None:
-    if os.environ.get("HPCDP_MPI_PERSISTENT", "1").strip() == "0":
+    if not setting("HPCDP_MPI_PERSISTENT"):
         return None
     try:
         probe = np.zeros(1, np.int32)

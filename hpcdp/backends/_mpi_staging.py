@@ -19,6 +19,7 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .._config import raw, setting
 from ._staging import HostPool, stage
 from .base import Request
 
@@ -127,10 +128,8 @@ def _probe_once(cmd: list[str], timeout: float) -> tuple[bool, str, bool]:
 
 def cuda_aware() -> bool:
     """Whether the MPI library reads device memory (``HPCDP_CUDA_AWARE=0/1`` overrides the probe)."""
-    env = os.environ.get("HPCDP_CUDA_AWARE")
-    if env is not None and env.strip():
-        return env.strip().lower() not in ("0", "false", "no", "off")
-    return _probed()[0]
+    forced = setting("HPCDP_CUDA_AWARE")
+    return _probed()[0] if forced is None else forced
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,8 +140,8 @@ def _probed() -> tuple[bool, str]:
 
 def describe() -> str:
     """One line for ``python -m hpcdp info`` and the GPU report."""
-    env = os.environ.get("HPCDP_CUDA_AWARE")
-    if env is not None and env.strip():
+    env = raw("HPCDP_CUDA_AWARE")
+    if env is not None:
         return f"CUDA-aware: {cuda_aware()} (HPCDP_CUDA_AWARE={env.strip()})"
     aware, why = _probed()
     return f"CUDA-aware: {aware} ({why})"

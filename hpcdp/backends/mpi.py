@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import _thread
 import functools
-import os
 import sys
 import time
 import warnings
@@ -32,6 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._arrays import is_cupy
+from .._config import setting
 from ..errors import BackendUnavailableError, HpcdpError
 from ..ops import ReduceOp
 from . import _mpi_requests as _rq
@@ -47,16 +47,7 @@ _MPI: Any = None
 _modules = sys.modules
 
 
-def _env_max_count() -> int:
-    raw = os.environ.get("HPCDP_MAX_MESSAGE_ELEMENTS", "")
-    if not raw:
-        return 2**31 - 1
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"HPCDP_MAX_MESSAGE_ELEMENTS={raw!r}: expected a whole number >= 1")
-    return int(raw)
-
-
-_MAX_COUNT = _env_max_count()
+_MAX_COUNT = setting("HPCDP_MAX_MESSAGE_ELEMENTS")  # once per process, as MPI's count limit is
 
 
 def set_max_message_elements(n: int | None) -> int:

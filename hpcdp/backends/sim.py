@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import collections
 import itertools
-import os
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._config import setting
 from ..errors import CollectiveMismatchError, PeerFailureError
 from ..ops import ReduceOp
 from ._runner import P2PBackend, Runner
@@ -478,7 +478,7 @@ class SimP2PBackend(P2PBackend, SimBackend):
 
 
 def _backend(comm: _Comm, rank: int) -> SimBackend:
-    cls = SimP2PBackend if os.environ.get("HPCDP_SIM_ALGORITHMS") == "p2p" else SimBackend
+    cls = SimP2PBackend if setting("HPCDP_SIM_ALGORITHMS") == "p2p" else SimBackend
     return cls(comm, rank)
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 import hpcdp
 
+from .._config import setting
 from ._common import JsonSink, Row, fmt_size, interleaved, pretouch
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         import h5py
 
-        mode = args.mode or os.environ.get("HPCDP_CKPT_MODE") or "auto"
+        mode = args.mode or setting("HPCDP_CKPT_MODE")
         print(f"# hpcdp checkpoint benchmark: {n} ranks, {fmt_size(total)} in {args.arrays} sharded "
               f"float32 arrays, mode {mode}, h5py {h5py.__version__} (mpi={h5py.get_config().mpi}), "
               f"{args.trials} interleaved trials, dir {root}")

@@ -27,6 +27,7 @@ from typing import Any
 
 
 from .. import _world, trace
+from .._config import setting
 from .._validate import check_timeout
 from ..errors import (
     CheckpointError, CollectiveMismatchError, CommTimeoutError, HpcdpError, PeerFailureError,
@@ -63,7 +64,7 @@ def raised_from(call: str, path: Any, group: Any, exc: HpcdpError) -> BaseExcept
 
 def choose_mode(group: Any, mode: str | None) -> str:
     """``mode`` or ``HPCDP_CKPT_MODE`` (auto/mpio/vds); auto = mpio on MPI with parallel h5py."""
-    want = (mode or os.environ.get("HPCDP_CKPT_MODE") or "auto").lower()
+    want = (mode or setting("HPCDP_CKPT_MODE")).lower()
     if want not in MODES:
         raise ValueError(f"checkpoint mode must be one of {MODES}, got {want!r}")
     if want == "vds":

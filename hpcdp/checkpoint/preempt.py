@@ -33,6 +33,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable
 
+from .._config import setting
 from ..errors import HpcdpError
 
 __all__ = ["on_preempt", "Preemption", "restart_count", "slurm_job_id"]
@@ -78,8 +79,8 @@ def _rank_of(group: Any) -> int:
 
 def restart_count() -> int:
     """How many times this job was restarted: ``hpcdp-run --max-restarts`` or Slurm requeues."""
-    counts = [os.environ.get(k, "") for k in ("HPCDP_RESTART_COUNT", "SLURM_RESTART_COUNT")]
-    return max((int(c) for c in counts if c.isdigit()), default=0)
+    slurm = os.environ.get("SLURM_RESTART_COUNT", "")
+    return max(setting("HPCDP_RESTART_COUNT"), int(slurm) if slurm.isdigit() else 0)
 
 
 def slurm_job_id(environ: dict[str, str] | None = None) -> str | None:

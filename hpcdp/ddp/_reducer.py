@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import trace
+from .._config import setting
 from ..errors import HpcdpError
 from ._buckets import Bucket, build_buckets
 from .comm_hooks import GradBucket, allreduce_hook
@@ -93,9 +94,9 @@ def _want_progress_thread() -> bool:
     with backward for that core and the GIL (measured: D4 efficiency 0.76 with it, 0.80 without,
     2 ranks bound to cores). ``HPCDP_DDP_PROGRESS_THREAD=0/1`` overrides (1 still needs
     MPI_THREAD_MULTIPLE)."""
-    env = os.environ.get("HPCDP_DDP_PROGRESS_THREAD")
-    if env is not None:
-        return env.strip() not in ("0", "false", "no", "")
+    forced = setting("HPCDP_DDP_PROGRESS_THREAD")
+    if forced is not None:
+        return forced
     try:
         return len(os.sched_getaffinity(0)) > 1
     except (AttributeError, OSError):

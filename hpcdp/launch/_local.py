@@ -18,6 +18,7 @@ import threading
 import time
 from typing import IO, Any, Sequence
 
+from .._config import setting
 from ._boot import SIGNALS as BOOT_SIGNALS
 from ._processes import free_port
 
@@ -296,7 +297,7 @@ def launch(cmd: Sequence[str], nproc: int, *, nnodes: int = 1, node_rank: int = 
     if max_restarts < 0:
         raise SystemExit(f"hpcdp-run: --max-restarts must be >= 0, got {max_restarts}")
     world = nproc * nnodes
-    base = os.environ.get("HPCDP_SECRET") if nnodes > 1 else None
+    base = setting("HPCDP_SECRET") if nnodes > 1 else None
     if nnodes > 1 and not base:
         raise SystemExit("hpcdp-run: multi-node jobs need the same HPCDP_SECRET exported on "
                          "every node (e.g. python -c 'import secrets; print(secrets.token_hex(32))')")

@@ -6,6 +6,7 @@ import time
 from typing import Any, Callable
 
 from .. import trace
+from .._validate import check_timeout
 from .._world import _set_thread_default, _start_tracing
 from ..errors import HpcdpError, PeerFailureError
 from ..backends import backend_spawner, spawnable_backends
@@ -38,6 +39,10 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    if timeout is not None:
+        check_timeout("spawn(timeout=...)", timeout)
+    if join_timeout is not None:
+        check_timeout("spawn(join_timeout=...)", join_timeout)
     run = backend_spawner(backend)
     if run is None:
         raise ValueError(f"spawn: backend must be one of {spawnable_backends()}, got {backend!r}")

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import nn
 from .._arrays import xp_of
+from .._validate import check_timeout
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..trace import span
 from ..trace import state as trace_state
@@ -128,7 +129,7 @@ class Pipeline:
         self.report: Report = report
         self.n_microbatches = m
         self.loss_fn = loss_fn
-        self.timeout = g.timeout if timeout is None else float(timeout)
+        self.timeout = g.timeout if timeout is None else check_timeout("Pipeline(timeout=...)", timeout)
         self._where = f"Pipeline.step (rank {g.rank} of {p}, stages {list(stage.stage_ids)})"
         comm = g.new_group(list(range(p)), name=f"{g.name}.pipeline") if p > 1 else g
         if p > 1:

@@ -27,10 +27,11 @@ import numpy as np
 from ..errors import (
     BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
 )
+from .._config import setting
 from .._validate import check_timeout
 from . import _protocol as P
 from ._calls import Calls
-from ._codec import Limits, _env_int, decode, encode
+from ._codec import Limits, decode, encode
 from ._errors import remote_error
 from ._future import Future
 from ._housekeeping import Housekeeping
@@ -94,7 +95,7 @@ class Agent(Serving, Calls, Housekeeping):
         self.lost: dict[int, str] = {}
         # requests received and not yet answered hold their messages: a byte budget bounds
         # them (a count alone would let 1024 calls of 1 GiB in); past it, "overloaded"
-        self.queue_budget = _env_int("HPCDP_RPC_QUEUE_BYTES", QUEUE_BYTES)
+        self.queue_budget = setting("HPCDP_RPC_QUEUE_BYTES")
         self._qlock = threading.Lock()
         self.queued_bytes = 0
         self.queued_peak = 0  # the most ever held at once: for tests and debugging

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import weakref
 from typing import Any
 
 from .. import _world
+from .._config import setting
 from .._validate import check_timeout
 from ..errors import HpcdpError
 from . import _context
@@ -26,14 +26,7 @@ _atexit_done = False
 
 
 def _default_timeout() -> float:
-    raw = os.environ.get("HPCDP_RPC_TIMEOUT")
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        t = float(raw)
-    except ValueError:
-        raise ValueError(f"HPCDP_RPC_TIMEOUT={raw!r} is not a number of seconds") from None
-    return check_timeout(f"HPCDP_RPC_TIMEOUT={raw!r}", t, named=True)
+    return setting("HPCDP_RPC_TIMEOUT")
 
 
 def _close_all() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -32,6 +31,7 @@ import msgpack
 import numpy as np
 
 from .._arrays import SUPPORTED_DTYPES, is_cupy
+from .._config import setting
 from ..errors import ProtocolError
 from . import _registry
 
@@ -50,15 +50,6 @@ _TYPES_HELP = ("None, bool, int, float, complex, str, bytes, list, tuple, dict, 
                "scalars of hpcdp's dtypes, RRefs and @rpc.register-ed dataclasses")
 
 
-def _env_int(name: str, default: int, minimum: int = 1) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    if not raw.strip().isdigit() or int(raw) < minimum:
-        raise ValueError(f"{name}={raw!r}: expected a whole number >= {minimum}")
-    return int(raw)
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Caps on one message, enforced by the sender (before sending) and the receiver (before
@@ -73,14 +64,14 @@ class Limits:
     """
 
     max_message_bytes: int = dataclasses.field(
-        default_factory=lambda: _env_int("HPCDP_RPC_MAX_MESSAGE", 1 << 30))
+        default_factory=lambda: setting("HPCDP_RPC_MAX_MESSAGE"))
     max_body_bytes: int = dataclasses.field(
-        default_factory=lambda: _env_int("HPCDP_RPC_MAX_BODY", 16 << 20))
-    max_depth: int = dataclasses.field(default_factory=lambda: _env_int("HPCDP_RPC_MAX_DEPTH", 64))
+        default_factory=lambda: setting("HPCDP_RPC_MAX_BODY"))
+    max_depth: int = dataclasses.field(default_factory=lambda: setting("HPCDP_RPC_MAX_DEPTH"))
     max_elements: int = dataclasses.field(
-        default_factory=lambda: _env_int("HPCDP_RPC_MAX_ELEMENTS", 1_000_000))
+        default_factory=lambda: setting("HPCDP_RPC_MAX_ELEMENTS"))
     max_buffers: int = dataclasses.field(
-        default_factory=lambda: _env_int("HPCDP_RPC_MAX_BUFFERS", 4096))
+        default_factory=lambda: setting("HPCDP_RPC_MAX_BUFFERS"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

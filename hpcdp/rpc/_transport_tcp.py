@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from .._config import setting
 from ..backends.tcp import _wire as tcpwire
 from ..backends.tcp import bind_address
 from ..backends.tcp._accept import AuthListener, connect
@@ -96,7 +97,7 @@ class TCPTransport(Transport):
         self.started = False
         self._cv = threading.Condition()
         self._expected = set(range(self.rank))
-        master = os.environ.get("HPCDP_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        master = setting("HPCDP_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         host = bind_address(master)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.bind((host, 0))

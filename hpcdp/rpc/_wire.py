@@ -26,8 +26,9 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from .._config import setting
 from ..errors import ProtocolError
-from ._codec import Limits, _env_int, _packer
+from ._codec import Limits, _packer
 
 __all__ = ["PREFIX", "MAX_ENVELOPE", "Frame", "pack_prefix", "parse_prefix", "check_sizes",
            "pack_envelope", "unpack_envelope", "RecvBuffers", "RECV_BUFFERS"]
@@ -186,4 +187,4 @@ class RecvBuffers:
 
 
 #: shared by every transport of the process (simulated ranks are threads of one process)
-RECV_BUFFERS = RecvBuffers(_env_int("HPCDP_RPC_RECV_CACHE", 128 << 20, minimum=0))
+RECV_BUFFERS = RecvBuffers(setting("HPCDP_RPC_RECV_CACHE"))

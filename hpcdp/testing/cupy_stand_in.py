@@ -16,12 +16,13 @@ here), asynchronous kernels, and DLPack.
 """
 from __future__ import annotations
 
-import os
 import sys
 import types
 from typing import Any
 
 import numpy as np
+
+from .._config import setting
 
 __all__ = ["array_module", "real_cupy", "install_stand_in", "stand_in_modules", "is_stand_in"]
 
@@ -55,7 +56,7 @@ def array_module(name: str) -> types.ModuleType:
     real = real_cupy()
     if real is not None:
         return real
-    if os.environ.get("HPCDP_TEST_CUPY", "").lower() == "real":
+    if setting("HPCDP_TEST_CUPY") == "real":
         raise RuntimeError("HPCDP_TEST_CUPY=real: cupy with a CUDA device is required here, and none "
                            "is usable (cupy missing, no driver, or no device)")
     return install_stand_in()

@@ -4,7 +4,6 @@ Use from a ``conftest.py``: ``from hpcdp.testing.fixtures import mpi_world, shar
 """
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import Iterator
@@ -13,6 +12,7 @@ import pytest
 
 import hpcdp
 
+from .._config import setting
 from ._harness import remove_shared_dir, shared_dir
 
 __all__ = ["mpi_world", "shared_tmp_path"]
@@ -38,6 +38,6 @@ def shared_tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
         return
     # several nodes need a directory they all see: HPCDP_SHARED_TMPDIR (default: TMPDIR)
-    path = shared_dir(os.environ.get("HPCDP_SHARED_TMPDIR") or None)
+    path = shared_dir(setting("HPCDP_SHARED_TMPDIR"))
     yield path
     remove_shared_dir(path)

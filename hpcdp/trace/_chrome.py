@@ -21,10 +21,11 @@ import threading
 from typing import Any, Callable, TypeVar
 
 from .._atomic import open_new
+from .._config import setting
 from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
 from ._dump import describe_group, job_id, on_dump, trace_dir
 from ._recorder import (
-    _truthy, all_recorders, configure, current_rank, timeline_factory, where_of,
+    all_recorders, configure, current_rank, timeline_factory, where_of,
 )
 
 __all__ = [
@@ -403,7 +404,7 @@ def disable() -> None:
     for rec in all_recorders():
         rec.attach_timeline(None)
     state.on = False
-    configure(lines=_truthy("HPCDP_TRACE_LINES"))  # back to the cheap ring unless asked otherwise
+    configure(lines=setting("HPCDP_TRACE_LINES"))  # back to the cheap ring unless asked otherwise
     close_all()
 
 
@@ -484,5 +485,5 @@ def counter(name: str, cat: str = "counter", **values: float) -> None:
 
 atexit.register(lambda: disable() if state.on else close_all())  # no new files during shutdown
 on_dump.append(flush)
-if _truthy("HPCDP_TRACE"):
+if setting("HPCDP_TRACE"):
     enable()

@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Callable
 
 from .._atomic import atomic_write_text
+from .._config import setting, source
 from ..errors import CommTimeoutError, PeerFailureError
 from ._clock import WALL_MINUS_MONO_NS, clock_offset_ns, now_ns
 from ._recorder import (
@@ -47,7 +48,7 @@ on_dump: list[Callable[[], None]] = []
 
 def trace_dir(directory: str | os.PathLike[str] | None = None) -> str:
     """``directory``, else ``HPCDP_TRACE_DIR``, else ``./hpcdp-trace``."""
-    return os.fspath(directory) if directory else (os.environ.get("HPCDP_TRACE_DIR") or "hpcdp-trace")
+    return os.fspath(directory) if directory else setting("HPCDP_TRACE_DIR")
 
 
 def record_path(directory: str, rank: int) -> str:
@@ -65,10 +66,11 @@ def job_id() -> str:
     for key in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
         if env.get(key):
             return f"mpi-{env[key]}"
-    if env.get("HPCDP_SECRET"):  # hpcdp-run: a fresh secret per attempt (only a digest is kept)
+    secret = setting("HPCDP_SECRET")
+    if secret:  # hpcdp-run: a fresh secret per attempt (only a digest is kept)
         import hashlib
 
-        return "run-" + hashlib.sha256(env["HPCDP_SECRET"].encode()).hexdigest()[:16]
+        return "run-" + hashlib.sha256(secret.encode()).hexdigest()[:16]
     return f"pid-{socket.gethostname()}-{os.getpid()}"
 
 
@@ -245,11 +247,8 @@ _last_auto = [0.0]
 
 
 def _auto_interval() -> float:
-    raw = os.environ.get("HPCDP_TRACE_DUMP_INTERVAL", "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else 1.0
-    except ValueError:
-        return 1.0
+    # read on the error path: a bad value reads as the default rather than hide the error
+    return setting("HPCDP_TRACE_DUMP_INTERVAL", strict=False)
 
 
 def on_error(rec: Recorder | None, token: int, exc: BaseException) -> None:
@@ -362,8 +361,7 @@ def _keep_finished_records() -> bool:
     for traces (``HPCDP_TRACE=1``) or named where they go (``HPCDP_TRACE_DIR``). A clean run
     otherwise leaves no files in the working directory; ``analyze`` then learns that a rank
     finished from the notice its waiting peers recorded."""
-    return bool(os.environ.get("HPCDP_TRACE_DIR")) or os.environ.get("HPCDP_TRACE", "").strip().lower() \
-        not in ("", "0", "false", "no", "off")
+    return source("HPCDP_TRACE_DIR") == "environment" or setting("HPCDP_TRACE", strict=False)
 
 
 def _on_finalize(group: Any) -> None:

@@ -38,6 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .._config import setting
 from ._clock import now_ns
 
 __all__ = [
@@ -299,27 +300,10 @@ _settings: dict[str, Any] = {}
 timeline_factory: list[Callable[[int], Any] | None] = [None]
 
 
-def _truthy(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _env_capacity() -> int:
-    raw = os.environ.get("HPCDP_FLIGHT_RECORDER", "").strip()
-    if not raw:
-        return DEFAULT_CAPACITY
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"HPCDP_FLIGHT_RECORDER={raw!r}: expected a number of entries (0 = off)") from None
-    if n < 0:
-        raise ValueError(f"HPCDP_FLIGHT_RECORDER={raw!r} must be >= 0")
-    return n
-
-
 def _setting(key: str) -> Any:
     if key not in _settings:
-        _settings["capacity"] = _settings.get("capacity", _env_capacity())
-        _settings["lines"] = _settings.get("lines", _truthy("HPCDP_TRACE_LINES") or _truthy("HPCDP_TRACE"))
+        _settings["capacity"] = _settings.get("capacity", setting("HPCDP_FLIGHT_RECORDER"))
+        _settings["lines"] = _settings.get("lines", setting("HPCDP_TRACE_LINES") or setting("HPCDP_TRACE"))
     return _settings[key]
 
 

@@ -8,7 +8,6 @@ ops with the largest arrival skew. Start times are on the reference clock (see
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from .._config import setting
 from ._clock import clock_offset_ns, wall_ns
 from ._chrome import instant as _instant
 from ._chrome import state as _chrome_state
@@ -211,14 +211,8 @@ def step() -> StragglerReport | None:
 
 def from_env(group: Any = None) -> StragglerReporter | None:
     """``HPCDP_STRAGGLER=N``: ``report_stragglers(every=N)`` (call at init on every rank)."""
-    raw = os.environ.get("HPCDP_STRAGGLER", "").strip()
-    if not raw or raw == "0":
-        return None
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"HPCDP_STRAGGLER={raw!r}: expected a number of steps") from None
-    return report_stragglers(n, group)
+    n = setting("HPCDP_STRAGGLER")
+    return report_stragglers(n, group) if n else None
 
 
 def stop() -> None:

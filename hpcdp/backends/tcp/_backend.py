@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..._config import setting
+from ..._validate import check_timeout
 from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
 from .._runner import P2PBackend, Runner
@@ -46,20 +48,12 @@ DEFAULT_PORT = 29500
 _GENERATIONS = itertools.count()
 
 
-def _env(*names: str, default: str | None = None) -> str | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v:
-            return v
-    return default
-
-
 _is_loopback = wire.is_loopback
 
 
 def bind_address(master: str) -> str:
     """Loopback for local jobs; else the address of the interface that routes to the master."""
-    explicit = os.environ.get("HPCDP_BIND_ADDR")
+    explicit = setting("HPCDP_BIND_ADDR")
     if explicit:
         return explicit
     if _is_loopback(master):
@@ -271,6 +265,14 @@ class _World:
             self.server.close()
 
 
+def _connect_timeout(given: float | None) -> float:
+    """``connect_timeout=`` or ``HPCDP_CONNECT_TIMEOUT`` (default 60 s), checked like every
+    timeout: finite and > 0."""
+    if given is not None:
+        return check_timeout("init(backend='tcp', connect_timeout=...)", given)
+    return setting("HPCDP_CONNECT_TIMEOUT")
+
+
 def create_world(*, connect_timeout: float | None = None) -> TCPBackend:
     """The world backend of this process, from the torchrun-style environment.
 
@@ -278,13 +280,17 @@ def create_world(*, connect_timeout: float | None = None) -> TCPBackend:
         connect_timeout: seconds to reach the store and the peers (``HPCDP_CONNECT_TIMEOUT``,
             default 60).
     """
-    master = _env("HPCDP_MASTER_ADDR", "MASTER_ADDR")
-    rank_s, size_s = _env("RANK", "HPCDP_RANK"), _env("WORLD_SIZE", "HPCDP_WORLD_SIZE")
+    # the HPCDP_ address and port win over the plain names; the plain rank and size win
+    master = setting("HPCDP_MASTER_ADDR") or os.environ.get("MASTER_ADDR") or None
+    rank_s = os.environ.get("RANK") or setting("HPCDP_RANK")
+    size_s = os.environ.get("WORLD_SIZE") or setting("HPCDP_WORLD_SIZE")
     if not master or rank_s is None or size_s is None:
         raise BackendUnavailableError(
             "tcp backend: set HPCDP_MASTER_ADDR (or MASTER_ADDR), RANK and WORLD_SIZE, "
             "or start the job with hpcdp-run")
-    port = int(_env("HPCDP_MASTER_PORT", "MASTER_PORT", default=str(DEFAULT_PORT)) or DEFAULT_PORT)
+    port = setting("HPCDP_MASTER_PORT")
+    if port is None:
+        port = int(os.environ.get("MASTER_PORT") or DEFAULT_PORT)
     rank, size = int(rank_s), int(size_s)
     if not 0 <= rank < size:
         raise BackendUnavailableError(f"tcp backend: RANK={rank} is outside WORLD_SIZE={size}")
@@ -293,6 +299,6 @@ def create_world(*, connect_timeout: float | None = None) -> TCPBackend:
     secret = wire.get_secret(network=network)
     wire.max_frame()  # bad HPCDP_MAX_FRAME or HPCDP_HANDSHAKE_TIMEOUT: an error before
     wire.handshake_timeout()  # anything listens
-    ct = connect_timeout or float(os.environ.get("HPCDP_CONNECT_TIMEOUT", "60"))
+    ct = _connect_timeout(connect_timeout)
     world = _World(rank, size, master, port, secret, ct, generation=next(_GENERATIONS))
     return TCPBackend(world, tuple(range(size)), 0)

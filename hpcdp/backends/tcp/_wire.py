@@ -21,14 +21,14 @@ import hashlib
 import hmac
 import logging
 import math
-import os
 import secrets
 import socket
 import string
 import struct
 import time
 
-from ...errors import AuthError, BackendUnavailableError, ProtocolError
+from ..._config import setting
+from ...errors import AuthError, BackendUnavailableError, ConfigError, ProtocolError
 
 __all__ = [
     "MAGIC", "HEADER", "ROLE_STORE", "ROLE_PEER", "client_handshake", "server_handshake",
@@ -83,7 +83,7 @@ def get_secret(network: bool = False) -> bytes:
         network: the job listens on a non-loopback address, so the secret must be strong
             (``check_secret``); loopback-only jobs accept any non-empty secret.
     """
-    raw = os.environ.get("HPCDP_SECRET", "")
+    raw = setting("HPCDP_SECRET")
     if not raw:
         raise BackendUnavailableError(
             "tcp backend: HPCDP_SECRET is not set; every connection is authenticated with it. "
@@ -147,32 +147,25 @@ def max_frame() -> int:
     Every frame a rank sends respects it (longer messages are split), and every frame it
     receives is checked against it before anything is allocated.
     """
-    raw = os.environ.get("HPCDP_MAX_FRAME")
-    if not raw:
-        return DEFAULT_MAX_FRAME
     try:
-        cap = int(raw)
-    except ValueError:
-        cap = 0
-    if cap < 1:
-        raise BackendUnavailableError(f"tcp backend: HPCDP_MAX_FRAME={raw!r} must be a positive "
-                                      "number of bytes")
-    return cap
+        return setting("HPCDP_MAX_FRAME")
+    except ConfigError as exc:  # the backend cannot start with it: see _unusable
+        raise _unusable(exc) from exc
 
 
 def handshake_timeout() -> float:
     """Seconds a new connection may take to authenticate (``HPCDP_HANDSHAKE_TIMEOUT``, default 10)."""
-    raw = os.environ.get("HPCDP_HANDSHAKE_TIMEOUT")
-    if not raw:
-        return 10.0
     try:
-        t = float(raw)
-    except ValueError:
-        t = math.nan
-    if not t > 0 or math.isinf(t):
-        raise BackendUnavailableError(f"tcp backend: HPCDP_HANDSHAKE_TIMEOUT={raw!r} must be a "
-                                      "positive number of seconds")
-    return t
+        return setting("HPCDP_HANDSHAKE_TIMEOUT")
+    except ConfigError as exc:
+        raise _unusable(exc) from exc
+
+
+def _unusable(exc: ConfigError) -> BackendUnavailableError:
+    """A bad TCP setting: the backend cannot start with it (and a listener already up refuses
+    new connections), so a ``BackendUnavailableError``, caused by the ``ConfigError`` that names
+    the variable, its value and what is allowed."""
+    return BackendUnavailableError(f"tcp backend: {exc}")
 
 
 def hello_timeout() -> float:
