@@ -83,7 +83,8 @@ def test_mpi_refuses_an_unknown_option_under_mpirun() -> None:
                          capture_output=True, text=True, timeout=120, env=env,
                          stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.splitlines() == [_expected("mpi", "no options")] * 2
+    # (mpirun merges the ranks' stdout: two lines printed at once may interleave)
+    assert res.stdout.count(_expected("mpi", "no options")) == 2, res.stdout
 
 
 @pytest.mark.mpi(min_size=2)
