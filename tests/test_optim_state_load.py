@@ -187,7 +187,8 @@ def test_state_check_is_shared() -> None:
     from hpcdp.fsdp import _checkpoint
     from hpcdp.optim import _state_check, optimizer, zero
 
-    for mod in (optimizer, zero, _checkpoint):
-        assert mod.load_param_state is _state_check.load_param_state, mod.__name__
-        assert mod.check_groups is _state_check.check_groups, mod.__name__
+    for mod in (optimizer, zero):  # index-keyed state: one function, built on the two below
+        assert mod.check_index_keyed is _state_check.check_index_keyed, mod.__name__
+    assert _checkpoint.load_param_state is _state_check.load_param_state
+    assert _checkpoint.check_groups is _state_check.check_groups
     assert hpcdp.optim.Adam.state_spec["exp_avg"] == "param"

@@ -133,6 +133,21 @@ def test_without_max_restarts_a_failure_ends_the_job(tmp_path) -> None:
     assert not (tmp_path / "attempt1-rank0").exists()
 
 
+def _start_and_wait_up(tmp_path, script: str, max_restarts: str) -> subprocess.Popen:
+    """``hpcdp-run -n 2`` of ``script``, once both ranks of its first attempt wrote their
+    ``up<rank>-0`` file (each sleeps then, waiting for a signal)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcdp.run", "-n", "2", "--max-restarts",
+                             max_restarts, "--grace", "1", script], env=_env(OUT=str(tmp_path)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "up0-0").exists() and (tmp_path / "up1-0").exists()):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            proc.kill()
+            raise AssertionError(f"the ranks did not start: {proc.communicate()}")
+        time.sleep(0.02)
+    return proc
+
+
 def test_signal_to_launcher_is_never_restarted(tmp_path) -> None:
     """SIGTERM (Slurm preemption or time limit) ends the job even with restarts left."""
     script = _write(tmp_path, """
@@ -141,14 +156,8 @@ def test_signal_to_launcher_is_never_restarted(tmp_path) -> None:
                           + os.environ["HPCDP_RESTART_COUNT"]), "w").close()
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdp.run", "-n", "2", "--max-restarts", "3",
-                             "--grace", "1", script], env=_env(OUT=str(tmp_path)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_and_wait_up(tmp_path, script, "3")
     try:
-        deadline = time.monotonic() + 60
-        while not ((tmp_path / "up0-0").exists() and (tmp_path / "up1-0").exists()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -313,14 +322,8 @@ def test_rank_killed_by_a_forwarded_signal_is_not_restarted(tmp_path) -> None:
                           + os.environ["HPCDP_RESTART_COUNT"]), "w").close()
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdp.run", "-n", "2", "--max-restarts", "2",
-                             "--grace", "1", script], env=_env(OUT=str(tmp_path)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _start_and_wait_up(tmp_path, script, "2")
     try:
-        deadline = time.monotonic() + 60
-        while not ((tmp_path / "up0-0").exists() and (tmp_path / "up1-0").exists()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
         proc.send_signal(signal.SIGUSR1)
         # a restarted attempt would sleep for 10 minutes: stop as soon as one shows up
         deadline = time.monotonic() + 60

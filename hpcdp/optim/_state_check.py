@@ -22,7 +22,7 @@ import numpy as np
 
 from ..nn._backend import to_module, xp_of
 
-__all__ = ["check_groups", "load_param_state", "state_index"]
+__all__ = ["check_groups", "load_param_state", "state_index", "require_state_dict", "check_index_keyed"]
 
 #: hyper-parameters that the built-in optimizers refuse below zero at construction
 _NONNEGATIVE = frozenset({"lr", "eps", "weight_decay", "momentum"})
@@ -179,3 +179,32 @@ def _array(where: str, entry: str, v: Any, like: Any, same_shape: bool) -> Any:
     floating = np.issubdtype(np.dtype(arr.dtype), np.floating)
     dtype = like.dtype if same_shape or floating else arr.dtype   # moments: the parameter's dtype
     return arr.astype(dtype, copy=True)   # always a copy: the caller's arrays must not alias ours
+
+
+def require_state_dict(where: str, state_dict: Any) -> None:
+    """A dict with 'state' and 'param_groups', or a ``TypeError`` saying what came instead."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
+                        f"{type(state_dict).__name__}")
+
+
+def check_index_keyed(where: str, defaults: Mapping[str, Any], mine: list[dict[str, Any]],
+                      state_dict: Mapping[str, Any], params: list[Any],
+                      spec: Mapping[str, str] | None) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    """Check an index-keyed (torch-style) optimizer state against the optimizer's groups
+    ``mine`` and its parameters in group order (``params``), changing nothing.
+
+    Returns each group's typed hyper-parameters and ``{position in params: checked state}``.
+    """
+    groups = state_dict["param_groups"]
+    settings = check_groups(where, defaults, mine, groups)
+    for i, (g, theirs) in enumerate(zip(mine, groups)):
+        if len(g["params"]) != len(theirs.get("params", ())):
+            raise ValueError(f"{where}: param group {i}: loaded state has "
+                             f"{len(theirs.get('params', ()))} parameters, the optimizer "
+                             f"{len(g['params'])}")
+    loaded = state_index(where, groups, state_dict["state"])
+    saved = [int(j) for g in groups for j in g["params"]]
+    checked = {pos: load_param_state(where, f"parameter {saved[pos]}", spec, loaded[saved[pos]], p.data)
+               for pos, p in enumerate(params) if saved[pos] in loaded}
+    return settings, checked

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 from ..errors import HpcdpError
 from ._names import NAME_HINT, by_name, is_name_keyed, load_by_name, names_of, state_by_name
-from ._state_check import check_groups, load_param_state, state_index
+from ._state_check import check_index_keyed, require_state_dict
 
 __all__ = ["Optimizer", "live_optimizers"]
 
@@ -178,9 +178,7 @@ class Optimizer:
             owner.load_optim_state_dict(self, state_dict)
             return
         where = f"{type(self).__name__}.load_state_dict"
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
-                            f"{type(state_dict).__name__}")
+        require_state_dict(where, state_dict)
         if is_name_keyed(state_dict):
             names = self.param_names()
             if names is None:
@@ -190,23 +188,10 @@ class Optimizer:
             load_by_name(where, self, dict(zip(map(id, self._params()), names)),
                          by_name(where, state_dict, names))
             return
-        groups = state_dict["param_groups"]
-        settings = check_groups(where, self.defaults, self.param_groups, groups)
-        for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
-            if len(mine["params"]) != len(theirs.get("params", ())):
-                raise ValueError(f"{where}: param group {i}: loaded state has "
-                                 f"{len(theirs.get('params', ()))} parameters, optimizer has "
-                                 f"{len(mine['params'])}")
-        loaded = state_index(where, groups, state_dict["state"])
-        index = self._index()
-        saved_ids = [int(j) for g in groups for j in g["params"]]
-        spec = getattr(type(self), "state_spec", None)
-        new_state: dict[Any, dict[str, Any]] = {}
-        for pos, saved_id in enumerate(saved_ids):
-            if saved_id in loaded:
-                p = index[pos]
-                new_state[p] = load_param_state(where, f"parameter {saved_id}", spec,
-                                                loaded[saved_id], p.data)
+        params = self._params()
+        settings, checked = check_index_keyed(where, self.defaults, self.param_groups, state_dict,
+                                              params, getattr(type(self), "state_spec", None))
+        new_state: dict[Any, dict[str, Any]] = {params[pos]: st for pos, st in checked.items()}
         for mine, typed in zip(self.param_groups, settings):
             mine.update(typed)
         self.state = new_state

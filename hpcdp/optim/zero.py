@@ -20,7 +20,7 @@ from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
 from ..nn.parameter import Parameter
 from ._names import index_keyed, is_name_keyed
-from ._state_check import check_groups, load_param_state, state_index
+from ._state_check import check_index_keyed, require_state_dict
 from .optimizer import Optimizer
 from .._world import group_or_default
 
@@ -186,9 +186,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         index, and state for an index no group lists is an error, not dropped.
         """
         where = f"ZeroRedundancyOptimizer.load_state_dict (rank {self.group.rank})"
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-            raise TypeError(f"{where}: expected a dict with 'state' and 'param_groups', got "
-                            f"{type(state_dict).__name__}")
+        require_state_dict(where, state_dict)
         if is_name_keyed(state_dict):
             names = self.param_names()
             if names is None:
@@ -196,27 +194,16 @@ class ZeroRedundancyOptimizer(Optimizer):
                                  "optimizer's parameters have no names; build it on "
                                  "ddp.parameters() or model.named_parameters()")
             state_dict = index_keyed(where, state_dict, names)
-        groups = state_dict["param_groups"]
-        settings = check_groups(where, self.defaults, self.param_groups, groups)
-        for i, (mine, theirs) in enumerate(zip(self.param_groups, groups)):
-            if len(mine["params"]) != len(theirs.get("params", ())):
-                raise ValueError(f"{where}: param group {i}: loaded state has "
-                                 f"{len(theirs.get('params', ()))} parameters, the optimizer "
-                                 f"{len(mine['params'])}")
-        loaded = state_index(where, groups, state_dict["state"])
-        saved = [int(j) for grp in groups for j in grp["params"]]
-        spec = getattr(self.optimizer_class, "state_spec", None)
-        checked = {saved[pos]: load_param_state(where, f"parameter {saved[pos]}", spec,
-                                                loaded[saved[pos]], p.data)
-                   for pos, p in enumerate(self._all) if saved[pos] in loaded}
+        settings, checked = check_index_keyed(where, self.defaults, self.param_groups, state_dict,
+                                              self._all, getattr(self.optimizer_class, "state_spec", None))
         for mine, typed in zip(self.param_groups, settings):
             mine.update(typed)
         if self.local is None:
             return
         local_params = [p for grp in self.local.param_groups for p in grp["params"]]
         local_index = {id(p): i for i, p in enumerate(local_params)}
-        local_state = {local_index[id(p)]: checked[saved[pos]] for pos, p in enumerate(self._all)
-                       if id(p) in local_index and saved[pos] in checked}
+        local_state = {local_index[id(p)]: checked[pos] for pos, p in enumerate(self._all)
+                       if id(p) in local_index and pos in checked}
         local_groups = []
         for li, gi in enumerate(self._local_groups):
             gd = {k: v for k, v in self.param_groups[gi].items() if k != "params"}
