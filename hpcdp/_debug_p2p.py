@@ -108,16 +108,15 @@ def p2p_sender(group: "ProcessGroup", name: str, shape: tuple[int, ...]
     from ._debug import caller_line
 
     line = caller_line()
-    backend = group.backend
 
     def send(flat: Any, dst: int, tag: int) -> Request:
         head = _header(name, group.rank, flat.dtype, tuple(shape), flat.nbytes, line)
-        # (a backend that reads host memory only gets a host frame: cupy data staged here)
-        xp = xp_of(flat) if backend.accepts_cupy else np
+        xp = xp_of(flat)
         frame = xp.zeros(HEADER_BYTES + flat.nbytes, np.uint8)
         frame[: len(head)] = xp.asarray(np.frombuffer(head, np.uint8))
-        frame[HEADER_BYTES:] = (flat if xp is not np else to_host(flat)).reshape(-1).view(np.uint8)
-        return backend.send(frame, dst, tag)  # (every backend keeps the frame until sent)
+        frame[HEADER_BYTES:] = flat.reshape(-1).view(np.uint8)
+        # (the group's transport for this frame: a cupy frame on a host-only backend is staged)
+        return group._transport(frame).send(frame, dst, tag)  # (kept by the backend until sent)
 
     return send
 
@@ -164,9 +163,10 @@ class _Queue:
                     hit = self.backend.probe(src, tag)
                     if hit is None:
                         return
-                    xp = xp_of(head.flat) if self.backend.accepts_cupy else np
-                    head.scratch = xp.empty(int(hit[2]), np.uint8)
-                    head.inner = self.backend.recv(head.scratch, src, tag)
+                    head.scratch = xp_of(head.flat).empty(int(hit[2]), np.uint8)
+                    group = self.group()
+                    post = self.backend if group is None else group._transport(head.scratch)
+                    head.inner = post.recv(head.scratch, src, tag)
                 if not head.inner.test():
                     return
                 head._judge()
@@ -258,7 +258,7 @@ class _Recv(Request):
             raise CollectiveMismatchError(
                 f"a send and its receive do not match (HPCDP_DEBUG):\n"
                 f"  rank {self.src}: {rec['op']} of {them} at {rec['line']}\n  {me}")
-        self.flat.reshape(-1).view(np.uint8)[...] = xp_of(self.flat).asarray(self.scratch[HEADER_BYTES:])
+        self.flat.reshape(-1).view(np.uint8)[...] = self.scratch[HEADER_BYTES:]
         self.scratch = None
         self.done = True
 

@@ -11,7 +11,7 @@ from ._arrays import _SUPPORTED, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender
 from ._group_buffers import finish_into
 from ._validate import check_array, check_rank, check_tag
-from .errors import HpcdpError, full_traceback, public, public_error
+from .errors import HpcdpError, public, public_error
 from .work import Work, wait_for
 
 if TYPE_CHECKING:
@@ -141,8 +141,6 @@ class PointToPoint:
                 raise ValueError(f"{self._where('send')}: a blocking send to oneself would deadlock; use isend")
             self.isend(x, dst, tag).wait(timeout)
         except HpcdpError as exc:
-            if full_traceback():
-                raise
             raise public_error(exc)  # noqa: B904 - exc is its __context__
 
     def recv(self, buf: Any = None, src: int | None = -1, tag: int = 0, *, dtype: Any = None,
@@ -169,6 +167,4 @@ class PointToPoint:
                 raise ValueError(f"{self._where('recv')}: a blocking recv from oneself would deadlock; use irecv")
             return self.irecv(buf, src, tag).wait(timeout)
         except HpcdpError as exc:
-            if full_traceback():
-                raise
             raise public_error(exc)  # noqa: B904 - exc is its __context__

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._world import get_default_group as _default
-from .errors import HpcdpError, full_traceback, public, public_error
+from .errors import HpcdpError, public, public_error
 from .group import ProcessGroup
 from .ops import ReduceOp
 from .work import Work
@@ -38,8 +38,6 @@ def allreduce(x: Any, op: Op = "sum", *, out: Any = None, group: Group = None,
     try:  # free on success: the latency path pays no wrapper call
         return (group or _default()).allreduce(x, op, out=out, async_op=async_op, timeout=timeout)
     except HpcdpError as exc:
-        if full_traceback():
-            raise
         raise public_error(exc)  # noqa: B904 - exc is its __context__
 
 

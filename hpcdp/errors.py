@@ -98,8 +98,9 @@ def public_error(exc: BaseException, prefix: str = "") -> BaseException:
     Use as ``except HpcdpError as exc: raise public_error(exc)``. An error already trimmed by an
     inner public call is re-raised itself, with its traceback reset to the outer call.
     """
-    if full_traceback() and not prefix:
-        return exc
+    full = full_traceback()
+    if full and not prefix:
+        return exc  # (``raise exc`` inside its own handler re-raises it as it was)
     if getattr(exc, "_hpcdp_public", False) and not prefix:
         return exc.with_traceback(None)
     try:
@@ -115,9 +116,9 @@ def public_error(exc: BaseException, prefix: str = "") -> BaseException:
                 new.add_note(note)
     new.__cause__ = None
     new.__context__ = exc
-    new.__suppress_context__ = not full_traceback()
+    new.__suppress_context__ = not full
     new._hpcdp_public = True  # type: ignore[attr-defined]
-    if not full_traceback() and _HIDDEN_NOTE not in getattr(new, "__notes__", ()):
+    if not full and _HIDDEN_NOTE not in getattr(new, "__notes__", ()):
         new.add_note(_HIDDEN_NOTE)
     return new
 
@@ -130,8 +131,6 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except HpcdpError as exc:
-            if full_traceback():
-                raise
             raise public_error(exc)  # noqa: B904 - the original is this error's __context__
 
     return call  # type: ignore[return-value]

@@ -21,16 +21,16 @@ from ._group_buffers import finish_into, reduction_plan, result_buffer
 from ._group_objects import ObjectCollectives
 from ._group_p2p import PointToPoint
 from ._group_torch import TorchSpellings
-from ._config import setting
+from ._config import SETTINGS, setting
 from ._validate import check_array, check_divisible, check_out, check_rank, check_timeout
 from .backends.base import Backend, Request
-from .errors import CollectiveMismatchError, HpcdpError, full_traceback, public, public_error
+from .errors import CollectiveMismatchError, HpcdpError, public, public_error
 from .ops import ReduceOp, as_op, check_op_dtype
 from .work import CompletedWork, Work, annotate, timeout_error, work_where
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
-DEFAULT_TIMEOUT = 1800.0
+DEFAULT_TIMEOUT = SETTINGS["HPCDP_TIMEOUT"].default
 
 
 def default_timeout() -> float:
@@ -197,7 +197,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         work = Work(self, op, seq, req, finish, timeout, tok)
         if async_op:
             return work
-        return work.wait()
+        return work._wait()
 
     def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:
         return CompletedWork(self, op, seq, result) if async_op else result
@@ -290,8 +290,6 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
             req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
             return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
         except HpcdpError as exc:  # raised from here, not from a dozen frames below
-            if full_traceback():
-                raise
             raise public_error(exc)  # noqa: B904 - exc is its __context__
 
     @public

@@ -13,11 +13,20 @@ import os
 import sys
 from typing import Any, Iterable, Iterator
 
-__all__ = ["progress", "get_logger", "NullBar"]
+__all__ = ["progress", "get_logger", "NullBar", "launcher_rank"]
 
-#: where launchers put the rank of the process they start (hpcdp-run/torchrun, Open MPI, MPICH
-#: and Intel MPI, PMIx, Slurm)
-_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+#: where launchers put the rank of the process they start (Open MPI, MPICH and Intel MPI, PMIx,
+#: hpcdp-run/torchrun, Slurm): an MPI launcher's own variable first, since a ``RANK`` may be left
+#: over in the environment a job script exports
+_RANK_ENV = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int | None:
+    """The rank the launcher gave this process, from its environment; None outside a launcher."""
+    for key in _RANK_ENV:
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return None
 
 
 def _rank() -> int:
@@ -28,10 +37,8 @@ def _rank() -> int:
             return int(hpcdp.rank())
     except Exception:  # noqa: BLE001 - output helpers must never fail a run
         return 0
-    for key in _RANK_ENV:
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+    r = launcher_rank()
+    return 0 if r is None else r
 
 
 class NullBar:

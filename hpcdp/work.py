@@ -62,6 +62,11 @@ class Work:
     @public
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done or ``timeout`` (default: the call's, else the group's); the result."""
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None = None) -> Any:
+        """``wait`` for callers that are public calls themselves (a blocking collective): its
+        error is trimmed once, at their boundary."""
         if self._done:
             return self._result
         if self._error is not None:

@@ -399,3 +399,37 @@ def _torch_body(rank: int) -> list[str]:
 def test_torch_cuda_tensors_through_collectives_without_a_copy() -> None:
     _torch_cuda()
     assert hpcdp.spawn(_torch_body, 2, timeout=60) == [[], []]
+
+
+def _debug_p2p_body(rank: int) -> list[str]:
+    """Point to point under ``HPCDP_DEBUG=detail`` (framed messages): the transport still gets
+    host arrays only, and the data arrives."""
+    cp = array_module("cupy")
+    g = hpcdp.get_default_group()
+    g.debug = "detail"
+    seen: list[str] = []
+    be = g.backend
+    real_send, real_recv = be.send, be.recv
+
+    def send(buf, dst, tag):  # noqa: ANN001, ANN202 - the backend's own argument names
+        seen.append(type(buf).__module__ + "." + type(buf).__name__)
+        return real_send(buf, dst, tag)
+
+    def recv(buf, src, tag):  # noqa: ANN001, ANN202
+        seen.append(type(buf).__module__ + "." + type(buf).__name__)
+        return real_recv(buf, src, tag)
+
+    be.send, be.recv = send, recv
+    if rank == 0:
+        hpcdp.send(cp.arange(5.0), 1)
+    else:
+        b = cp.zeros(5)
+        hpcdp.recv(b, 0)
+        if b.get().tolist() != [0.0, 1.0, 2.0, 3.0, 4.0]:
+            seen.append(f"wrong data {b.get()}")
+    return seen
+
+
+def test_debug_p2p_frames_cupy_through_host_staging(cp) -> None:
+    seen = hpcdp.spawn(_debug_p2p_body, 2, timeout=30)
+    assert seen[0] == ["numpy.ndarray"] and seen[1] == ["numpy.ndarray"], seen

@@ -79,16 +79,22 @@ def body_process_held(rank: int) -> dict[str, int]:
     return out
 
 
-def body_job_held(rank: int, sync: threading.Barrier, owns: dict[int, int]) -> dict[str, int]:
-    """Sim: every rank is a thread of this process; rank 0 measures the whole job's bytes. The
-    threads meet at ``sync``, not at a collective of the group: a later collective would
-    replace (and so release) whatever the backend kept of the broadcast."""
+def _start_measuring(rank: int, sync: threading.Barrier) -> int:
+    """Rank 0 starts tracemalloc with every rank waiting; its baseline (0 on the others)."""
     if rank == 0:
         gc.collect()
         tracemalloc.start()
     sync.wait()
     base = tracemalloc.get_traced_memory()[0] if rank == 0 else 0
     sync.wait()
+    return base
+
+
+def body_job_held(rank: int, sync: threading.Barrier, owns: dict[int, int]) -> dict[str, int]:
+    """Sim: every rank is a thread of this process; rank 0 measures the whole job's bytes. The
+    threads meet at ``sync``, not at a collective of the group: a later collective would
+    replace (and so release) whatever the backend kept of the broadcast."""
+    base = _start_measuring(rank, sync)
     fsdp, model_bytes = _wrap()
     owns[rank] = _expected(fsdp)
     sync.wait()
@@ -141,12 +147,7 @@ def body_kept_work(rank: int, sync: threading.Barrier, nbytes: int) -> int:
     beyond the ranks' own arrays. The rendezvous slot the work points to held every rank's
     buffer and a copy of the root's (the combined result) for as long as the work lived."""
     g = hpcdp.get_default_group()
-    if rank == 0:
-        gc.collect()
-        tracemalloc.start()
-    sync.wait()
-    base = tracemalloc.get_traced_memory()[0] if rank == 0 else 0
-    sync.wait()
+    base = _start_measuring(rank, sync)
     buf = np.full(nbytes // 8, float(rank))
     work = g.broadcast(buf, root=0, async_op=True)
     work.wait()

@@ -148,7 +148,7 @@ def describe() -> str:
 
 
 def staged(be: "MPIBackend", method: Callable[..., Request], names: Sequence[str],
-           recv: Sequence[str], args: tuple[Any, ...]) -> Request:
+           args: tuple[Any, ...]) -> Request:
     """``method`` on cupy ``args``: directly when MPI is CUDA-aware (after the stream is
     synchronised: MPI must see finished kernels), else on pinned host copies."""
     import cupy  # type: ignore[import-not-found]

@@ -20,11 +20,17 @@ __all__ = [
     "spawnable_backends",
     "ANY_SOURCE",
     "ANY_TAG",
+    "FINALIZED",
 ]
 
 #: ``probe``'s ``src`` and ``tag`` that match any source / any tag (``hpcdp.ANY_SOURCE``)
 ANY_SOURCE = -1
 ANY_TAG = -1
+
+#: What a peer's error says of a rank that called ``hpcdp.finalize`` ("rank 1 has shut down
+#: (finalize)"), on transports that tell their peers (TCP); ``python -m hpcdp.trace analyze``
+#: reads it to say that a rank without a flight record finished rather than crashed.
+FINALIZED = "has shut down (finalize)"
 
 
 class Request(abc.ABC):

@@ -88,10 +88,10 @@ def _datatypes() -> dict[np.dtype, Any]:
     return {np.dtype(k): v for k, v in t.items()}
 
 
-def _posting(recv: Sequence[str], collective: bool = True
-             ) -> Callable[[Callable[..., Request]], Callable[..., Request]]:
+def _posting(collective: bool = True) -> Callable[[Callable[..., Request]], Callable[..., Request]]:
     """Number collectives, turn MPI errors into hpcdp's, keep the buffers with the request, and
-    run on host copies of cupy arguments when MPI cannot read device memory."""
+    run on host copies of cupy arguments when MPI cannot read device memory (which arguments a
+    call writes: ``_staging.RECV_ROLES``)."""
 
     def deco(method: Callable[..., Request]) -> Callable[..., Request]:
         names = method.__code__.co_varnames[1 : method.__code__.co_argcount]
@@ -107,7 +107,7 @@ def _posting(recv: Sequence[str], collective: bool = True
                     req = method(self, *args)
                     req.keep = (args, req.keep)  # (float16 staging keeps its own copies)
                     return req
-                return staged(self, method, names, recv, args)
+                return staged(self, method, names, args)
             except _MPI.Exception as exc:
                 raise self.mpi_error(exc, what, index) from None
 
@@ -225,7 +225,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
             nb.lock.release()
 
     # -- collectives ------------------------------------------------------------------------
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def allreduce(self, sendbuf, recvbuf, op):
         return self._allreduce(sendbuf, recvbuf, op)
 
@@ -317,12 +317,12 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
         slow.keep = (sendbuf, recvbuf)  # MPI owns them until the request completes
         return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
 
-    @_posting(recv=("buf",))
+    @_posting()
     def broadcast(self, buf, root):
         reqs = [self.comm.Ibcast(self._buf(buf, lo, hi), root) for lo, hi in _chunks(buf.size)]
         return self._coll(reqs, "broadcast")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def reduce(self, sendbuf, recvbuf, op, root):
         return self._reduce(sendbuf, recvbuf, op, root)
 
@@ -338,7 +338,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
             reqs.append(self.comm.Ireduce(s, r, mop, root))
         return self._coll(reqs, "reduce")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def all_gather(self, sendbuf, recvbuf):
         # (chosen by size alone, so every rank takes the same path whatever its array module)
         if _P2P_GATHER_MIN <= recvbuf.nbytes < _P2P_GATHER_MAX and sendbuf.size <= _MAX_COUNT:
@@ -362,7 +362,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 for r in range(self.size) for lo, hi in _chunks(sendbuf.size)]
         return self._coll(reqs, "all_gather")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def gather(self, sendbuf, recvbuf, root):
         me = self.rank == root
         if sendbuf.size <= _MAX_COUNT:
@@ -380,7 +380,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                     for i, (lo, hi) in enumerate(_chunks(sendbuf.size))]
         return self._coll(reqs or [_MPI.REQUEST_NULL], "gather")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def scatter(self, sendbuf, recvbuf, root):
         me = self.rank == root
         if recvbuf.size <= _MAX_COUNT:
@@ -398,7 +398,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                     for i, (lo, hi) in enumerate(_chunks(recvbuf.size))]
         return self._coll(reqs or [_MPI.REQUEST_NULL], "scatter")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def reduce_scatter(self, sendbuf, recvbuf, op):
         return self._reduce_scatter(sendbuf, recvbuf, op)
 
@@ -416,7 +416,7 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 reqs.append(self.comm.Ireduce(self._buf(sendbuf[r], lo, hi), rb, mop, r))
         return self._coll(reqs, "reduce_scatter")
 
-    @_posting(recv=("recvbuf",))
+    @_posting()
     def all_to_all(self, sendbuf, recvbuf):
         m = sendbuf.shape[1] if sendbuf.ndim == 2 else 0
         if m <= _MAX_COUNT:
@@ -432,17 +432,17 @@ class MPIBackend(Notices, _rq.Lifetime, Backend):
                 reqs.append(self._p2p.Irecv(self._buf(recvbuf[peer], lo, hi), peer, i))
         return self._coll(reqs or [_MPI.REQUEST_NULL], "all_to_all")
 
-    @_posting(recv=())
+    @_posting()
     def barrier(self):
         return self._coll([self.comm.Ibarrier()], "barrier")
 
     # -- point to point ---------------------------------------------------------------------
-    @_posting(recv=(), collective=False)
+    @_posting(collective=False)
     def send(self, buf, dst, tag):
         reqs = [self.comm.Isend(self._buf(buf, lo, hi), dst, tag) for lo, hi in _chunks(buf.size)]
         return _rq.MPIRequest(self, reqs, f"send to rank {self.ranks[dst]} (tag {tag})")
 
-    @_posting(recv=("buf",), collective=False)
+    @_posting(collective=False)
     def recv(self, buf, src, tag):
         reqs = [self.comm.Irecv(self._buf(buf, lo, hi), src, tag) for lo, hi in _chunks(buf.size)]
         req = _rq.MPIRequest(self, reqs, f"recv from rank {self.ranks[src]} (tag {tag})")

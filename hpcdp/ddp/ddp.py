@@ -260,8 +260,8 @@ class DDP:
         """Load optimizer state keyed by name (whole arrays, or ``checkpoint.Shard`` blocks covering
         the whole parameter, e.g. from ``FSDP.optim_state_dict`` via a checkpoint) or by index (in
         the optimizer's parameter order, as older checkpoints hold it) into ``optimizer``."""
+        names = self._optim_names(optimizer, "DDP.load_optim_state_dict")
         where = f"DDP.load_optim_state_dict (rank {self.group.rank})"
-        names = self._optim_names(optimizer, where)
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         load_by_name(where, optimizer, names, by_name(where, state, order))
 

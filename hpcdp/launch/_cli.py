@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import Sequence
 
+from ..progress import launcher_rank
 from ._boot import remember as remember_early_signals
 from ._local import GRACE, attempt_secret, launch, rank_command
 from ._slurm import node_layout, parse_nodelist
@@ -127,10 +128,8 @@ def _dump_flight_record(exc: BaseException) -> None:
 
 
 def _rank_label() -> str:
-    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "RANK"):
-        if os.environ.get(k, "").isdigit():
-            return f"[rank {os.environ[k]}] "
-    return ""
+    r = launcher_rank()  # the same rank the logger's prefix names
+    return "" if r is None else f"[rank {r}] "
 
 
 def _abort(code: int) -> None:

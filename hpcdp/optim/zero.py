@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..nn._backend import xp_of
 from ..nn.parameter import Parameter
-from ._names import index_keyed, is_name_keyed
+from ._names import NAME_HINT, index_keyed, is_name_keyed
 from ._state_check import check_index_keyed, require_state_dict
 from .optimizer import Optimizer
 from .._world import group_or_default
@@ -191,8 +191,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             names = self.param_names()
             if names is None:
                 raise ValueError(f"{where}: the state is keyed by parameter name and this "
-                                 "optimizer's parameters have no names; build it on "
-                                 "ddp.parameters() or model.named_parameters()")
+                                 f"optimizer's parameters have no names: {NAME_HINT}")
             state_dict = index_keyed(where, state_dict, names)
         settings, checked = check_index_keyed(where, self.defaults, self.param_groups, state_dict,
                                               self._all, getattr(self.optimizer_class, "state_spec", None))

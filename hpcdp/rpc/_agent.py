@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import (
     BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
 )
-from .._config import setting
+from .._config import SETTINGS, setting
 from .._validate import check_timeout
 from . import _protocol as P
 from ._calls import Calls
@@ -47,7 +47,7 @@ __all__ = ["Agent", "WorkerInfo"]
 LOG = logging.getLogger("hpcdp.rpc")
 
 #: default byte budget of the requests a worker holds (``HPCDP_RPC_QUEUE_BYTES``)
-QUEUE_BYTES = 256 << 20
+QUEUE_BYTES = SETTINGS["HPCDP_RPC_QUEUE_BYTES"].default
 #: what a request costs beyond its message (its task, closures and bookkeeping)
 QUEUE_OVERHEAD = 512
 

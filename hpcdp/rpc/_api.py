@@ -7,7 +7,7 @@ import weakref
 from typing import Any
 
 from .. import _world
-from .._config import setting
+from .._config import SETTINGS, setting
 from .._validate import check_timeout
 from ..errors import HpcdpError
 from . import _context
@@ -19,7 +19,7 @@ from ._rref import RRef
 __all__ = ["init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "get_worker_info",
            "is_initialized", "stats"]
 
-DEFAULT_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = SETTINGS["HPCDP_RPC_TIMEOUT"].default
 _agents: "weakref.WeakSet[Agent]" = weakref.WeakSet()
 _atexit_lock = threading.Lock()
 _atexit_done = False

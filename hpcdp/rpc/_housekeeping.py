@@ -5,7 +5,7 @@
   for it, lock-free.
 * timer: never sends and never blocks. It fails calls whose deadline passed (a waiting caller
   also does this itself, see ``Future``), hands off the duty of an inline callee that runs long
-  (``_duty``), polls a polled transport when no thread does, and expires RRef placeholders.
+  (``_duty``), polls a polled transport when no thread does.
   It ticks every few milliseconds while callees run inline or the transport is polled, else
   sleeps until the next deadline (at most ``_LONG``), and the first inline callee after a quiet
   spell wakes it.
@@ -30,7 +30,6 @@ _STOP = object()
 _TICK = GRACE
 _LONG = 0.05
 _QUIET = 1.0  # seconds without inline callees before the timer sleeps long
-_PLACEHOLDER_EVERY = 1.0
 
 
 class Housekeeping:
@@ -111,7 +110,6 @@ class Housekeeping:
     # -- the timer ---------------------------------------------------------------------------
     def _timer_loop(self) -> None:
         polled = self._polled
-        next_placeholders = time.monotonic() + _PLACEHOLDER_EVERY
         with using(self):
             while not self._timer_stop:
                 now = time.monotonic()
@@ -133,9 +131,6 @@ class Housekeeping:
                             lent.hand_off()
                     if polled is not None and not self.pool.leading and not polled.pumpers:
                         polled.poll()  # progress even while every pool thread is busy
-                    if now >= next_placeholders:
-                        next_placeholders = now + _PLACEHOLDER_EVERY
-                        self.rrefs.expire_placeholders(self.default_timeout)
                 except Exception:  # noqa: BLE001 - the timer must keep going
                     LOG.exception("hpcdp.rpc: rank %d: timer task failed", self.rank)
 

@@ -44,7 +44,6 @@ import hmac
 import secrets
 import struct
 import threading
-import time
 from typing import Any, Callable
 
 from .._validate import check_timeout
@@ -165,16 +164,15 @@ class _Proxy:
 class OwnerRecord:
     """The owner's state of one RRef: the value (once computed), the forks, local handles."""
 
-    __slots__ = ("rid", "state", "value", "error", "waiters", "forks", "handles", "born")
+    __slots__ = ("rid", "state", "value", "error", "waiters", "forks", "handles")
 
     def __init__(self, rid: Id, state: str) -> None:
-        self.rid, self.state = rid, state  # placeholder | pending | ready | failed
+        self.rid, self.state = rid, state  # pending | ready | failed
         self.value: Any = None
         self.error: tuple[str, str, str] | None = None
         self.waiters: list[Callable[["OwnerRecord"], None]] = []
         self.forks: dict[Id, int] = {}  # fork -> the worker holding it
         self.handles = 0
-        self.born = time.monotonic()
 
 
 class UserState:
@@ -219,8 +217,6 @@ class RRefManager:
         self.owners: dict[Id, OwnerRecord] = {}
         self.users: dict[Id, UserState] = {}
         self.children: dict[Id, tuple[RRef, int]] = {}
-        self.max_placeholders = 10_000
-        self._n = 0
 
     def next_id(self) -> Id:
         """A fresh RRef or fork id: 128 random bits, so a peer cannot guess one it was not sent."""
@@ -262,17 +258,14 @@ class RRefManager:
                                 "one)")
 
     def remote_created(self, src: int, rid_w: Any, fid_w: Any) -> OwnerRecord:
-        """A REMOTE from ``src``: record the RRef (filling a placeholder) and ``src``'s fork."""
+        """A REMOTE from ``src``: record the RRef and ``src``'s fork."""
         rid, fid = _id(rid_w), _id(fid_w)
         if rid[0] != src or fid[0] != src:
             raise ProtocolError(f"REMOTE from rank {src} with foreign ids {show(rid)}/{show(fid)}")
         with self.lock:
-            rec = self.owners.get(rid)
-            if rec is None:
-                rec = self.owners[rid] = OwnerRecord(rid, "pending")
-            elif rec.state != "placeholder":
+            if rid in self.owners:
                 raise ProtocolError(f"REMOTE from rank {src}: RRef {show(rid)} exists already")
-            rec.state = "pending"
+            rec = self.owners[rid] = OwnerRecord(rid, "pending")
             rec.forks[fid] = src
         return rec
 
@@ -293,7 +286,7 @@ class RRefManager:
         with self.lock:
             rec = self._record(rid, src)
             self._check_holder(rec, src, "a use of an RRef")
-            if rec.state in ("pending", "placeholder"):
+            if rec.state == "pending":
                 rec.waiters.append(fn)
                 return None
         return rec
@@ -316,9 +309,9 @@ class RRefManager:
         if rec is None:
             raise HpcdpError(f"RRef.{op} on rank {self.rank}: RRef {show(rid)} was freed")
         done = threading.Event()
-        if rec.state in ("pending", "placeholder"):
+        if rec.state == "pending":
             with self.lock:
-                pending = rec.state in ("pending", "placeholder")
+                pending = rec.state == "pending"
                 if pending:
                     rec.waiters.append(lambda r: done.set())
             if pending:
@@ -548,21 +541,6 @@ class RRefManager:
             st.settle()
         del drop
 
-    def expire_placeholders(self, older_than: float) -> list[OwnerRecord]:
-        now, out = time.monotonic(), []
-        with self.lock:
-            for rid, rec in list(self.owners.items()):
-                if rec.state == "placeholder" and now - rec.born > older_than:
-                    del self.owners[rid]
-                    out.append(rec)
-        for rec in out:
-            rec.error = ("PeerFailureError", f"RRef {show(rec.rid)} was never created on its owner "
-                         f"(rank {self.rank})", "")
-            rec.state = "failed"
-            for w in rec.waiters:
-                w(rec)
-        return out
-
     def stats(self) -> dict[str, int]:
         """Counts for tests and debugging: owned values, their forks, forks held, children."""
         with self.lock:
@@ -580,7 +558,7 @@ class RRefManager:
         for st in users:
             st.settle()
         for rec in recs:
-            if rec.state in ("pending", "placeholder"):
+            if rec.state == "pending":
                 rec.error, rec.state = ("HpcdpError", why, ""), "failed"
                 for w in rec.waiters:
                     w(rec)

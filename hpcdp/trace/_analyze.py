@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends.base import FINALIZED
 from ._files import Entry, FlightRecord, clean, load_flight_records
 from ._recorder import COMPLETED
 
@@ -122,10 +123,6 @@ class _Index:
         return {e.seq: e for e in self.by_group[r].get(group, ()) if e.seq > 0}
 
 
-def _group_members(records: dict[int, FlightRecord]) -> dict[str, tuple[int, ...]]:
-    return _Index(records).members
-
-
 def _group_divergence(records: dict[int, FlightRecord], group: str,
                       members: tuple[int, ...], index: _Index | None = None) -> Divergence | None:
     index = index or _Index(records)
@@ -164,8 +161,9 @@ def _group_divergence(records: dict[int, FlightRecord], group: str,
     return None
 
 
-NO_RECORD = ("wrote no flight record: killed or crashed hard (a rank of a multi-process job that "
-             "finishes, raises or times out writes one)")
+NO_RECORD = ("wrote no flight record: killed or crashed hard, or it called hpcdp.finalize() without "
+             "HPCDP_TRACE or HPCDP_TRACE_DIR set on a transport that does not tell its peers (MPI) "
+             "(a rank that raises or times out always writes one)")
 
 
 def _last_on_group(r: int, d: Divergence, index: _Index) -> tuple[Entry | None, str]:
@@ -232,7 +230,7 @@ def _instead(d: Divergence, records: dict[int, FlightRecord], index: _Index | No
         d.instead_at[r] = None
 
 
-_SHUT_DOWN = re.compile(r"\brank (\d+) has shut down \(finalize\)")
+_SHUT_DOWN = re.compile(r"\brank (\d+) " + re.escape(FINALIZED))
 
 
 def _told_finished(r: int, records: dict[int, FlightRecord]) -> str | None:

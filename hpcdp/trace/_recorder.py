@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._config import setting
+from .._config import SETTINGS, setting
 from ._clock import now_ns
 
 __all__ = [
@@ -53,7 +53,7 @@ TIMED_OUT = "timed out"
 FAILED = "failed"
 STATES = (STARTED, COMPLETED, TIMED_OUT, FAILED)
 
-DEFAULT_CAPACITY = 2048
+DEFAULT_CAPACITY = SETTINGS["HPCDP_FLIGHT_RECORDER"].default
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _inside: dict[str, bool] = {}

@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 from ...errors import CollectiveMismatchError, PeerFailureError, ProtocolError
+from ..base import FINALIZED
 from . import _wire as wire
 from ._peer import _STAGE, _Peer, _Req, _text
 
@@ -100,7 +101,7 @@ class FrameReader:
                 raise ProtocolError(f"control frame of kind {kind} with a {n}-byte payload")
             if kind == BYE:
                 peer.spos = pos
-                peer.why, peer.crashed = "has shut down (finalize)", False
+                peer.why, peer.crashed = FINALIZED, False
                 return True
             if kind == ABORT:
                 peer.spos = pos

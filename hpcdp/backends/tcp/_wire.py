@@ -27,7 +27,7 @@ import string
 import struct
 import time
 
-from ..._config import setting
+from ..._config import SETTINGS, setting
 from ...errors import AuthError, BackendUnavailableError, ConfigError, ProtocolError
 
 __all__ = [
@@ -61,7 +61,7 @@ NOSIG = (0, 0, 0, 0, 0)
 
 _unpack_from = HEADER.unpack_from
 
-DEFAULT_MAX_FRAME = 1 << 30
+DEFAULT_MAX_FRAME = SETTINGS["HPCDP_MAX_FRAME"].default
 #: seconds a new connection gets to deliver its whole HELLO: a real client sends it at once
 HELLO_TIMEOUT = 2.0
 #: multi-node jobs need at least this many bits in HPCDP_SECRET (as estimated by check_secret)
