@@ -25,7 +25,7 @@ from ._recorder import STATES
 
 __all__ = [
     "MAX_BYTES", "MAX_TIMELINE_BYTES", "Entry", "FlightRecord", "list_rank_files", "read_json", "load_flight_records",
-    "load_timeline", "clean", "read_flight_record", "parse_flight_record",
+    "load_timeline", "clean", "read_flight_record",
 ]
 
 #: largest flight record read (a full ring of 2048 entries with source lines is ~0.6 MiB; the
@@ -258,17 +258,6 @@ def _record(doc: dict[str, Any], path: str, rank: int, world: int, offset: int,
         finished=finished, reasons=reasons,
         finished_at=None if fin_at is None else _int(fin_at, f"{path}: finished_at_ns") + offset,
     )
-
-
-def parse_flight_record(doc: Any, path: str) -> FlightRecord:
-    """Check one dump's structure (an already decoded document); times are moved onto the reference clock."""
-    rank, world, offset = _header(doc, path)
-    raw = doc.get("entries")
-    if not isinstance(raw, list):
-        raise ValueError(f"{path}: entries must be a list")
-    shared = _Shared()
-    entries = [_entry(d, rank, world, offset, f"{path}: entries[{i}]", shared) for i, d in enumerate(raw)]
-    return _record(doc, path, rank, world, offset, entries)
 
 
 # -- reading a record without holding its JSON tree -----------------------------------------
