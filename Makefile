@@ -272,7 +272,7 @@ test-mpi: install
 # The GPU check, for a lent GPU machine (README, "GPUs"): no `install` dependency, on purpose.
 # That machine is bare and offline: its own Python (with CUDA, cupy, mpi4py) runs hpcdp from the
 # working tree, and ci/gpu/run.sh installs only wheels carried in .whl/.  `make test` runs the
-# same script with --dry-run on the numpy stand-in for cupy (tests/test_gpu_script.py).
+# same script with --dry-run on the numpy stand-in for cupy (tests/project/test_gpu_script.py).
 GPU_PYTHON ?= python3
 test-gpu:
 	PYTHON=$(GPU_PYTHON) bash ci/gpu/run.sh $(GPU_ARGS)

@@ -7,29 +7,29 @@ from __future__ import annotations
 from typing import Any
 
 from .launch import spawn
-from ._world import (
+from .comm.world import (
     finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
 )
 from .backends import available_backends, register_backend
-from .collectives import (
+from .comm.collectives import (
     all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
     all_to_all_single, allgather, allreduce, alltoall, barrier, broadcast, broadcast_object,
     broadcast_object_list, gather, gather_object, get_rank, get_world_size, irecv, isend, recv,
     reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
 )
-from ._p2p import (
+from .comm.p2p import (
     ANY_SOURCE, ANY_TAG, P2POp, Status, batch_isend_irecv, iprobe, probe, recv_any, wait_all,
 )
 from .errors import (
     AuthError, BackendUnavailableError, CheckpointError, CollectiveMismatchError,
     CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
 )
-from .group import ProcessGroup
+from .comm.group import ProcessGroup
 from .ops import ReduceOp
 # eager, not lazy: importing the submodule hpcdp.progress (get_logger, "from hpcdp.progress
 # import ...") would bind the module over the lazily loaded function of the same name
 from .progress import get_logger, progress
-from .work import Work
+from .comm.work import Work
 
 __version__ = "0.1.0"
 

@@ -34,7 +34,7 @@ def info() -> dict[str, str]:
         "h5py": _version("h5py"),
         "cupy": _version("cupy"),
         "backends": ", ".join(hpcdp.available_backends()),
-        "detected backend": hpcdp._world.detect_backend(),
+        "detected backend": hpcdp.comm.world.detect_backend(),
     }
     try:
         from hpcdp.backends.mpi import get_mpi
@@ -48,7 +48,7 @@ def info() -> dict[str, str]:
         if importlib.util.find_spec("cupy") is None:
             out["MPI CUDA-aware"] = "not probed (cupy is not installed)"
         else:  # a child process sends device memory to itself (backends/_mpi_staging.py)
-            from hpcdp.backends._mpi_staging import describe
+            from hpcdp.backends.mpi._staging import describe
 
             out["MPI CUDA-aware"] = describe().split(": ", 1)[1]
     except Exception as exc:  # noqa: BLE001

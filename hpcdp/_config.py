@@ -7,7 +7,7 @@ set. Here each variable has one ``Setting``: its type, default, allowed range or
 line of meaning, who it is for, and who reads it. ``setting(name)`` is the only parser; a value
 it does not allow raises ``ConfigError`` (a ``ValueError``) naming the variable, the raw value
 and what is allowed. ``python -m hpcdp info`` lists the user settings with their current value
-and source, and ``tests/test_config.py`` checks README.md's table against ``SETTINGS`` and that
+and source, and ``tests/project/test_config.py`` checks README.md's table against ``SETTINGS`` and that
 no module reads an ``HPCDP_*`` variable except through here.
 
 Rules shared by every type: a variable that is unset or empty reads as its default. Numbers,

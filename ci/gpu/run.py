@@ -3,8 +3,8 @@
 Called by ``ci/gpu/run.sh`` (which installs carried wheels first). Steps:
 
 1. ``found``: the GPU, its driver, cupy, torch, the MPI library, and whether it is CUDA-aware
-   (``hpcdp.backends._mpi_staging``'s functional probe).
-2. ``cupy-single``: ``tests/test_cupy.py`` in one process: every collective on simulated and TCP
+   (``hpcdp.backends.mpi._staging``'s functional probe).
+2. ``cupy-single``: ``tests/backends/test_cupy.py`` in one process: every collective on simulated and TCP
    ranks against numpy, host staging, DDP/FSDP training with cupy parameters against numpy,
    checkpoints cupy -> numpy -> cupy, torch CUDA tensors through collectives.
 3. ``cupy-mpi2``: the same file's MPI tests under ``mpirun -n 2``, CUDA-aware and staged.
@@ -68,7 +68,7 @@ def mpi_info():
             "standard": "%d.%d" % MPI.Get_version()}
 attempt("mpi", mpi_info)
 def aware():
-    from hpcdp.backends._mpi_staging import describe
+    from hpcdp.backends.mpi._staging import describe
     return describe()
 attempt("cuda_aware", aware)
 import numpy, h5py
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                      shown="python -c <what is on this machine>")
         report["steps"].append(found)
         report["found"] = next((json.loads(ln[6:]) for ln in found["output"] if ln.startswith("FOUND ")), {})
-        pytest = [args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cupy.py"]
+        pytest = [args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backends/test_cupy.py"]
         if dry:
             pytest += ["-k", "every_collective and sim or host_staging or probe"]
         report["steps"].append(_run("cupy-single", pytest + ["-m", "not mpi"], 120 if dry else 180, env, log))
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             report["steps"].append({"name": "cupy-mpi2", "rc": 127, "seconds": 0.0,
                                     "summary": "no mpirun/mpiexec on PATH"})
         else:
-            report["steps"].append(_run("cupy-mpi2", mpirun + ["tests/run_mpi.py", "tests/test_cupy.py"],
+            report["steps"].append(_run("cupy-mpi2", mpirun + ["tests/run_mpi.py", "tests/backends/test_cupy.py"],
                                         120 if dry else 90, env, log))
             bench = ["-m", "hpcdp.bench", "gpu", "--json", bench_json]
             if dry:

@@ -1,7 +1,7 @@
 """cupy arrays through a transport that cannot read device memory: pinned host copies.
 
 Every backend takes cupy arrays. MPI hands them to the library directly when a functional probe
-(``hpcdp.backends._mpi_staging``) found it CUDA-aware; otherwise, and on every transport that
+(``hpcdp.backends.mpi._staging``) found it CUDA-aware; otherwise, and on every transport that
 reads host memory only (TCP sockets, simulated ranks), each device argument is copied into a
 pinned host buffer, the operation runs on the host copies, and the arguments the operation writes
 (its receive role) are copied back to the device when it completes.

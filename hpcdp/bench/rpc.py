@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hpcdp.bench rpc [--backend mpi|tcp|sim] [--trials N] [--json PATH]``."""
     a = parser().parse_args(list(argv) if argv is not None else None)
     import hpcdp
-    from hpcdp._world import detect_backend
+    from hpcdp.comm.world import detect_backend
 
     from ._common import JsonSink
 

@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
-from .. import _world, trace
+from .. import trace
+from ..comm import world as _world
 from .._config import setting
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from ..errors import (
     CheckpointError, CollectiveMismatchError, CommTimeoutError, HpcdpError, PeerFailureError,
     public, public_error,

@@ -47,7 +47,7 @@ from ..nn.module import Module
 from ..optim._names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
-from .._world import group_or_default
+from ..comm.world import group_or_default
 
 __all__ = ["DDP"]
 

@@ -28,7 +28,7 @@ from ._memory import MemoryStats, Tracker, optimizer_state_bytes
 from ._state import Schedule
 from ._unit import Unit
 from ._wrap import plan_units
-from .._world import group_or_default
+from ..comm.world import group_or_default
 
 __all__ = ["FSDP"]
 

@@ -6,11 +6,12 @@ import time
 from typing import Any, Callable
 
 from .. import trace
-from .._validate import check_timeout
-from .._world import _set_thread_default, _start_tracing
+from ..comm.validation import check_timeout
+from ..comm.world import _set_thread_default, _start_tracing
 from ..errors import HpcdpError, PeerFailureError
+from ..comm import stragglers
 from ..backends import backend_spawner, spawnable_backends
-from ..group import ProcessGroup
+from ..comm.group import ProcessGroup
 
 __all__ = ["spawn", "spawn_threads"]
 
@@ -74,7 +75,7 @@ def spawn_threads(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, .
             trace.dump(f"uncaught {type(exc).__name__} on simulated rank {r}: {exc}")
             world.mark_dead(r, f"{type(exc).__name__}: {exc}")
         finally:
-            trace._straggler.stop()
+            stragglers.stop()
             _set_thread_default(None)
             # A rank that returned can no longer join anything: peers still waiting on it fail
             # fast, as on TCP. Messages it already sent stay readable.

@@ -22,7 +22,7 @@ from ..nn.parameter import Parameter
 from ._names import NAME_HINT, index_keyed, is_name_keyed
 from ._state_check import check_index_keyed, require_state_dict
 from .optimizer import Optimizer
-from .._world import group_or_default
+from ..comm.world import group_or_default
 
 __all__ = ["ZeroRedundancyOptimizer"]
 

@@ -38,7 +38,7 @@ def grid(pp: int, dp: int | None = None, *, group: Any = None) -> Grid:
         dp: replicas (default: ``group.size // pp``); ``pp * dp`` must equal the group size.
     """
     if group is None:
-        from .._world import get_default_group
+        from ..comm.world import get_default_group
 
         group = get_default_group()
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import nn
 from .._arrays import xp_of
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..trace import span
 from ..trace import state as trace_state

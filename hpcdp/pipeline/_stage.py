@@ -62,7 +62,7 @@ class PipelineStage:
     def __init__(self, model: nn.Module, split_points: Sequence[int] | None = None, virtual: int = 1,
                  group: Any = None) -> None:
         if group is None:
-            from .._world import get_default_group
+            from ..comm.world import get_default_group
 
             group = get_default_group()
         if not isinstance(model, nn.Sequential):

@@ -28,7 +28,7 @@ from ..errors import (
     BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
 )
 from .._config import SETTINGS, setting
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from . import _protocol as P
 from ._calls import Calls
 from ._codec import Limits, decode, encode

@@ -6,9 +6,9 @@ import threading
 import weakref
 from typing import Any
 
-from .. import _world
+from ..comm import world as _world
 from .._config import SETTINGS, setting
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from ..errors import HpcdpError
 from . import _context
 from ._agent import Agent, WorkerInfo

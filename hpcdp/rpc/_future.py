@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from ..errors import CommTimeoutError
 from ._duty import before_blocking
 

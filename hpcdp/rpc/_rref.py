@@ -46,7 +46,7 @@ import struct
 import threading
 from typing import Any, Callable
 
-from .._validate import check_timeout
+from ..comm.validation import check_timeout
 from ..errors import CommTimeoutError, HpcdpError, ProtocolError
 from ._duty import before_blocking
 

@@ -45,7 +45,7 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
     Args:
         timeout: the fresh group's timeout (a call's own ``timeout=`` still wins).
     """
-    from .. import _world
+    from ..comm import world as _world
 
     parent = hpcdp.get_default_group()
     if parent.size == 1:  # nothing to keep in step

@@ -1,6 +1,6 @@
 """The array module the GPU tests run on: real cupy on a GPU machine, a numpy-backed stand-in elsewhere.
 
-The cupy tests (``tests/test_cupy.py``) and the GPU script (``ci/gpu/run.sh``) are written once
+The cupy tests (``tests/backends/test_cupy.py``) and the GPU script (``ci/gpu/run.sh``) are written once
 against ``array_module()``. On a machine with a CUDA device they get real cupy; on this project's
 CI machines (no GPU) they get the stand-in, so the same test bodies, the host-staging paths and
 the script itself run in every ``make test`` and cannot rot. ``HPCDP_TEST_CUPY=real`` makes a

@@ -16,7 +16,7 @@ from ._recorder import (
     COMPLETED, FAILED, STARTED, TIMED_OUT, Recorder, active_recorder, bind_rank, configure,
     hide_frames, pinned_line, recorder, reset,
 )
-from ._straggler import StragglerReport, StragglerReporter, gather_arrivals, report_stragglers, step
+from ..comm.stragglers import StragglerReport, StragglerReporter, gather_arrivals, report_stragglers, step
 
 __all__ = [
     "recorder", "active_recorder", "Recorder", "configure", "reset", "bind_rank", "hide_frames",

@@ -283,7 +283,7 @@ def install(rank: int, world_size: int, *, signals: bool = True) -> None:
     recorder(rank).finished = None  # a fresh init: this rank is running again
     with _dump_lock:
         if "finalize" not in _installed:
-            from .._world import on_finalize
+            from ..comm.world import on_finalize
 
             on_finalize(_on_finalize)
             _installed.add("finalize")

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..._config import setting
-from ..._validate import check_timeout
+from ...comm.validation import check_timeout
 from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
 from .._runner import P2PBackend, Runner

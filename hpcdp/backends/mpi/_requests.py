@@ -1,0 +1,317 @@
+"""MPI requests and their lifetime: memory that MPI may still write is never freed under it.
+
+MPI owns a nonblocking call's buffers until the request completes, and a collective cannot be
+cancelled. So every pending request sits in one table (``_PENDING``) until MPI says it completed,
+whoever let go of it: a ``Work`` dropped without ``wait()``, a call given up on after its timeout,
+a group finalized, an interpreter exiting. ``hpcdp.finalize`` and the exit handler (a Python
+``atexit`` function, which runs before mpi4py's ``MPI_Finalize``) wait a short grace period for
+them, withdraw pending receives, tell the group's other ranks what this rank left unfinished, and
+keep the buffers of whatever is still in flight alive through ``MPI_Finalize``: a peer arriving
+late then completes it into live memory instead of freed memory (a segfault before).
+
+``Test`` on a request that two threads share (DDP's progress thread, the reaper, the exit handler)
+runs under one lock: MPI frees a request when a ``Test`` sees it complete, so two threads testing
+it at once could free it twice.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import sys
+import threading
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
+
+from ...errors import HpcdpError
+from .._staging import Chain
+from ..base import Request, poll_until
+
+if TYPE_CHECKING:
+    from . import MPIBackend
+
+__all__ = ["MPIRequest", "Chain", "Lifetime", "bind", "drain", "reap", "pending_of",
+           "register_backend"]
+
+#: seconds ``finalize`` and interpreter exit wait for operations still in flight
+EXIT_GRACE = 2.0
+
+_MPI: Any = None
+_LOCK = threading.RLock()  # re-entrant: a Test may answer a peer's question, which registers a send
+_PENDING: dict[int, "MPIRequest"] = {}
+_reap_at = 64
+#: every MPI backend not shut down. Strong references: a backend has a receive posted into a
+#: buffer of its own (its notice channel), which must not be freed when its group is dropped.
+_LIVE: "set[MPIBackend]" = set()
+_KEPT: list[Any] = []  # made immortal at exit: what MPI may still write after the interpreter ends
+
+
+def bind(mpi: Any) -> None:
+    """Called once mpi4py's MPI is imported; registers the exit handler."""
+    global _MPI
+    if _MPI is None:
+        _MPI = mpi
+        atexit.register(_at_exit)
+
+
+def register_backend(be: "MPIBackend") -> None:
+    _LIVE.add(be)
+
+
+def _settled(r: Any) -> bool:
+    """A sub-request that completed or failed (a failed one stays failed: MPI will not touch it)."""
+    try:
+        return bool(r.Test())
+    except _MPI.Exception:
+        return True
+
+
+class MPIRequest(Request):
+    """One or more MPI requests of one operation; ``index`` > 0 for collectives (their number on
+    the backend, the same on every rank), 0 for point to point."""
+
+    __slots__ = ("reqs", "done", "what", "keep", "cancellable", "be", "index", "error")
+
+    def __init__(self, be: "MPIBackend", reqs: list[Any], what: str, index: int = 0) -> None:
+        self.reqs = reqs
+        self.done = False
+        self.what = what
+        self.keep: Any = ()  # mpi4py does not hold the buffers of nonblocking calls: we do
+        self.cancellable = False  # receives may be withdrawn when given up on; the rest may not
+        self.be = be
+        self.index = index
+        self.error: HpcdpError | None = None
+        _register(self)
+
+    def _poll(self) -> None:
+        """Under ``_LOCK``: test, and once every sub-request settled, let go of the buffers."""
+        reqs = self.reqs
+        try:
+            ok = reqs[0].Test() if len(reqs) == 1 else _MPI.Request.Testall(reqs)
+        except _MPI.Exception as exc:
+            if self.error is None:
+                self.error = self.be.mpi_error(exc, self.what, self.index)
+            ok = all(_settled(r) for r in reqs)
+        if ok:
+            self.keep = ()
+            _PENDING.pop(id(self), None)
+            self.done = True
+
+    def test(self) -> bool:
+        if not self.done:
+            with _LOCK:
+                if not self.done:
+                    self._poll()
+        if self.error is not None:
+            raise self.error
+        if self.be.notice_waiting():
+            self.be.check_notices(self.index, not self.done)  # (a p2p wait fails if a peer died)
+        return self.done
+
+    def wait(self, timeout: float | None) -> bool:
+        if self.test():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return poll_until(self.test, deadline, serve_all, _TESTS_PER_CLOCK)  # answering others
+
+    def pending(self) -> str:
+        if self.index:
+            try:
+                return self.be.roll_call(self.index, self.what)
+            except _MPI.Exception as exc:  # the side channel failed too: say so, not less
+                return f"{self.what} did not complete (the roll call failed: {exc})"
+        return f"{self.what} did not complete: the peer has not made the matching call"
+
+    def cancel(self) -> None:
+        """Withdraw a receive given up on, so a late message does not land in its buffer
+        (collectives and sends cannot be cancelled: for them this does nothing). Once only:
+        Open MPI 4 crashes on a second ``MPI_Cancel`` of a receive it already withdrew."""
+        if self.cancellable and not self.done:
+            with _LOCK:
+                if not self.cancellable or self.done:
+                    return
+                self.cancellable = False
+                for r in self.reqs:
+                    if r:
+                        try:
+                            r.Cancel()
+                        except _MPI.Exception:
+                            pass
+                self._poll()  # a withdrawn receive completes at once: let go of it
+
+    def abandon(self) -> bool | None:
+        try:
+            if self.test():
+                return True  # its last bytes came in as the deadline passed
+        except HpcdpError:
+            return None
+        self.cancel()
+        if self.index:  # the other ranks must not wait a full timeout of their own
+            self.be.announce(self.index, f"timed out in {self.what}")
+        return None
+
+
+#: Tests between two reads of the clock while waiting. ``base.poll_until`` reads it every 64,
+#: but an oversubscribed Open MPI yields the CPU in every idle Test (about 5 ms each with 4
+#: ranks on a loaded 2-core machine), so 64 could outlast a deadline by a second.
+_TESTS_PER_CLOCK = 8
+
+
+
+class Lifetime:
+    """Mixin of ``MPIBackend``: shutting a group down without freeing what MPI may still use."""
+
+    comm: Any
+    _notice: Any
+    _p2p: Any
+    _small: Any
+    ranks: tuple[int, ...]
+    rank: int
+    # from ``Notices``, earlier in the backend's bases
+    close_notices: Callable[[], None]
+    announce: Callable[[int, str], None]
+    notice_waiting: Callable[[], bool]
+
+    def before_finalize(self) -> None:
+        """Withdraw the notice receive and free idle persistent requests; what still runs is
+        kept alive (MPI may write into it until it completes, or through MPI_Finalize)."""
+        self.close_notices()
+        if self._small is not None:
+            busy = self._small.close()
+            if busy:
+                keep_forever(busy)
+
+    def shutdown(self) -> None:
+        """Finish (or hand to the exit handler) what is in flight, then free the communicators.
+
+        A communicator with a collective still in flight is not freed: libnbc would progress it
+        on freed state (a segfault). Its requests stay registered, so their buffers stay alive.
+        Nor is one whose peer left: the peer's abandoned calls may still send to this rank, and
+        Open MPI hands messages for a freed communicator to the next one given its context id
+        (a late rank crashed in its next ``Comm_dup``).
+        """
+        MPI = _MPI
+        if self.comm == MPI.COMM_NULL:
+            return
+        comms = (self._notice, self._p2p, self.comm)
+        if not MPI.Is_finalized():
+            left = drain(pending_of(self), EXIT_GRACE)
+            first = min((r for r in left if r.index), key=lambda r: r.index, default=None)
+            if first is not None:
+                self.announce(first.index, f"finalized with {first.what} unfinished")
+            peer_left = self.notice_waiting()
+            self.before_finalize()
+            if left or peer_left:
+                keep_forever(comms)
+            if left:
+                warnings.warn(f"hpcdp.finalize (rank {self.ranks[self.rank]}): "
+                              f"{len(left)} MPI operation(s) still in flight "
+                              f"({', '.join(sorted({r.what for r in left}))})",
+                              RuntimeWarning, stacklevel=3)
+            elif not peer_left:
+                for c in comms:
+                    c.Free()
+        self.comm = self._p2p = self._notice = MPI.COMM_NULL
+        _LIVE.discard(self)
+
+
+def _register(r: MPIRequest) -> None:
+    global _reap_at
+    _PENDING[id(r)] = r
+    if len(_PENDING) >= _reap_at and not _reaping:  # requests dropped without wait()
+        reap()
+        _reap_at = max(64, 2 * len(_PENDING))
+
+
+_reaping = False
+
+
+def reap() -> None:
+    """Test every pending request once, so those MPI finished release their buffers."""
+    global _reaping
+    if _MPI is None or _MPI.Is_finalized():
+        return
+    with _LOCK:
+        _reaping = True  # a failure found here sends notices, which register requests
+        try:
+            for r in list(_PENDING.values()):
+                if not r.done:
+                    r._poll()
+        finally:
+            _reaping = False
+
+
+def pending_of(be: "MPIBackend | None") -> list[MPIRequest]:
+    return [r for r in list(_PENDING.values()) if be is None or r.be is be]
+
+
+def drain(reqs: list[MPIRequest], grace: float) -> list[MPIRequest]:
+    """Withdraw pending receives, then wait up to ``grace`` s for ``reqs``; what is left."""
+    for r in reqs:
+        r.cancel()
+    deadline = time.monotonic() + grace
+    left = reqs
+    while True:
+        with _LOCK:
+            for r in left:
+                if not r.done:
+                    r._poll()
+        left = [r for r in left if not r.done]
+        if not left or time.monotonic() >= deadline:
+            return left
+        serve_all()  # peers waiting on us may ask what we are doing
+        time.sleep(1e-4)
+
+
+def keep_forever(objs: Any) -> None:
+    """Keep ``objs`` alive past interpreter shutdown (MPI_Finalize may still write into them)."""
+    _KEPT.append(objs)
+    if len(_KEPT) == 1:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
+
+
+_served = 0.0
+
+
+def serve_all() -> None:
+    """While waiting (at most every millisecond): answer other groups' questions, take their
+    notices: a rank blocked in one group still tells another group's roll call it is alive."""
+    global _served
+    now = time.monotonic()
+    if now - _served < 1e-3:
+        return
+    _served = now
+    for be in list(_LIVE):
+        if be.notice_waiting():
+            be.check_notices(0)
+        small = be._small
+        if small is not None and small.waiting:
+            with _LOCK:
+                small.advance()
+
+
+def _at_exit() -> None:
+    """Before mpi4py's MPI_Finalize: finish, or make safe, whatever MPI may still touch."""
+    if _MPI is None or _MPI.Is_finalized():
+        return
+    try:
+        left = drain(pending_of(None), EXIT_GRACE)
+        for be in {r.be for r in left}:
+            first = min((r for r in left if r.be is be and r.index), key=lambda r: r.index,
+                        default=None)
+            if first is not None:
+                be.announce(first.index, f"exited with {first.what} unfinished")
+        for be in list(_LIVE):
+            be.before_finalize()
+        left = drain(pending_of(None), 0.05)  # the notices just sent
+        if left:
+            keep_forever(left)
+            names = sorted({r.what for r in left})
+            print(f"hpcdp: rank {_MPI.COMM_WORLD.Get_rank()} exits with {len(left)} MPI "
+                  f"operation(s) unfinished ({', '.join(names)}); their buffers are kept for "
+                  "MPI_Finalize", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - an exit handler must not hide the real exit
+        print(f"hpcdp: exit handler failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    from . import _tuning as _mpi_tuning
+
+    _mpi_tuning.release()

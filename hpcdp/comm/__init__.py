@@ -1,0 +1,17 @@
+"""The collectives core: process groups, collectives, point-to-point, ``Work``, the world.
+
+Everything above (``trace`` tools, ``nn``, ``ddp``, ``fsdp``, ``pipeline``, ``rpc``,
+``checkpoint``, ``launch``) gets its group from here, never through ``import hpcdp``; this
+package reaches down only to ``backends`` (the transports), ``trace``'s recorder and the
+foundation modules (``errors``, ``ops``, ``_arrays``, ``_config``).
+"""
+from __future__ import annotations
+
+from .group import ProcessGroup
+from .work import Work
+from .world import (
+    finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
+)
+
+__all__ = ["ProcessGroup", "Work", "init", "finalize", "is_initialized", "get_default_group",
+           "new_group", "rank", "world_size", "local_rank"]

@@ -1,0 +1,582 @@
+"""``ProcessGroup``: validated, numpy-style collectives over one ``Backend``.
+
+Every call validates its arguments on the calling rank, takes the group's next sequence number,
+optionally checks the call across ranks (``HPCDP_DEBUG=detail``), hands contiguous buffers to the
+backend and waits with a deadline. Results follow numpy: each call returns a new array, or writes
+into ``out=`` (in place when ``out is x``).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import debug as _debug
+from .. import trace
+from .._arrays import contiguous, is_cupy, xp_of
+from ..backends._staging import HostStaged
+from ._buffers import finish_into, reduction_plan, result_buffer
+from ._objects import ObjectCollectives
+from ._group_p2p import PointToPoint
+from ._torch_names import TorchSpellings
+from .._config import SETTINGS, setting
+from .validation import check_array, check_divisible, check_out, check_rank, check_timeout
+from ..backends.base import Backend, Request
+from ..errors import CollectiveMismatchError, HpcdpError, public, public_error
+from ..ops import ReduceOp, as_op, check_op_dtype
+from .work import CompletedWork, Work, annotate, timeout_error, work_where
+
+__all__ = ["ProcessGroup", "default_timeout"]
+
+DEFAULT_TIMEOUT = SETTINGS["HPCDP_TIMEOUT"].default
+
+
+def default_timeout() -> float:
+    """``HPCDP_TIMEOUT`` seconds if set, else 30 minutes (nan, inf, 0 and negatives refused)."""
+    return setting("HPCDP_TIMEOUT")
+
+
+_ndarray = np.ndarray
+_COMPLETED = trace.COMPLETED
+#: dtypes and ops for which the allreduce fast path needs no further checks
+_FAST_DTYPES = frozenset(np.dtype(t) for t in (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float32", "float64"))
+_FAST_OPS: dict[Any, ReduceOp] = {}
+for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
+    _FAST_OPS[_o] = _o
+    _FAST_OPS[_o.value] = _o
+
+
+class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
+    """A set of ranks that run collectives together. Ranks in arguments are group ranks.
+
+    Collectives are numpy style (return the result, or fill ``out=``); torch.distributed's
+    spellings (``all_reduce``, ``broadcast(x, src=)``, ...) work in place as torch's do
+    (``_group_torch``). An ``HpcdpError`` is raised from the public call, its internal frames
+    kept in ``__context__`` (``errors.public``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend | None,
+        *,
+        name: str = "world",
+        timeout: float | None = None,
+        members: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self._timeout = default_timeout() if timeout is None else check_timeout(
+            f"group {name}", timeout)
+        self._seq = itertools.count(1)
+        self._p2p_counts: dict[tuple[str, int, int], Any] = {}  # (op, peer, tag) -> counter
+        self._lock = threading.Lock()
+        self._groups = itertools.count(1)
+        self._broken: str | None = None
+        self._closed: str | None = None
+        self._children: list[weakref.ref[ProcessGroup]] = []
+        self._members = tuple(backend.ranks) if backend is not None else tuple(members)
+        self._max_tag = backend.max_tag if backend is not None else 0
+        self._debug = _debug.debug_level()
+        # the flight recorder of this rank (None when HPCDP_FLIGHT_RECORDER=0 or not a member)
+        self._rec = (trace.active_recorder(self._members[backend.rank])
+                     if backend is not None else None)
+        self._fast = False  # whether blocking allreduces may take the latency path
+        self._host_staged: HostStaged | None = None  # made at the first cupy call (_transport)
+        self._refresh_fast()
+
+    @property
+    def debug(self) -> str:
+        """"off" or "detail"; read from ``HPCDP_DEBUG`` when the group is made, settable."""
+        return self._debug
+
+    @debug.setter
+    def debug(self, level: str) -> None:
+        if level not in _debug.LEVELS:
+            raise ValueError(f"debug level must be one of {sorted(_debug.LEVELS)}, got {level!r}")
+        self._debug = level
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        self._fast = (self._debug == "off" and self.backend is not None and self._broken is None
+                      and self._closed is None)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a blocking call waits by default; settable (finite and > 0)."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(f"group {self.name}", value)
+
+    def _timeout_of(self, op: str, timeout: Any) -> float:
+        """A call's ``timeout=``, checked, or the group's."""
+        if timeout is None:
+            return self._timeout
+        return check_timeout(self._where(op), timeout)
+
+    # -- identity ---------------------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        return self.backend is not None
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank if self.backend is not None else -1
+
+    @property
+    def size(self) -> int:
+        return len(self._members)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global rank of each group rank."""
+        return self._members
+
+    def __repr__(self) -> str:
+        kind = self.backend.name if self.backend else "non-member"
+        return f"<ProcessGroup {self.name} {kind} rank {self.rank} of {self.size} {list(self.ranks)}>"
+
+    # -- machinery --------------------------------------------------------------------------
+    def _usable(self, opname: str) -> None:
+        if self._closed:
+            raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._closed}")
+        if self.backend is None:
+            raise ValueError(
+                f"{opname}: this rank is not a member of group {self.name} (ranks {list(self.ranks)})"
+            )
+
+    def _begin(self, opname: str, timeout: float, **call: Any) -> tuple[int, int]:
+        """(sequence number, flight-recorder token) of a collective about to be posted."""
+        self._usable(opname)
+        if self._broken:
+            raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
+        seq = next(self._seq)  # itertools.count is atomic under the GIL
+        rec = self._rec
+        tok = rec.begin(opname, self, seq, call.get("shape"), call.get("dtype"),
+                        call.get("root", -1)) if rec is not None else 0
+        if self.debug == "detail":
+            try:
+                _debug.check_across(self, opname, seq, timeout, **call)
+            except Exception as exc:
+                trace.on_error(rec, tok, exc)
+                raise
+        return seq, tok
+
+    def _note_failure(self, op: str, seq: int, what: str) -> None:
+        """A collective that timed out or failed leaves an MPI group out of step (MPI cannot
+        cancel it): later calls must not reuse the group. Point to point (seq 0) is unaffected."""
+        if seq and self.backend is not None and self.backend.timeout_poisons_group and not self._broken:
+            self._broken = f"an earlier {op} #{seq} {what}; create a new group to continue"
+            self._refresh_fast()
+
+    def _post(self, op: str, seq: int, fn: Callable[..., Request], *args: Any, tok: int = 0) -> Request:
+        """``fn(*args)``: a transport error while posting names the call, like one while waiting."""
+        try:
+            return fn(*args)
+        except HpcdpError as exc:
+            self._note_failure(op, seq, f"failed ({type(exc).__name__})")
+            err = annotate(exc, work_where(self, op, seq))
+            trace.on_error(self._rec, tok, err)
+            raise err from exc
+
+    def _run(
+        self,
+        op: str,
+        seq: int,
+        req: Request,
+        finish: Callable[[], Any],
+        async_op: bool,
+        timeout: float,
+        tok: int = 0,
+    ) -> Any:
+        work = Work(self, op, seq, req, finish, timeout, tok)
+        if async_op:
+            return work
+        return work._wait()
+
+    def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:
+        return CompletedWork(self, op, seq, result) if async_op else result
+
+    def _where(self, op: str) -> str:
+        return f"{op} (rank {self.rank} of group {self.name})"
+
+    def _transport(self, x: Any) -> Any:
+        """The backend to post ``x`` on: the group's own, or, for a cupy array on a backend
+        that reads host memory only (TCP, simulated ranks), a view of it that stages device
+        arrays through pinned host buffers (``backends._staging``)."""
+        be = self.backend
+        if be is None or be.accepts_cupy or not is_cupy(x):
+            return be
+        staged = self._host_staged
+        if staged is None:
+            staged = self._host_staged = HostStaged(be)
+        return staged
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
+                  async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce ``x`` elementwise across ranks; every rank gets the result."""
+        try:
+            # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
+            # checks as below, in fewer Python operations, because small allreduces are latency-bound.
+            # Two arrays that both own their memory cannot overlap (np.may_share_memory costs more
+            # than the rest of this path); views take the general path, which handles overlap.
+            try:
+                rop = _FAST_OPS.get(op)
+            except TypeError:  # unhashable: the general path says what is wrong with it
+                rop = None
+            if (rop is not None and self._fast and not async_op and type(x) is _ndarray
+                    and (xd := x.dtype) in _FAST_DTYPES and (xf := x.flags).c_contiguous
+                    and (out is None or (
+                        type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
+                        and (out is x or (f.owndata and xf.owndata and out.dtype is xd
+                                          and out.shape == x.shape))))):
+                t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
+                if out is None:  # small: a copy reduced in place is cheaper than empty + separate
+                    out = x.copy() if x.nbytes <= 65536 else np.empty(x.shape, x.dtype)
+                    send = out if x.nbytes <= 65536 else x
+                else:
+                    send = x
+                seq = next(self._seq)
+                rec = self._rec
+                tok, ring, slot = 0, None, 0
+                if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
+                    ring = rec.inline
+                    if ring is None:
+                        tok = rec.begin("allreduce", self, seq, x.shape, xd, -1)
+                    else:
+                        rows, ends, nxt, clock, ident, cap = ring
+                        tok = nxt()
+                        slot = tok % cap
+                        rows[slot] = (tok, "allreduce", self, seq, x.shape, xd, -1, clock(), ident(), None)
+                try:
+                    if x.ndim == 1:
+                        req = self.backend.allreduce_blocking(send, out, rop, t)
+                    else:
+                        rflat = out.reshape(-1)
+                        req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
+                                                              rflat, rop, t)
+                except HpcdpError as exc:
+                    self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
+                    err = annotate(exc, work_where(self, "allreduce", seq))
+                    trace.on_error(rec, tok, err)
+                    raise err from exc
+                if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+                    trace.on_error(rec, tok, err)
+                    raise err
+                if ring is not None:
+                    row = rows[slot]
+                    if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
+                        ends[slot] = (tok, clock(), _COMPLETED, None)
+                elif rec is not None:
+                    rec.end(tok)
+                return out
+            where = self._where("allreduce")
+            rop = as_op(op, where)
+            check_array(where, x)
+            be = self._transport(x)
+            check_op_dtype(rop, x.dtype, where)
+            xp = xp_of(x)
+            result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
+            t = self._timeout_of("allreduce", timeout)
+            seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+            send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
+            rflat = rbuf.reshape(-1)
+            req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
+            return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
+        except HpcdpError as exc:  # raised from here, not from a dozen frames below
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    @public
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
+                  timeout: float | None = None, src: int | None = None) -> Any:
+        """Every rank gets root's ``x``; fills ``x`` (or ``out=``) in place when it can.
+
+        ``src=`` is torch's spelling of ``root``: with it the call is torch's (``x`` in place,
+        returns None or a Work).
+        """
+        if src is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('broadcast')}: torch's form (src=) takes no out=")
+            return self._torch_broadcast(x, src, async_op, timeout)
+        where = self._where("broadcast")
+        root = check_rank(where, "root", root, self.size)
+        check_array(where, x)
+        be = self._transport(x)
+        xp = xp_of(x)
+        if out is not None:
+            target = check_out(where, out, x.shape, x.dtype, xp)
+        elif isinstance(x, np.ndarray) and not x.flags.writeable:
+            target = xp.array(x, copy=True)
+        else:
+            target = x
+        t = self._timeout_of("broadcast", timeout)
+        seq, tok = self._begin("broadcast", t, root=root, shape=x.shape, dtype=x.dtype)
+        if self.rank == root and target is not x:
+            target[...] = x
+        buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
+        req = self._post("broadcast", seq, be.broadcast, buf.reshape(-1), root, tok=tok)
+        return self._run("broadcast", seq, req, finish_into(target, buf), async_op, t, tok)
+
+    @public
+    def reduce(self, x: Any, op: ReduceOp | str = "sum", root: int = 0, *, out: Any = None,
+               async_op: bool = False, timeout: float | None = None, dst: int | None = None) -> Any:
+        """Reduce ``x`` across ranks onto ``root``; other ranks get None.
+
+        torch's form, ``reduce(x, dst=0, op=...)`` or ``reduce(x, 0)``, reduces into ``x`` on
+        ``dst`` in place and returns None (or a Work).
+        """
+        if dst is not None or (isinstance(op, (int, np.integer)) and not isinstance(op, bool)):
+            if out is not None:
+                raise TypeError(f"{self._where('reduce')}: torch's form (dst=) takes no out=")
+            if dst is None:  # torch's positional order: reduce(tensor, dst, op)
+                dst, op = int(op), (root if isinstance(root, (str, ReduceOp)) else "sum")
+            return self._torch_reduce(x, dst, op, async_op, timeout)
+        where = self._where("reduce")
+        rop = as_op(op, where)
+        root = check_rank(where, "root", root, self.size)
+        check_array(where, x)
+        be = self._transport(x)
+        check_op_dtype(rop, x.dtype, where)
+        xp = xp_of(x)
+        is_root = self.rank == root
+        if is_root:
+            result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
+        else:  # checked here too: a bad out= must not leave only the root raising
+            if out is not None:
+                check_out(where, out, x.shape, x.dtype, xp)
+            result = buf = None
+        t = self._timeout_of("reduce", timeout)
+        seq, tok = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
+        send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp,
+                                                is_root and out is x and buf is x)
+        rflat = None if rbuf is None else rbuf.reshape(-1)
+        sflat = rflat if (send is rbuf and rbuf is not None) else send.reshape(-1)
+        req = self._post("reduce", seq, be.reduce, sflat, rflat, bop, root, tok=tok)
+        finish = finish_into(result, buf, post) if is_root else (lambda: None)
+        return self._run("reduce", seq, req, finish, async_op, t, tok)
+
+    @public
+    def all_gather(self, x: Any, tensor: Any = None, *, out: Any = None, async_op: bool = False,
+                   timeout: float | None = None) -> Any:
+        """Stack every rank's ``x``: shape ``(size, *x.shape)``.
+
+        torch's form ``all_gather(tensor_list, tensor)`` fills ``tensor_list[i]`` with rank i's
+        ``tensor`` and returns None (or a Work).
+        """
+        if tensor is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('all_gather')}: torch's form takes no out=")
+            return self._torch_all_gather(x, tensor, async_op, timeout)
+        where = self._where("all_gather")
+        check_array(where, x)
+        be = self._transport(x)
+        xp = xp_of(x)
+        result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
+        t = self._timeout_of("all_gather", timeout)
+        seq, tok = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
+        req = self._post("all_gather", seq, be.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
+        return self._run("all_gather", seq, req, finish_into(result, buf), async_op, t, tok)
+
+    allgather = all_gather
+
+    @public
+    def gather(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
+               timeout: float | None = None, gather_list: Any = None,
+               dst: int | None = None) -> Any:
+        """Stack every rank's ``x`` on ``root``; other ranks get None.
+
+        torch's form ``gather(x, gather_list, dst=0)`` fills ``gather_list`` on ``dst`` and
+        returns None (or a Work).
+        """
+        if dst is not None or gather_list is not None or isinstance(root, (list, tuple)):
+            if out is not None:
+                raise TypeError(f"{self._where('gather')}: torch's form takes no out=")
+            if gather_list is None and not isinstance(root, (int, np.integer)):
+                gather_list = root  # positional: gather(tensor, gather_list, dst)
+            if dst is None:
+                dst = root if isinstance(root, (int, np.integer)) else 0
+            return self._torch_gather(x, gather_list, dst, async_op, timeout)
+        where = self._where("gather")
+        root = check_rank(where, "root", root, self.size)
+        check_array(where, x)
+        be = self._transport(x)
+        xp = xp_of(x)
+        is_root = self.rank == root
+        if is_root:
+            result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
+        else:  # checked here too: a bad out= must not leave only the root raising
+            if out is not None:
+                check_out(where, out, (self.size, *x.shape), x.dtype, xp)
+            result = buf = None
+        t = self._timeout_of("gather", timeout)
+        seq, tok = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
+        rbuf = buf.reshape(self.size, -1) if is_root else None
+        req = self._post("gather", seq, be.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
+        finish = finish_into(result, buf) if is_root else (lambda: None)
+        return self._run("gather", seq, req, finish, async_op, t, tok)
+
+    @public
+    def scatter(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
+                timeout: float | None = None, scatter_list: Any = None,
+                src: int | None = None) -> Any:
+        """Split root's ``x`` along axis 0 into ``size`` parts; rank i gets part i.
+
+        Non-root ranks pass an array shaped like root's (its values are ignored) or ``out=``.
+        torch's form ``scatter(x, scatter_list, src=0)`` fills ``x`` with ``scatter_list[i]``
+        on rank i and returns None (or a Work).
+        """
+        if src is not None or scatter_list is not None or isinstance(root, (list, tuple)):
+            if out is not None:
+                raise TypeError(f"{self._where('scatter')}: torch's form takes no out=")
+            if scatter_list is None and not isinstance(root, (int, np.integer)):
+                scatter_list = root  # positional: scatter(tensor, scatter_list, src)
+            if src is None:
+                src = root if isinstance(root, (int, np.integer)) else 0
+            return self._torch_scatter(x, scatter_list, src, async_op, timeout)
+        where = self._where("scatter")
+        root = check_rank(where, "root", root, self.size)
+        is_root = self.rank == root
+        if x is None:
+            if is_root or out is None:
+                raise ValueError(f"{where}: root must pass x; other ranks pass x or out=")
+            check_array(where, out)
+            shape, dtype, xp = tuple(out.shape), out.dtype, xp_of(out)
+            full = (self.size * shape[0], *shape[1:]) if shape else None
+            if full is None:
+                raise ValueError(f"{where}: out= must have at least one axis")
+        else:
+            check_array(where, x)
+            part = check_divisible(where, x, self.size)
+            shape, dtype, xp, full = (part, *x.shape[1:]), x.dtype, xp_of(x), tuple(x.shape)
+        be = self._transport(x if x is not None else out)
+        result, buf = result_buffer(where, out, shape, dtype, xp, x)
+        t = self._timeout_of("scatter", timeout)
+        seq, tok = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
+        send = contiguous(x).reshape(self.size, -1) if is_root else None
+        req = self._post("scatter", seq, be.scatter, send, buf.reshape(-1), root, tok=tok)
+        return self._run("scatter", seq, req, finish_into(result, buf), async_op, t, tok)
+
+    @public
+    def reduce_scatter(self, x: Any, op: ReduceOp | str = "sum", *, out: Any = None,
+                       async_op: bool = False, timeout: float | None = None) -> Any:
+        """Reduce ``x`` across ranks and give rank i part i of axis 0.
+
+        torch's list form ``reduce_scatter(output, input_list)`` is not offered (a TypeError
+        says so): use ``reduce_scatter_tensor(output, input)``, torch's own successor.
+        """
+        if isinstance(op, (list, tuple)):
+            raise TypeError(f"{self._where('reduce_scatter')}: torch's list form reduce_scatter("
+                            "output, input_list) is not offered; call reduce_scatter_tensor("
+                            "output, np.concatenate(input_list)) (in place, as torch's), or "
+                            "reduce_scatter(x) for the result")
+        where = self._where("reduce_scatter")
+        rop = as_op(op, where)
+        check_array(where, x)
+        be = self._transport(x)
+        check_op_dtype(rop, x.dtype, where)
+        part = check_divisible(where, x, self.size)
+        xp = xp_of(x)
+        result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
+        t = self._timeout_of("reduce_scatter", timeout)
+        seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+        n = self.size
+        send, rbuf, bop, post = reduction_plan(x, buf, rop, n, xp, False)
+        req = self._post("reduce_scatter", seq, be.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
+        return self._run("reduce_scatter", seq, req, finish_into(result, buf, post), async_op, t, tok)
+
+    @public
+    def all_to_all(self, x: Any, input_list: Any = None, *, out: Any = None,
+                   async_op: bool = False, timeout: float | None = None) -> Any:
+        """Part j of ``x`` (axis 0) goes to rank j; part i of the result came from rank i.
+
+        torch's form ``all_to_all(output_list, input_list)`` fills ``output_list[i]`` with what
+        rank i sent this rank and returns None (or a Work).
+        """
+        if input_list is not None:
+            if out is not None:
+                raise TypeError(f"{self._where('all_to_all')}: torch's form takes no out=")
+            return self._torch_all_to_all(x, input_list, async_op, timeout)
+        where = self._where("all_to_all")
+        check_array(where, x)
+        be = self._transport(x)
+        check_divisible(where, x, self.size)
+        xp = xp_of(x)
+        result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
+        if buf is x:  # the transport needs distinct send and receive memory
+            buf = xp.empty(x.shape, x.dtype)
+        t = self._timeout_of("all_to_all", timeout)
+        seq, tok = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
+        n = self.size
+        req = self._post("all_to_all", seq, be.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
+        return self._run("all_to_all", seq, req, finish_into(result, buf), async_op, t, tok)
+
+    alltoall = all_to_all
+
+    @public
+    def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
+        """Return once every rank of the group has called ``barrier``."""
+        t = self._timeout_of("barrier", timeout)
+        seq, tok = self._begin("barrier", t)
+        req = self._post("barrier", seq, self.backend.barrier, tok=tok)
+        return self._run("barrier", seq, req, lambda: None, async_op, t, tok)
+
+    # -- sub-groups -------------------------------------------------------------------------
+    @public
+    def new_group(self, ranks: Sequence[int], *, name: str | None = None,
+                  timeout: float | None = None) -> "ProcessGroup":
+        """Collective over this group: a group of ``ranks`` (ranks of this group, in that order).
+
+        Non-members get a group object too; its collectives raise ``ValueError``.
+        """
+        where = self._where("new_group")
+        self._usable("new_group")
+        try:
+            mine: Any = [int(r) if isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                         else repr(r) for r in ranks]
+        except TypeError:
+            mine = repr(ranks)
+        # Exchange before judging, so a bad list on one rank makes every rank raise together.
+        seen = self.all_gather_object(mine, timeout=timeout)
+        for i, s in enumerate(seen):
+            if not isinstance(s, list) or any(not isinstance(r, int) for r in s):
+                raise TypeError(f"{where}: rank {i} passed ranks that are not ints: {s}")
+            if not s:
+                raise ValueError(f"{where}: a group needs at least one rank (rank {i} passed [])")
+            if len(set(s)) != len(s):
+                raise ValueError(f"{where}: duplicate ranks in {s} (passed by rank {i})")
+            for r in s:
+                check_rank(where + f" (list of rank {i})", "rank", r, self.size)
+        ranks = seen[self.rank]
+        if any(s != ranks for s in seen):
+            detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(seen))
+            raise CollectiveMismatchError(f"{where}: ranks passed different lists ({detail})")
+        gname = name or f"{self.name}.{next(self._groups)}{ranks}"
+        sub = self.backend.new_group(ranks)
+        members = [self.ranks[r] for r in ranks]
+        child = ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
+                             members=members)
+        if self.debug == "detail":
+            child.debug = "detail"
+        self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
+        return child
+
+    def shutdown(self) -> None:
+        """Release the transport, sub-groups first; later calls raise ``HpcdpError``."""
+        if self._closed:
+            return
+        for ref in self._children:
+            child = ref()
+            if child is not None:
+                child.shutdown()
+        self._closed = ("the group was shut down (hpcdp.finalize(), or its parent group's "
+                        "shutdown); after hpcdp.init() make the group again")
+        self._refresh_fast()
+        if self.backend is not None:
+            self.backend.shutdown()

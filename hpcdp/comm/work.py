@@ -1,0 +1,185 @@
+"""``Work``: the handle an ``async_op=True`` collective returns."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from .. import trace
+from .validation import check_timeout
+from ..backends.base import Request
+from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
+
+if TYPE_CHECKING:
+    from .group import ProcessGroup
+
+__all__ = ["Work", "then"]
+
+
+class Work:
+    """A collective in flight. ``wait()`` returns its result; buffers are the transport's until then."""
+
+    __slots__ = ("_group", "_op", "_seq", "_req", "_finish", "_done", "_result", "_error",
+                 "_timeout", "_tok")
+
+    def __init__(
+        self,
+        group: "ProcessGroup",
+        op: str,
+        seq: int,
+        req: Request,
+        finish: Callable[[], Any],
+        timeout: float | None = None,
+        tok: int = 0,
+    ) -> None:
+        self._group, self._op, self._seq, self._req, self._finish = group, op, seq, req, finish
+        self._tok = tok  # the flight recorder's token of this call (0: not recorded)
+        self._timeout = timeout  # the call's timeout=, else the group's at wait()
+        self._done = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _where(self) -> str:
+        return work_where(self._group, self._op, self._seq)
+
+    def _complete(self) -> Any:
+        self._result = self._finish()
+        self._done = True
+        self._finish = _nothing
+        if self._tok:
+            rec = self._group._rec
+            if rec is not None:
+                rec.end(self._tok)
+        return self._result
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Keep ``exc`` as this call's outcome and tell the flight recorder (dumps on a timeout)."""
+        self._error = exc
+        trace.on_error(self._group._rec, self._tok, exc)
+        return exc
+
+    def _raise(self, exc: BaseException) -> None:
+        raise self._fail(exc)
+
+    @public
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until done or ``timeout`` (default: the call's, else the group's); the result."""
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None = None) -> Any:
+        """``wait`` for callers that are public calls themselves (a blocking collective): its
+        error is trimmed once, at their boundary."""
+        if self._done:
+            return self._result
+        if self._error is not None:
+            raise self._error
+        if timeout is not None:
+            t = check_timeout(f"{self._where()}: wait()", timeout)
+        else:
+            t = self._group.timeout if self._timeout is None else self._timeout
+        try:
+            wait_for(self._group, self._op, self._seq, self._req, t)
+        except HpcdpError as exc:
+            self._raise(exc)
+        return self._complete()
+
+    def _progress(self, seconds: float) -> None:
+        """Test (``seconds == 0``) or wait without abandoning; a transport error becomes this
+        call's outcome, as ``wait()`` would make it."""
+        try:
+            done = self._req.test() if seconds == 0 else self._req.wait(seconds)
+        except HpcdpError as exc:
+            self._group._note_failure(self._op, self._seq, f"failed ({type(exc).__name__})")
+            self._fail(annotate(exc, self._where()))
+            return
+        if done:
+            self._complete()
+
+    def is_completed(self) -> bool:
+        """Make progress without blocking; True once ``wait()`` would return at once."""
+        if not self._done and self._error is None:
+            self._progress(0)
+        return self._done or self._error is not None
+
+    @public
+    def wait_for(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` and say whether the call is done, without giving it up.
+
+        Unlike ``wait()``, running out of time abandons nothing and raises nothing: the call
+        stays in flight, to be waited for again (schedulers that interleave several calls).
+        A transport error is raised as ``wait()`` would.
+        """
+        if not self._done and self._error is None:
+            self._progress(0.0 if seconds == 0 else check_timeout(f"{self._where()}: wait_for()", seconds))
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def result(self) -> Any:
+        """The collective's result, waiting for it if needed."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else ("failed" if self._error else "pending")
+        return f"<Work {self._where()} {state}>"
+
+
+def _nothing() -> None:
+    return None
+
+
+def then(work: Work, after: Callable[[Any], Any]) -> Work:
+    """``work``, whose completion also runs ``after(result)`` and yields what it returns (the
+    torch spellings copy a result into the caller's arrays this way, and return None)."""
+    if work._done:
+        work._result = after(work._result)
+        return work
+    inner = work._finish
+    work._finish = lambda: after(inner())
+    return work
+
+
+def work_where(group: "ProcessGroup", op: str, seq: int) -> str:
+    """"allreduce #7 on group world (rank 1 of 4)": how errors name a call (p2p has no #)."""
+    num = f" #{seq}" if seq else ""
+    return f"{op}{num} on group {group.name} (rank {group.rank} of {group.size})"
+
+
+def wait_for(group: "ProcessGroup", op: str, seq: int, req: Request, timeout: float) -> None:
+    """Wait for ``req``; the transport's error or a ``CommTimeoutError``, naming the call."""
+    try:
+        done = req.wait(timeout)
+    except HpcdpError as exc:
+        group._note_failure(op, seq, f"failed ({type(exc).__name__})")
+        raise annotate(exc, work_where(group, op, seq)) from exc
+    if not done and (err := timeout_error(group, op, seq, req, timeout)):
+        raise err
+
+
+def annotate(exc: HpcdpError, where: str) -> HpcdpError:
+    """The transport's error, of the same type, prefixed with the collective it broke."""
+    if isinstance(exc, PeerFailureError):
+        return PeerFailureError(f"{where}: {exc}", peers=exc.peers)
+    return type(exc)(f"{where}: {exc}")
+
+
+def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request,
+                  t: float) -> CommTimeoutError | None:
+    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank.
+
+    None when the request turned out to have completed as it was given up (no error then).
+    """
+    pending = req.pending()
+    if req.abandon():
+        return None
+    group._note_failure(op, seq, "timed out")  # collectives only: p2p calls have no seq
+    return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")
+
+
+class CompletedWork(Work):
+    """A Work that is already complete (world size 1, empty groups)."""
+
+    def __init__(self, group: "ProcessGroup", op: str, seq: int, result: Any) -> None:
+        from ..backends.base import CompletedRequest
+
+        super().__init__(group, op, seq, CompletedRequest(), _nothing)
+        self._done = True
+        self._result = result
