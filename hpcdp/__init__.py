@@ -29,9 +29,10 @@ from .ops import ReduceOp
 # eager, not lazy: importing the submodule hpcdp.progress (get_logger, "from hpcdp.progress
 # import ...") would bind the module over the lazily loaded function of the same name
 from .progress import get_logger, progress
+from .comm.stragglers import report_stragglers
 from .comm.work import Work
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Heavier layers load on first use, so `import hpcdp` stays fast and MPI-free.
 _LAZY = {
@@ -47,7 +48,6 @@ _LAZY = {
     "pipeline": ("hpcdp.pipeline", None),
     "rpc": ("hpcdp.rpc", None),
     "trace": ("hpcdp.trace", None),
-    "report_stragglers": ("hpcdp.trace", "report_stragglers"),
 }
 
 

@@ -12,6 +12,10 @@ import importlib.util
 import platform
 import sys
 
+import hpcdp
+from hpcdp import _config
+from hpcdp._version import __version__
+
 
 def _version(mod: str) -> str:
     try:
@@ -23,8 +27,6 @@ def _version(mod: str) -> str:
 
 def info() -> dict[str, str]:
     """What a bug report needs, as name -> value."""
-    import hpcdp
-
     out = {
         "hpcdp": hpcdp.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -48,7 +50,7 @@ def info() -> dict[str, str]:
         if importlib.util.find_spec("cupy") is None:
             out["MPI CUDA-aware"] = "not probed (cupy is not installed)"
         else:  # a child process sends device memory to itself (backends/_mpi_staging.py)
-            from hpcdp.backends.mpi._staging import describe
+            from hpcdp.backends.mpi import describe
 
             out["MPI CUDA-aware"] = describe().split(": ", 1)[1]
     except Exception as exc:  # noqa: BLE001
@@ -67,8 +69,6 @@ def info() -> dict[str, str]:
 def settings() -> dict[str, list[tuple[str, str, str]]]:
     """``info``'s settings sections: section title -> ``(variable, value, source)`` rows, the
     source "default" or "environment". Internal switches appear only when set."""
-    from hpcdp import _config
-
     rows = _config.listing()
     internal = {s.name for s in _config.internal_switches()}
     return {"settings (HPCDP_* environment variables)": [r for r in rows if r[0] not in internal],
@@ -77,8 +77,6 @@ def settings() -> dict[str, list[tuple[str, str, str]]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from hpcdp import __version__
-
     p = argparse.ArgumentParser(
         prog="python -m hpcdp",
         description="hpcdp: distributed training on HPC clusters (MPI, TCP sockets, simulated ranks).",

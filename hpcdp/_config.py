@@ -23,6 +23,7 @@ Stdlib only, so every layer (``backends``, ``trace``) may import it.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import threading
@@ -32,9 +33,9 @@ from typing import Any
 from .errors import ConfigError
 
 __all__ = ["Setting", "SETTINGS", "ConfigError", "setting", "raw", "source", "parse", "describe",
-           "user_settings", "internal_switches", "listing", "TIMEOUT_MAX"]
+           "user_settings", "internal_switches", "listing", "TIMEOUT_MAX", "check_timeout"]
 
-#: the longest timeout a blocking call accepts (what ``threading`` can wait)
+#: the longest timeout a blocking call accepts (what ``threading`` can wait, about 292 years)
 TIMEOUT_MAX = float(threading.TIMEOUT_MAX)
 
 USER, LAUNCHER, INTERNAL = "user", "launcher", "internal"
@@ -175,8 +176,8 @@ _DECLARED = [
     _s("HPCDP_TEST_CUPY", "choice", "auto",
        "GPU check: 'real' fails where cupy has no device instead of using the numpy stand-in",
        audience=INTERNAL, choices=("auto", "real")),
-    _s("HPCDP_MPI_PERSISTENT", "bool", True,
-       "MPI: small allreduces on persistent requests (0: Iallreduce; alike on every rank)",
+    _s("HPCDP_MPI_FASTPATH", "bool", True,
+       "MPI: the small-message allreduce path (0: off; alike on every rank)",
        audience=INTERNAL),
     _s("HPCDP_DDP_PROGRESS_THREAD", "bool", None,
        "MPI: force DDP's progress thread on or off (benchmarks; it needs MPI_THREAD_MULTIPLE)",
@@ -315,3 +316,27 @@ def listing() -> list[tuple[str, str, str]]:
     rows = [(s.name, *describe(s.name)) for s in user_settings()]
     rows += [(s.name, *describe(s.name)) for s in internal_switches() if source(s.name) == "environment"]
     return rows
+
+
+def check_timeout(where: str, t: Any, *, named: bool = False) -> float:
+    """A timeout in seconds: a finite number > 0, at most ``TIMEOUT_MAX``.
+
+    nan would never expire (every comparison with it is false) and a negative or zero one would
+    expire before the call starts; inf is refused too, because every blocking call in hpcdp must
+    end, and a deadline that cannot pass hides a hung job (pass a large value to wait long).
+    ``named``: ``where`` already names the value (``HPCDP_TIMEOUT='nan'``).
+    """
+    if (type(t) is float or type(t) is int) and 0 < t <= TIMEOUT_MAX:  # nan fails both
+        return float(t)
+    what = where if named else f"{where}: timeout={t!r}"
+    if isinstance(t, bool) or not isinstance(t, numbers.Real):
+        raise TypeError(f"{what}: a timeout is a number of seconds, got {type(t).__name__}")
+    f = float(t)
+    if math.isnan(f):
+        raise ValueError(f"{what}: nan is not a timeout (it would never expire)")
+    if f <= 0:
+        raise ValueError(f"{what}: a timeout must be > 0 seconds")
+    if f > TIMEOUT_MAX:
+        raise ValueError(f"{what}: a timeout must be finite and at most {TIMEOUT_MAX:g} s "
+                         "(every blocking call must end; pass a large value to wait long)")
+    return f

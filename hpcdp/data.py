@@ -13,16 +13,16 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .comm import world as comm_world
+
 __all__ = ["DistributedSampler"]
 
 
 def _world() -> tuple[int, int]:
-    # Imported here, not at module level: hpcdp.data must work before (or without) hpcdp.init().
+    # hpcdp.data works before (or without) hpcdp.init(): one process, rank 0
     try:
-        import hpcdp
-
-        if hpcdp.is_initialized():
-            return int(hpcdp.world_size()), int(hpcdp.rank())
+        if comm_world.is_initialized():
+            return int(comm_world.world_size()), int(comm_world.rank())
     except Exception:  # noqa: BLE001 - no usable runtime means single-process use
         pass
     return 1, 0

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, Iterable, Iterator
 
+from .comm.world import is_initialized, rank
+
 __all__ = ["progress", "get_logger", "NullBar", "launcher_rank"]
 
 #: where launchers put the rank of the process they start (Open MPI, MPICH and Intel MPI, PMIx,
@@ -31,10 +33,8 @@ def launcher_rank() -> int | None:
 
 def _rank() -> int:
     try:
-        import hpcdp
-
-        if hpcdp.is_initialized():
-            return int(hpcdp.rank())
+        if is_initialized():
+            return int(rank())
     except Exception:  # noqa: BLE001 - output helpers must never fail a run
         return 0
     r = launcher_rank()

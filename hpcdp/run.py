@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .launch._cli import GRACE, attempt_secret, launch, main, node_layout, parse_nodelist, run_inprocess
+from .launch.cli import GRACE, attempt_secret, launch, main, node_layout, parse_nodelist, run_inprocess
 
 __all__ = ["main", "parse_nodelist", "node_layout", "launch", "attempt_secret", "run_inprocess",
            "GRACE"]

@@ -18,7 +18,9 @@ import hpcdp  # noqa: E402
 
 
 from hpcdp.testing import run_mpi, run_ranks, spawn_backends  # noqa: E402,F401 - used by tests
-from hpcdp.testing.fixtures import World, mpi_world, shared_tmp_path, world, worlds  # noqa: E402,F401 - fixtures
+from hpcdp.testing.fixtures import (  # noqa: E402,F401 - fixtures, and their world lists
+    World, grid, mpi_world, shared_tmp_path, world, worlds,
+)
 
 SPAWN_BACKENDS = spawn_backends()
 

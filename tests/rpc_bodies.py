@@ -462,3 +462,10 @@ def body_sim_rank_dies(rank: int, report: dict) -> None:
            "call to a rank that died")
     rpc.shutdown()
     report[rank] = fails
+
+
+def spawned(size: int) -> list[str]:
+    """``world`` names of every backend ``hpcdp.spawn`` can start, at ``size`` ranks."""
+    from hpcdp.testing import spawn_backends
+
+    return [f"{b}-{size}" for b in spawn_backends()]

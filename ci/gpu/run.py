@@ -68,7 +68,7 @@ def mpi_info():
             "standard": "%d.%d" % MPI.Get_version()}
 attempt("mpi", mpi_info)
 def aware():
-    from hpcdp.backends.mpi._staging import describe
+    from hpcdp.backends.mpi import describe
     return describe()
 attempt("cuda_aware", aware)
 import numpy, h5py

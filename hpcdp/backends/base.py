@@ -17,6 +17,8 @@ __all__ = [
     "available_backends",
     "backend_factory",
     "backend_spawner",
+    "backend_entry",
+    "BackendEntry",
     "spawnable_backends",
     "ANY_SOURCE",
     "ANY_TAG",
@@ -135,6 +137,9 @@ class Backend(abc.ABC):
     - ``thread_level``: ``"single"``, ``"serialized"`` or ``"multiple"``: whether several
       threads may call into the transport at once (``"multiple"``), or one at a time.
     - ``accepts_cupy``: cupy arrays may be handed in directly (CUDA-aware MPI).
+    - ``recv_size_checked``: a ``recv`` posted before its message arrives may be of the wrong
+      size: the transport then fails that receive cleanly and consumes the message (TCP), where
+      MPI would truncate it. RPC posts its data receives early only where this holds.
     - ``native_comm()``: the mpi4py communicator of this group, for libraries that need one
       (parallel HDF5, baselines); None on transports without one.
     - ``shares_process``: the ranks are threads of this one process (simulated ranks), so
@@ -143,9 +148,9 @@ class Backend(abc.ABC):
     - ``peers_gone()``: group ranks known to have died or left, with why (this rank included
       where a rank can end while the process lives on); empty where the transport cannot tell.
 
-    How ``hpcdp.rpc`` reaches peers follows from these, never from ``name``: in-process queues
-    when ``shares_process``; a duplicate of ``native_comm()`` when there is one; otherwise its
-    own authenticated TCP mesh (``HPCDP_SECRET`` set, ranks reachable over TCP).
+    ``hpcdp.rpc`` sends over a ``dup()`` of the group's backend, whatever its ``name``: its
+    point-to-point with ``probe``, ``peers_gone()`` for failures, and ``shares_process`` to yield
+    the interpreter between idle polls.
     """
 
     name: str = "?"
@@ -161,6 +166,13 @@ class Backend(abc.ABC):
     thread_level: str = "multiple"
     accepts_cupy: bool = False
     shares_process: bool = False
+    recv_size_checked: bool = False
+    #: ``quick_allreduce(send, recv, op, timeout) -> Request | None``: a blocking allreduce of
+    #: small host arrays, None once complete, else the request still pending at the deadline
+    #: (the caller reports the timeout). None: the caller posts ``allreduce`` and waits on it.
+    #: A transport sets it where skipping the request bookkeeping that only asynchronous
+    #: callers need pays (MPI's small-message path, ``backends/mpi/_fastpath.py``).
+    quick_allreduce: Callable[..., Request | None] | None = None
 
     def native_comm(self) -> Any:
         """The mpi4py communicator of this group, or None (not an MPI transport)."""
@@ -178,17 +190,6 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Request: ...
-
-    def allreduce_blocking(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp,
-                           timeout: float) -> Request | None:
-        """``allreduce`` waited on up to ``timeout``: None once complete, else the request still
-        pending at the deadline (the caller reports the timeout and abandons it).
-
-        The latency path of blocking host allreduces: a backend may override it to skip the
-        request bookkeeping that only asynchronous callers need.
-        """
-        req = self.allreduce(sendbuf, recvbuf, op)
-        return None if req.wait(timeout) else req
 
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int) -> Request: ...
@@ -226,6 +227,38 @@ class Backend(abc.ABC):
     def new_group(self, ranks: Sequence[int]) -> "Backend | None":
         """Collective over this group: a backend for ``ranks`` (group ranks), None on non-members."""
 
+    def dup(self) -> "Backend":
+        """Collective over this group: the same ranks on a communication context of their own.
+
+        Every rank calls it, in the same order as its other collectives. The duplicate has this
+        group's ``rank``, ``size`` and ``ranks``; no message sent on it ever matches a receive
+        on this backend or on another duplicate, and none of theirs matches one of its own
+        (MPI: ``Comm.Dup()``; TCP: a channel id carried in every frame; simulated ranks: a
+        mailbox namespace of their own). Its point-to-point (``send``, ``recv``, ``probe`` with
+        ``ANY_SOURCE``/``ANY_TAG``) may be used from another thread while this backend is in use
+        (``hpcdp.rpc``'s threads beside the user's calls). Authentication, frame caps and
+        timeouts are this backend's: TCP reuses its authenticated connections and accepts no new
+        one. ``shutdown()`` of the duplicate releases only what it owns; shutting this backend
+        down ends its duplicates too.
+        """
+        from ..errors import HpcdpError
+
+        raise HpcdpError(f"dup (rank {self.rank}): the {self.name} backend cannot duplicate "
+                         "its communication context")
+
+    def take(self, src: int, tag: int) -> Any:
+        """The message ``probe(src, tag)`` reported, received now as the transport's own
+        buffer (a uint8 array, no copy) where it holds the whole message already (simulated
+        ranks' mailboxes); None where it cannot: ``recv`` it into a buffer instead."""
+        return None
+
+    def cap_unposted(self, nbytes: int) -> None:
+        """Let the transport drop point-to-point messages of more than ``nbytes`` that arrive
+        before a receive is posted for them, rather than store them (``probe`` never reports
+        a dropped one). For a duplicate whose user checks sizes before receiving (RPC's
+        limits): a peer's oversized message then costs this rank no memory. Transports that
+        leave unreceived messages with their sender (MPI) or in shared memory ignore it."""
+
     def shutdown(self) -> None:
         """Release transport resources; called once by ``finalize``."""
 
@@ -233,33 +266,54 @@ class Backend(abc.ABC):
         return f"{self.name}(rank {self.rank} of {self.size})"
 
 
-class _Entry:
-    __slots__ = ("factory", "available", "spawn")
+class BackendEntry:
+    """What the registry knows of one backend; ``hpcdp.launch`` reads how its ranks start."""
+
+    __slots__ = ("factory", "available", "spawn", "thread_world", "processes")
 
     def __init__(self, factory: Callable[..., Backend], available: Callable[[], bool] | None,
-                 spawn: Callable[..., list[Any]] | None) -> None:
+                 spawn: Callable[..., list[Any]] | None,
+                 thread_world: Callable[[int], Any] | None, processes: bool) -> None:
         self.factory, self.available, self.spawn = factory, available, spawn
+        self.thread_world, self.processes = thread_world, processes
 
 
-_REGISTRY: dict[str, _Entry] = {}
+_REGISTRY: dict[str, BackendEntry] = {}
 
 
 def register_backend(name: str, factory: Callable[..., Backend], *,
                      available: Callable[[], bool] | None = None,
-                     spawn: Callable[..., list[Any]] | None = None) -> None:
+                     spawn: Callable[..., list[Any]] | None = None,
+                     thread_world: Callable[[int], Any] | None = None,
+                     processes: bool = False) -> None:
     """Make ``hpcdp.init(backend=name)`` call ``factory(timeout=..., **options)``.
+
+    How ``hpcdp.spawn`` starts fresh ranks of the backend (``hpcdp.launch`` does the starting:
+    a backend declares what it supports and never imports the launcher):
 
     Args:
         available: whether the backend can start here (its libraries import); default: always.
         spawn: ``spawn(fn, world_size, *, args, kwargs, timeout, join_timeout)`` runs ``fn`` on
-            fresh ranks of this backend and returns their results: what ``hpcdp.spawn`` and the
-            conformance suite (``hpcdp.testing``) use. None: the backend cannot start ranks itself.
+            fresh ranks of this backend and returns their results (a backend that starts its
+            ranks its own way; it takes precedence over the two below).
+        thread_world: the backend ``shares_process``: ``thread_world(n)`` makes ``n`` ranks that
+            are threads of this process, an object with ``backend(rank)`` and
+            ``mark_dead(rank, why)``; the launcher runs one thread per rank.
+        processes: ranks may be local processes that each call ``factory`` and meet through the
+            launcher's environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+            ``HPCDP_SECRET``); the launcher starts them. None of the three: ranks come from
+            elsewhere (``mpirun``).
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_backend: name must be a non-empty string, got {name!r}")
     if not callable(factory):
         raise TypeError(f"register_backend({name!r}): factory must be callable")
-    _REGISTRY[name] = _Entry(factory, available, spawn)
+    _REGISTRY[name] = BackendEntry(factory, available, spawn, thread_world, bool(processes))
+
+
+def backend_entry(name: str) -> BackendEntry | None:
+    """The registry's entry for ``name`` (None: not registered)."""
+    return _REGISTRY.get(name)
 
 
 def backend_factory(name: str) -> Callable[..., Backend] | None:
@@ -267,7 +321,7 @@ def backend_factory(name: str) -> Callable[..., Backend] | None:
     return e.factory if e is not None else None
 
 
-def _is_available(e: _Entry) -> bool:
+def _is_available(e: BackendEntry) -> bool:
     return e.available is None or bool(e.available())
 
 
@@ -283,8 +337,10 @@ def backend_spawner(name: str) -> Callable[..., list[Any]] | None:
 
 
 def spawnable_backends() -> list[str]:
-    """Available backends that can start ranks of their own (``hpcdp.spawn``, test matrices)."""
-    return [n for n, e in _REGISTRY.items() if e.spawn is not None and _is_available(e)]
+    """Available backends whose ranks ``hpcdp.spawn`` can start (also the test matrices)."""
+    return [n for n, e in _REGISTRY.items()
+            if (e.spawn is not None or e.thread_world is not None or e.processes)
+            and _is_available(e)]
 
 
 def payload(x: Any) -> str:

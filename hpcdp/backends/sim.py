@@ -54,6 +54,10 @@ class _Comm:
         self.mail: dict[tuple[int, int, int], collections.deque[np.ndarray]] = (
             collections.defaultdict(collections.deque)
         )
+        #: sends of at least this many bytes complete once received (None: at once), so a
+        #: sender can bound what it has in flight (a ``dup`` for RPC); ``taken`` holds them
+        self.sync_from: int | None = None
+        self.taken: dict[int, "_SyncSend"] = {}
 
 
 class _Slot:
@@ -171,11 +175,19 @@ class _RecvRequest(Request):
         self.be, self.buf, self.src, self.tag = be, buf, src, tag
         self.key = (src, be.rank, tag)
         self.done = False
+        self.error: Exception | None = None
 
     def _try_locked(self) -> bool:
-        box = self.be.comm.mail.get(self.key)
+        mail = self.be.comm.mail
+        box = mail.get(self.key)
         if box:
             msg = box.popleft()
+            if not box:  # keys come and go (RPC's data tags are unique per message)
+                del mail[self.key]
+            if self.be.comm.taken:
+                sent = self.be.comm.taken.pop(id(msg), None)
+                if sent is not None:  # (its waiters wake within a second, see _wait_locked)
+                    sent.done = True
             if msg.nbytes != self.buf.nbytes:  # (HPCDP_DEBUG names both calls)
                 raise CollectiveMismatchError(
                     f"recv on rank {self.be.ranks[self.be.rank]}: message from rank "
@@ -192,17 +204,53 @@ class _RecvRequest(Request):
             )
         return False
 
+    def test_posted(self) -> None:
+        """Match at posting; an error (size, dead sender) is raised by ``test``/``wait``."""
+        try:
+            self.test()
+        except Exception as exc:  # noqa: BLE001 - raised where the caller waits
+            self.error = exc
+
     def test(self) -> bool:
+        if self.error is not None:
+            raise self.error
         if self.done:
             return True
         with self.be.comm.world.cond:
             return self._try_locked()
 
     def wait(self, timeout: float | None) -> bool:
+        if self.error is not None:
+            raise self.error
         return self.done or _wait_locked(self.be.comm.world.cond, self._try_locked, timeout)
 
     def pending(self) -> str:
         return f"no message from rank {self.be.ranks[self.src]} with tag {self.tag}"
+
+
+class _SyncSend(Request):
+    """A send that completes once its message is received (``_Comm.sync_from``)."""
+
+    def __init__(self, be: "SimBackend", dst: int) -> None:
+        self.be, self.dst = be, dst
+        self.done = False
+
+    def _ready_locked(self) -> bool:
+        if self.done:
+            return True
+        glob = self.be.ranks[self.dst]
+        if glob in self.be.comm.world.dead:
+            raise PeerFailureError(f"rank {glob} died before receiving", peers=[glob])
+        return False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        with self.be.comm.world.cond:
+            return self._ready_locked()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self.done or _wait_locked(self.be.comm.world.cond, self._ready_locked, timeout)
 
 
 class _Done(Request):
@@ -382,13 +430,37 @@ class SimBackend(Backend):
     # -- point to point: eager and buffered, like MPI's small-message protocol ---------------
     def send(self, buf, dst, tag):
         msg = np.ascontiguousarray(buf).reshape(-1).view(np.uint8).copy()
-        with self.comm.world.cond:
-            self.comm.mail[(self.rank, dst, tag)].append(msg)
-            self.comm.world.cond.notify_all()
-        return _Done()
+        comm = self.comm
+        req: Request = _Done()
+        with comm.world.cond:
+            if comm.sync_from is not None and msg.nbytes >= comm.sync_from:
+                req = comm.taken[id(msg)] = _SyncSend(self, dst)
+            comm.mail[(self.rank, dst, tag)].append(msg)
+            comm.world.cond.notify_all()
+        return req
 
     def recv(self, buf, src, tag):
-        return _RecvRequest(self, buf, src, tag)
+        req = _RecvRequest(self, buf, src, tag)
+        # a message already here is taken now, as MPI matches at posting: a later probe must
+        # not report it again (``hpcdp.rpc`` probes, then receives, chunk after chunk)
+        req.test_posted()
+        return req
+
+    def take(self, src: int, tag: int) -> np.ndarray | None:
+        """The oldest message from ``src`` with ``tag``, as the mailbox's own copy, or None."""
+        req = _RecvRequest(self, np.empty(0, np.uint8), src, tag)
+        comm = self.comm
+        with comm.world.cond:
+            box = comm.mail.get(req.key)
+            if not box:
+                return None
+            msg = box.popleft()
+            if not box:
+                del comm.mail[req.key]
+            sent = comm.taken.pop(id(msg), None) if comm.taken else None
+            if sent is not None:
+                sent.done = True
+        return msg
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source, tag, nbytes) of a queued message for this rank, else None."""
@@ -406,6 +478,18 @@ class SimBackend(Backend):
         return None
 
     # -- groups -----------------------------------------------------------------------------
+    def dup(self) -> "SimBackend":
+        """Collective: these ranks again, with a mailbox namespace of their own."""
+        box: list[_Comm] = []
+        req = self._collective(None, lambda _: _Comm(self.comm.world, self.ranks), box.append,
+                               _sig("dup"))
+        if not req.wait(None):  # pragma: no cover - wait(None) never times out
+            raise RuntimeError("unreachable")
+        # large sends complete when received, as MPI's do: a sender can then bound what it
+        # holds in flight (every byte sent here lives in this one process until received)
+        box[0].sync_from = 64 << 10
+        return type(self)(box[0], self.rank)
+
     def new_group(self, ranks):
         members = tuple(self.ranks[r] for r in ranks)
 
@@ -493,17 +577,22 @@ def _sim_factory(*, world: SimWorld | None = None, rank: int = 0,
     return _backend(_Comm(world, tuple(range(world.size))), rank)
 
 
-def _sim_world_factory(world: SimWorld) -> Callable[[int], SimBackend]:
-    """One shared world comm for all ranks of a spawn."""
-    comm = _Comm(world, tuple(range(world.size)))
-    return lambda rank: _backend(comm, rank)
+class ThreadWorld:
+    """``size`` simulated ranks that are threads of this process, sharing one world comm:
+    what ``hpcdp.launch`` runs a thread per rank on (``spawn(..., backend="sim")``)."""
+
+    def __init__(self, size: int) -> None:
+        self.world = SimWorld(size)
+        self.size = size
+        self._comm = _Comm(self.world, tuple(range(size)))
+
+    def backend(self, rank: int) -> SimBackend:
+        """Rank ``rank``'s backend (call once per rank, from any thread)."""
+        return _backend(self._comm, rank)
+
+    def mark_dead(self, rank: int, why: str) -> None:
+        """Rank ``rank`` is gone (raised, returned, or stuck): its peers fail fast, naming ``why``."""
+        self.world.mark_dead(rank, why)
 
 
-def _sim_spawn(*args: Any, **kwargs: Any) -> list[Any]:
-    """Simulated ranks as threads of this process (``hpcdp.launch``; imported when used)."""
-    from ..launch._spawn import spawn_threads
-
-    return spawn_threads(*args, **kwargs)
-
-
-register_backend("sim", _sim_factory, spawn=_sim_spawn)
+register_backend("sim", _sim_factory, thread_world=ThreadWorld)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     from hpcdp.checkpoint import Shard, load, save
-    from hpcdp.checkpoint._plan import row_bounds
+    from hpcdp._arrays import shard_bounds as row_bounds  # the rows a checkpoint gives each rank
 
     g = hpcdp.init("mpi")
     comm = g.backend.native_comm()

@@ -35,7 +35,7 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim
 from hpcdp.fsdp import FSDP, zero_formula
-from hpcdp.fsdp._memory import distinct_nbytes, optimizer_state_bytes
+from hpcdp.fsdp import distinct_nbytes, optimizer_state_bytes
 
 from ._common import JsonSink, interleaved
 from ._plot import PlotSink, add_plot_argument, maybe_plot

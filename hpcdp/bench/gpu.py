@@ -62,7 +62,7 @@ def _allreduce_rows(cp: Any, args: argparse.Namespace, sink: JsonSink) -> list[d
     if comm is None:
         raise SystemExit("bench gpu: A6 needs the MPI backend (run under mpirun)")
     n = group.size
-    from ..backends.mpi._staging import cuda_aware, describe
+    from ..backends.mpi import cuda_aware, describe
 
     aware = cuda_aware()
     stream = cp.cuda.get_current_stream()

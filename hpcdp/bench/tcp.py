@@ -173,13 +173,13 @@ def _slowest(t: float) -> float:
 
 
 def run_b1(sizes: Sequence[int] = (8, 1 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..launch._processes import spawn_processes
+    from ..launch import spawn_processes
 
     return spawn_processes(_b1_body, 2, args=(list(sizes), trials), timeout=600)[0]
 
 
 def run_b2(ranks: int, sizes: Sequence[int] = (4 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..launch._processes import free_port, spawn_processes
+    from ..launch import free_port, spawn_processes
 
     return spawn_processes(_b2_body, ranks, args=(list(sizes), trials, free_port()), timeout=600)[0]
 

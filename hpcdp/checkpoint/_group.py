@@ -10,6 +10,8 @@ import threading
 import weakref
 from typing import Any
 
+from ..comm.world import get_default_group, is_initialized
+
 __all__ = ["Solo", "resolve", "ckpt_group", "native_comm", "backend_label", "pending", "set_pending"]
 
 
@@ -38,9 +40,7 @@ _lock = threading.Lock()
 def resolve(group: Any) -> Any:
     if group is not None:
         return group
-    import hpcdp
-
-    return hpcdp.get_default_group() if hpcdp.is_initialized() else _SOLO
+    return get_default_group() if is_initialized() else _SOLO
 
 
 def native_comm(group: Any) -> Any:

@@ -27,15 +27,19 @@ from typing import Any
 
 
 from .. import trace
+from ..trace.hooks import state as trace_state
 from ..comm import world as _world
 from .._config import setting
+from .._version import __version__
 from ..comm.validation import check_timeout
 from ..errors import (
     CheckpointError, CollectiveMismatchError, CommTimeoutError, HpcdpError, PeerFailureError,
     public, public_error,
 )
 from . import _commit
-from ._format import FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten
+from ._format import (
+    FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten, rank_file,
+)
 from ._group import backend_label, ckpt_group, native_comm, pending, resolve, set_pending
 from ._plan import make_plan, slab_data
 
@@ -160,7 +164,7 @@ class _Phases:
 
     def __call__(self, name: str) -> None:
         self.end()
-        if trace.state.on:
+        if trace_state.on:
             self._cur = trace.span(f"checkpoint.{name}", "checkpoint")
             self._cur.__enter__()
 
@@ -252,8 +256,6 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
         raise
 
     # 5. manifest (identical on every rank: built from gathered data only)
-    import hpcdp
-
     datasets = {p.path: {"shape": list(p.shape), "dtype": p.dtype, "type": p.note or p.dtype,
                          "kind": p.kind, "mode": p.mode, "slabs": []} for p in plans}
     for per_rank in got:
@@ -263,11 +265,10 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
         d["slabs"].sort(key=lambda s: s["offsets"])
     files = []
     if mode == "vds":
-        from ._format import rank_file
-        from ._writer_vds import _in_main
+        from ._writer_vds import _in_main  # (h5py: imported when a save writes)
 
         files = sorted({rank_file(s.rank) for p in plans if not _in_main(p) for s in p.slabs})
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": hpcdp.__version__,
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": __version__,
                 "world_size": size, "mode": mode, "checksum": algo, "created_unix": None,
                 "tree": tree0, "datasets": datasets, "files": files}
     raw, mcrc = encode_manifest(manifest)

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any, Callable
 
 from .._config import setting
+from ..comm.world import get_default_group, is_initialized
 from ..errors import HpcdpError
 
 __all__ = ["on_preempt", "Preemption", "restart_count", "slurm_job_id"]
@@ -117,9 +118,7 @@ class Preemption:
     def _resolve_group(self) -> Any:
         if self._group is not None:
             return self._group
-        import hpcdp
-
-        return hpcdp.get_default_group() if hpcdp.is_initialized() else None
+        return get_default_group() if is_initialized() else None
 
     def check(self) -> bool:
         """At a step boundary: if any rank was signalled, save, requeue and exit 0 (collective).

@@ -1,9 +1,9 @@
 """The collectives core: process groups, collectives, point-to-point, ``Work``, the world.
 
-Everything above (``trace`` tools, ``nn``, ``ddp``, ``fsdp``, ``pipeline``, ``rpc``,
+Everything above (``nn``, ``ddp``, ``fsdp``, ``pipeline``, ``rpc``,
 ``checkpoint``, ``launch``) gets its group from here, never through ``import hpcdp``; this
-package reaches down only to ``backends`` (the transports), ``trace``'s recorder and the
-foundation modules (``errors``, ``ops``, ``_arrays``, ``_config``).
+package reaches down only to ``backends`` (the transports), ``trace`` (its recording hooks,
+``trace.hooks``) and the foundation modules (``errors``, ``ops``, ``_arrays``, ``_config``).
 """
 from __future__ import annotations
 

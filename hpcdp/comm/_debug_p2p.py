@@ -39,6 +39,7 @@ import numpy as np
 from .._arrays import to_host, xp_of
 from ..backends.base import Request, poll_until
 from ..errors import CollectiveMismatchError, HpcdpError
+from .debug import caller_line
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -105,8 +106,6 @@ def p2p_sender(group: "ProcessGroup", name: str, shape: tuple[int, ...]
                ) -> Callable[[Any, int, int], Request]:
     """A drop-in for ``backend.send`` that sends ``header + bytes`` (call it where the user's
     send is posted: it records the caller's source line)."""
-    from .debug import caller_line
-
     line = caller_line()
 
     def send(flat: Any, dst: int, tag: int) -> Request:
@@ -303,8 +302,6 @@ def p2p_receiver(group: "ProcessGroup", name: str, shape: tuple[int, ...], check
                  ) -> Callable[[Any, int, int], Request]:
     """A drop-in for ``backend.recv`` that takes a framed message and checks its header
     against ``shape``, the receive buffer's dtype and size (``check``: see ``CHECKS``)."""
-    from .debug import caller_line
-
     if check not in CHECKS:
         raise ValueError(f"p2p debug check must be one of {CHECKS}, got {check!r}")
     line = caller_line()

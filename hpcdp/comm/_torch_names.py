@@ -21,6 +21,7 @@ from .work import Work, then
 
 if TYPE_CHECKING:
     from ..ops import ReduceOp
+    from .group import ProcessGroup
 
 __all__ = ["TorchSpellings"]
 
@@ -67,21 +68,16 @@ def _finish(res: Any, after: Callable[[Any], None], async_op: bool) -> Work | No
 
 
 class TorchSpellings:
-    """Mixin of ``ProcessGroup``: the calls torch.distributed spells, with torch's behaviour."""
+    """The calls torch.distributed spells, with torch's behaviour, for one ``ProcessGroup``.
 
-    rank: int
-    size: int
-    allreduce: Callable[..., Any]
-    broadcast: Callable[..., Any]
-    reduce: Callable[..., Any]
-    all_gather: Callable[..., Any]
-    gather: Callable[..., Any]
-    scatter: Callable[..., Any]
-    reduce_scatter: Callable[..., Any]
-    all_to_all: Callable[..., Any]
-    all_gather_object: Callable[..., Any]
-    broadcast_object: Callable[..., Any]
-    _where: Callable[[str], str]
+    The group holds one (``group._torch``) and its methods of these names delegate here; each
+    is built from the group's own numpy-style collectives, through the group it is given.
+    """
+
+    __slots__ = ("_g",)
+
+    def __init__(self, group: "ProcessGroup") -> None:
+        self._g = group
 
     @public
     def all_reduce(self, tensor: Any, op: "ReduceOp | str" = "sum", *, async_op: bool = False,
@@ -90,8 +86,8 @@ class TorchSpellings:
 
         hpcdp's ``allreduce(x)`` returns the result instead and leaves ``x`` alone.
         """
-        _writable(self._where("all_reduce"), tensor)
-        res = self.allreduce(tensor, op, out=tensor, async_op=async_op, timeout=timeout)
+        _writable(self._g._where("all_reduce"), tensor)
+        res = self._g.allreduce(tensor, op, out=tensor, async_op=async_op, timeout=timeout)
         return then(res, _none) if async_op else None
 
     @public
@@ -99,13 +95,13 @@ class TorchSpellings:
                                async_op: bool = False, timeout: float | None = None) -> Work | None:
         """torch's ``all_gather_into_tensor``: rank i's input fills part i of ``output_tensor``
         (shaped ``(size * n, ...)`` or ``(size, n, ...)``); None (or a Work)."""
-        where = self._where("all_gather_into_tensor")
+        where = self._g._where("all_gather_into_tensor")
         _writable(where, output_tensor, "output_tensor")
         check_array(where, input_tensor)
-        if output_tensor.size != self.size * input_tensor.size:
+        if output_tensor.size != self._g.size * input_tensor.size:
             raise ValueError(f"{where}: output_tensor has {output_tensor.size} elements, "
-                             f"{self.size} ranks x input_tensor's {input_tensor.size} needed")
-        res = self.all_gather(input_tensor, async_op=async_op, timeout=timeout)
+                             f"{self._g.size} ranks x input_tensor's {input_tensor.size} needed")
+        res = self._g.all_gather(input_tensor, async_op=async_op, timeout=timeout)
         return _finish(res, _into(output_tensor), async_op)
 
     @public
@@ -113,14 +109,14 @@ class TorchSpellings:
                               async_op: bool = False, timeout: float | None = None) -> Work | None:
         """torch's ``reduce_scatter_tensor``: reduce ``input`` (``size`` parts along axis 0)
         across ranks; part i lands in rank i's ``output``; None (or a Work)."""
-        where = self._where("reduce_scatter_tensor")
+        where = self._g._where("reduce_scatter_tensor")
         _writable(where, output, "output")
         check_array(where, input)
-        if input.size != self.size * output.size:
-            raise ValueError(f"{where}: input has {input.size} elements, {self.size} ranks x "
+        if input.size != self._g.size * output.size:
+            raise ValueError(f"{where}: input has {input.size} elements, {self._g.size} ranks x "
                              f"output's {output.size} needed")
-        flat = input.reshape(self.size, -1)
-        res = self.reduce_scatter(flat, op, async_op=async_op, timeout=timeout)
+        flat = input.reshape(self._g.size, -1)
+        res = self._g.reduce_scatter(flat, op, async_op=async_op, timeout=timeout)
         return _finish(res, _into(output), async_op)
 
     @public
@@ -129,47 +125,47 @@ class TorchSpellings:
                           timeout: float | None = None) -> Work | None:
         """torch's ``all_to_all_single`` with even splits: part j of ``input`` goes to rank j,
         part i of ``output`` came from rank i; None (or a Work). Uneven splits are not offered."""
-        where = self._where("all_to_all_single")
+        where = self._g._where("all_to_all_single")
         if output_split_sizes is not None or input_split_sizes is not None:
             raise NotImplementedError(f"{where}: uneven splits (output_split_sizes/"
                                       "input_split_sizes) are not supported; pad to equal parts")
         _writable(where, output, "output")
-        res = self.all_to_all(input, out=output, async_op=async_op, timeout=timeout)
+        res = self._g.all_to_all(input, out=output, async_op=async_op, timeout=timeout)
         return _finish(res, _none, async_op)
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *,
                               timeout: float | None = None) -> None:
         """torch's ``broadcast_object_list``: every rank's ``object_list`` becomes ``src``'s."""
-        got = self.broadcast_object(list(object_list) if self.rank == src else None, src,
+        got = self._g.broadcast_object(list(object_list) if self._g.rank == src else None, src,
                                     timeout=timeout)
         if len(got) != len(object_list):
-            raise ValueError(f"{self._where('broadcast_object_list')}: rank {src} sent "
+            raise ValueError(f"{self._g._where('broadcast_object_list')}: rank {src} sent "
                              f"{len(got)} objects, this rank's list holds {len(object_list)}")
         object_list[:] = got
 
     # -- the torch forms of names hpcdp shares (ProcessGroup dispatches on the arguments) ------
-    def _torch_broadcast(self, tensor: Any, src: int, async_op: bool, timeout: Any) -> Work | None:
-        _writable(self._where("broadcast"), tensor)
-        res = self.broadcast(tensor, src, async_op=async_op, timeout=timeout)
+    def broadcast(self, tensor: Any, src: int, async_op: bool, timeout: Any) -> Work | None:
+        _writable(self._g._where("broadcast"), tensor)
+        res = self._g.broadcast(tensor, src, async_op=async_op, timeout=timeout)
         return _finish(res, _none, async_op)
 
-    def _torch_reduce(self, tensor: Any, dst: int, op: Any, async_op: bool,
+    def reduce(self, tensor: Any, dst: int, op: Any, async_op: bool,
                       timeout: Any) -> Work | None:
-        _writable(self._where("reduce"), tensor)
-        out = tensor if self.rank == dst else None
-        res = self.reduce(tensor, op, dst, out=out, async_op=async_op, timeout=timeout)
+        _writable(self._g._where("reduce"), tensor)
+        out = tensor if self._g.rank == dst else None
+        res = self._g.reduce(tensor, op, dst, out=out, async_op=async_op, timeout=timeout)
         return _finish(res, _none, async_op)
 
-    def _torch_all_gather(self, tensor_list: Any, tensor: Any, async_op: bool,
+    def all_gather(self, tensor_list: Any, tensor: Any, async_op: bool,
                           timeout: Any) -> Work | None:
-        where = self._where("all_gather")
+        where = self._g._where("all_gather")
         targets = self._check_list(where, "tensor_list", tensor_list, tensor)
-        res = self.all_gather(tensor, async_op=async_op, timeout=timeout)
+        res = self._g.all_gather(tensor, async_op=async_op, timeout=timeout)
         return _finish(res, _copy_into(targets), async_op)
 
-    def _torch_all_to_all(self, output_list: Any, input_list: Any, async_op: bool,
+    def all_to_all(self, output_list: Any, input_list: Any, async_op: bool,
                           timeout: Any) -> Work | None:
-        where = self._where("all_to_all")
+        where = self._g._where("all_to_all")
         if not isinstance(input_list, (list, tuple)) or not input_list:
             raise TypeError(f"{where}: torch's form all_to_all(output_tensor_list, "
                             "input_tensor_list) needs two lists")
@@ -178,44 +174,44 @@ class TorchSpellings:
         self._check_list(where, "input_tensor_list", input_list, first, write=False)
         xp = xp_of(first)
         stacked = xp.stack([xp.asarray(a).reshape(first.shape) for a in input_list])
-        res = self.all_to_all(stacked, async_op=async_op, timeout=timeout)
+        res = self._g.all_to_all(stacked, async_op=async_op, timeout=timeout)
         return _finish(res, _copy_into(targets), async_op)
 
-    def _torch_gather(self, tensor: Any, gather_list: Any, dst: int, async_op: bool,
+    def gather(self, tensor: Any, gather_list: Any, dst: int, async_op: bool,
                       timeout: Any) -> Work | None:
-        where = self._where("gather")
+        where = self._g._where("gather")
         check_array(where, tensor)
         targets = None
-        if self.rank == dst:
+        if self._g.rank == dst:
             targets = self._check_list(where, "gather_list", gather_list, tensor)
-        res = self.gather(tensor, dst, async_op=async_op, timeout=timeout)
+        res = self._g.gather(tensor, dst, async_op=async_op, timeout=timeout)
         return _finish(res, _copy_into(targets) if targets is not None else _none, async_op)
 
-    def _torch_scatter(self, tensor: Any, scatter_list: Any, src: int, async_op: bool,
+    def scatter(self, tensor: Any, scatter_list: Any, src: int, async_op: bool,
                        timeout: Any) -> Work | None:
-        where = self._where("scatter")
+        where = self._g._where("scatter")
         _writable(where, tensor)
         xp = xp_of(tensor)
-        if self.rank == src:
+        if self._g.rank == src:
             parts = self._check_list(where, "scatter_list", scatter_list, tensor, write=False)
             x = xp.stack([xp.asarray(p).reshape(tensor.shape) for p in parts])
         else:
-            x = xp.empty((self.size, *tensor.shape), tensor.dtype)
-        res = self.scatter(x, src, async_op=async_op, timeout=timeout)
+            x = xp.empty((self._g.size, *tensor.shape), tensor.dtype)
+        res = self._g.scatter(x, src, async_op=async_op, timeout=timeout)
         return _finish(res, _into(tensor), async_op)
 
-    def _torch_all_gather_object(self, object_list: Any, obj: Any, timeout: Any) -> None:
-        if not isinstance(object_list, list) or len(object_list) != self.size:
-            raise ValueError(f"{self._where('all_gather_object')}: torch's form "
-                             f"all_gather_object(object_list, obj) needs a list of {self.size} "
+    def all_gather_object(self, object_list: Any, obj: Any, timeout: Any) -> None:
+        if not isinstance(object_list, list) or len(object_list) != self._g.size:
+            raise ValueError(f"{self._g._where('all_gather_object')}: torch's form "
+                             f"all_gather_object(object_list, obj) needs a list of {self._g.size} "
                              f"entries, got {type(object_list).__name__}")
-        object_list[:] = self.all_gather_object(obj, timeout=timeout)
+        object_list[:] = self._g.all_gather_object(obj, timeout=timeout)
 
     def _check_list(self, where: str, name: str, lst: Any, like: Any, write: bool = True) -> list:
         """``lst``: ``size`` arrays shaped and typed like ``like`` (and writable when ``write``)."""
-        if not isinstance(lst, (list, tuple)) or len(lst) != self.size:
+        if not isinstance(lst, (list, tuple)) or len(lst) != self._g.size:
             got = f"{len(lst)} entries" if isinstance(lst, (list, tuple)) else type(lst).__name__
-            raise ValueError(f"{where}: {name} must be a list of {self.size} arrays (one per "
+            raise ValueError(f"{where}: {name} must be a list of {self._g.size} arrays (one per "
                              f"rank), got {got}")
         for i, t in enumerate(lst):
             if (not (isinstance(t, np.ndarray) or is_cupy(t)) or t.shape != like.shape

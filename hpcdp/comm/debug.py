@@ -16,6 +16,7 @@ import numpy as np
 
 from .._config import setting
 from ..errors import CollectiveMismatchError
+from .work import wait_for
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -61,8 +62,6 @@ def check_across(group: "ProcessGroup", opname: str, seq: int, timeout: float, *
     send = np.zeros(_FP_BYTES, np.uint8)
     send[: len(raw)] = np.frombuffer(raw, np.uint8)
     recv = np.empty((group.size, _FP_BYTES), np.uint8)
-    from .work import wait_for
-
     wait_for(group, f"{opname} (HPCDP_DEBUG check)", seq,
              group.backend.all_gather(send, recv), timeout)
     records = [json.loads(bytes(row).rstrip(b"\0").decode()) for row in recv]

@@ -15,9 +15,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import debug as _debug
-from .. import trace
 from .._arrays import contiguous, is_cupy, xp_of
-from ..backends._staging import HostStaged
+from ..backends import HostStaged
 from ._buffers import finish_into, reduction_plan, result_buffer
 from ._objects import ObjectCollectives
 from ._group_p2p import PointToPoint
@@ -27,6 +26,7 @@ from .validation import check_array, check_divisible, check_out, check_rank, che
 from ..backends.base import Backend, Request
 from ..errors import CollectiveMismatchError, HpcdpError, public, public_error
 from ..ops import ReduceOp, as_op, check_op_dtype
+from ..trace import hooks as trace  # the recording hooks (on_error, active_recorder)
 from .work import CompletedWork, Work, annotate, timeout_error, work_where
 
 __all__ = ["ProcessGroup", "default_timeout"]
@@ -40,8 +40,7 @@ def default_timeout() -> float:
 
 
 _ndarray = np.ndarray
-_COMPLETED = trace.COMPLETED
-#: dtypes and ops for which the allreduce fast path needs no further checks
+#: dtypes and ops for which ``allreduce``'s latency lane needs no further checks
 _FAST_DTYPES = frozenset(np.dtype(t) for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float32", "float64"))
@@ -51,13 +50,17 @@ for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
     _FAST_OPS[_o.value] = _o
 
 
-class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
+class ProcessGroup:
     """A set of ranks that run collectives together. Ranks in arguments are group ranks.
 
     Collectives are numpy style (return the result, or fill ``out=``); torch.distributed's
     spellings (``all_reduce``, ``broadcast(x, src=)``, ...) work in place as torch's do
-    (``_group_torch``). An ``HpcdpError`` is raised from the public call, its internal frames
+    (``_torch_names``). An ``HpcdpError`` is raised from the public call, its internal frames
     kept in ``__context__`` (``errors.public``).
+
+    Point to point, the Python-object collectives and the torch spellings are components the
+    group holds (``_p2p``, ``_objects``, ``_torch``), each given the group it serves; the
+    group's methods of their names delegate to them.
     """
 
     def __init__(
@@ -73,7 +76,6 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         self._timeout = default_timeout() if timeout is None else check_timeout(
             f"group {name}", timeout)
         self._seq = itertools.count(1)
-        self._p2p_counts: dict[tuple[str, int, int], Any] = {}  # (op, peer, tag) -> counter
         self._lock = threading.Lock()
         self._groups = itertools.count(1)
         self._broken: str | None = None
@@ -88,6 +90,9 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         self._fast = False  # whether blocking allreduces may take the latency path
         self._host_staged: HostStaged | None = None  # made at the first cupy call (_transport)
         self._refresh_fast()
+        self._p2p = PointToPoint(self)
+        self._objects = ObjectCollectives(self)
+        self._torch = TorchSpellings(self)
 
     @property
     def debug(self) -> str:
@@ -223,60 +228,10 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
                   async_op: bool = False, timeout: float | None = None) -> Any:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
         try:
-            # Fast path for the common case (blocking, contiguous numpy, a plain op): the same
-            # checks as below, in fewer Python operations, because small allreduces are latency-bound.
-            # Two arrays that both own their memory cannot overlap (np.may_share_memory costs more
-            # than the rest of this path); views take the general path, which handles overlap.
-            try:
-                rop = _FAST_OPS.get(op)
-            except TypeError:  # unhashable: the general path says what is wrong with it
-                rop = None
-            if (rop is not None and self._fast and not async_op and type(x) is _ndarray
-                    and (xd := x.dtype) in _FAST_DTYPES and (xf := x.flags).c_contiguous
-                    and (out is None or (
-                        type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
-                        and (out is x or (f.owndata and xf.owndata and out.dtype is xd
-                                          and out.shape == x.shape))))):
-                t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
-                if out is None:  # small: a copy reduced in place is cheaper than empty + separate
-                    out = x.copy() if x.nbytes <= 65536 else np.empty(x.shape, x.dtype)
-                    send = out if x.nbytes <= 65536 else x
-                else:
-                    send = x
-                seq = next(self._seq)
-                rec = self._rec
-                tok, ring, slot = 0, None, 0
-                if rec is not None:  # the recorder's begin and end, inlined (see trace._recorder)
-                    ring = rec.inline
-                    if ring is None:
-                        tok = rec.begin("allreduce", self, seq, x.shape, xd, -1)
-                    else:
-                        rows, ends, nxt, clock, ident, cap = ring
-                        tok = nxt()
-                        slot = tok % cap
-                        rows[slot] = (tok, "allreduce", self, seq, x.shape, xd, -1, clock(), ident(), None)
-                try:
-                    if x.ndim == 1:
-                        req = self.backend.allreduce_blocking(send, out, rop, t)
-                    else:
-                        rflat = out.reshape(-1)
-                        req = self.backend.allreduce_blocking(rflat if send is out else send.reshape(-1),
-                                                              rflat, rop, t)
-                except HpcdpError as exc:
-                    self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
-                    err = annotate(exc, work_where(self, "allreduce", seq))
-                    trace.on_error(rec, tok, err)
-                    raise err from exc
-                if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
-                    trace.on_error(rec, tok, err)
-                    raise err
-                if ring is not None:
-                    row = rows[slot]
-                    if row is not None and row[0] == tok:  # not cleared, nor taken over by a newer op
-                        ends[slot] = (tok, clock(), _COMPLETED, None)
-                elif rec is not None:
-                    rec.end(tok)
-                return out
+            if self._fast and not async_op:
+                done = self._allreduce_now(x, op, out, timeout)
+                if done is not None:
+                    return done
             where = self._where("allreduce")
             rop = as_op(op, where)
             check_array(where, x)
@@ -293,6 +248,58 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         except HpcdpError as exc:  # raised from here, not from a dozen frames below
             raise public_error(exc)  # noqa: B904 - exc is its __context__
 
+    def _allreduce_now(self, x: Any, op: Any, out: Any, timeout: float | None) -> Any:
+        """The latency lane of ``allreduce``: a blocking call on plain host arrays, which need
+        nothing of the general path but its bookkeeping, handed to the backend's
+        ``quick_allreduce`` where it has one. None: not such a call (the general path, with its
+        checks and messages, takes it). Two arrays that both own their memory cannot overlap
+        (``np.may_share_memory`` costs more than this lane); views take the general path."""
+        try:
+            rop = _FAST_OPS.get(op)
+        except TypeError:  # unhashable: the general path says what is wrong with it
+            return None
+        if (rop is None or type(x) is not _ndarray or (xd := x.dtype) not in _FAST_DTYPES
+                or not (xf := x.flags).c_contiguous):
+            return None
+        small = x.nbytes <= 65536
+        if out is None:  # small: a copy reduced in place is cheaper than empty + separate
+            out = send = x.copy() if small else np.empty(x.shape, xd)
+            if not small:
+                send = x
+        elif (type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
+              and (out is x or (f.owndata and xf.owndata and out.dtype is xd
+                                and out.shape == x.shape))):
+            send = x
+        else:
+            return None
+        t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
+        seq = next(self._seq)
+        rec = self._rec
+        tok = rec.begin("allreduce", self, seq, x.shape, xd, -1) if rec is not None else 0
+        be = self.backend
+        if x.ndim == 1:
+            sflat, rflat = send, out
+        else:
+            rflat = out.reshape(-1)
+            sflat = rflat if send is out else send.reshape(-1)
+        try:
+            quick = be.quick_allreduce
+            if quick is not None:
+                req = quick(sflat, rflat, rop, t)
+            elif (req := be.allreduce(sflat, rflat, rop)).wait(t):
+                req = None
+        except HpcdpError as exc:
+            self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
+            err = annotate(exc, work_where(self, "allreduce", seq))
+            trace.on_error(rec, tok, err)
+            raise err from exc
+        if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+            trace.on_error(rec, tok, err)
+            raise err
+        if rec is not None:
+            rec.end(tok)
+        return out
+
     @public
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                   timeout: float | None = None, src: int | None = None) -> Any:
@@ -304,7 +311,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         if src is not None:
             if out is not None:
                 raise TypeError(f"{self._where('broadcast')}: torch's form (src=) takes no out=")
-            return self._torch_broadcast(x, src, async_op, timeout)
+            return self._torch.broadcast(x, src, async_op, timeout)
         where = self._where("broadcast")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
@@ -337,7 +344,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
                 raise TypeError(f"{self._where('reduce')}: torch's form (dst=) takes no out=")
             if dst is None:  # torch's positional order: reduce(tensor, dst, op)
                 dst, op = int(op), (root if isinstance(root, (str, ReduceOp)) else "sum")
-            return self._torch_reduce(x, dst, op, async_op, timeout)
+            return self._torch.reduce(x, dst, op, async_op, timeout)
         where = self._where("reduce")
         rop = as_op(op, where)
         root = check_rank(where, "root", root, self.size)
@@ -373,7 +380,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         if tensor is not None:
             if out is not None:
                 raise TypeError(f"{self._where('all_gather')}: torch's form takes no out=")
-            return self._torch_all_gather(x, tensor, async_op, timeout)
+            return self._torch.all_gather(x, tensor, async_op, timeout)
         where = self._where("all_gather")
         check_array(where, x)
         be = self._transport(x)
@@ -402,7 +409,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
                 gather_list = root  # positional: gather(tensor, gather_list, dst)
             if dst is None:
                 dst = root if isinstance(root, (int, np.integer)) else 0
-            return self._torch_gather(x, gather_list, dst, async_op, timeout)
+            return self._torch.gather(x, gather_list, dst, async_op, timeout)
         where = self._where("gather")
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
@@ -439,7 +446,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
                 scatter_list = root  # positional: scatter(tensor, scatter_list, src)
             if src is None:
                 src = root if isinstance(root, (int, np.integer)) else 0
-            return self._torch_scatter(x, scatter_list, src, async_op, timeout)
+            return self._torch.scatter(x, scatter_list, src, async_op, timeout)
         where = self._where("scatter")
         root = check_rank(where, "root", root, self.size)
         is_root = self.rank == root
@@ -502,7 +509,7 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         if input_list is not None:
             if out is not None:
                 raise TypeError(f"{self._where('all_to_all')}: torch's form takes no out=")
-            return self._torch_all_to_all(x, input_list, async_op, timeout)
+            return self._torch.all_to_all(x, input_list, async_op, timeout)
         where = self._where("all_to_all")
         check_array(where, x)
         be = self._transport(x)
@@ -526,6 +533,100 @@ class ProcessGroup(PointToPoint, ObjectCollectives, TorchSpellings):
         seq, tok = self._begin("barrier", t)
         req = self._post("barrier", seq, self.backend.barrier, tok=tok)
         return self._run("barrier", seq, req, lambda: None, async_op, t, tok)
+
+    # -- point to point (``_group_p2p.PointToPoint``) -----------------------------------------
+    def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
+        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
+        return self._p2p.isend(x, dst, tag)
+
+    def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
+        """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
+        return self._p2p.irecv(buf, src, tag)
+
+    def probe(self, src: int = -1, tag: int = -1, *, timeout: float | None = None) -> Any:
+        """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;
+        its ``Status`` (source, tag, nbytes). See ``hpcdp.probe``."""
+        return self._p2p.probe(src, tag, timeout=timeout)
+
+    def iprobe(self, src: int = -1, tag: int = -1) -> Any:
+        """The ``Status`` of a message ``recv(src, tag)`` would take now, else None."""
+        return self._p2p.iprobe(src, tag)
+
+    def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Send ``x`` to ``dst`` and return once the buffer may be reused."""
+        return self._p2p.send(x, dst, tag, timeout=timeout)
+
+    def recv(self, buf: Any = None, src: int | None = -1, tag: int = 0, *, dtype: Any = None,
+             return_status: bool = False, timeout: float | None = None) -> Any:
+        """Receive into ``buf`` from ``src``; returns ``buf`` (torch's returns the sender's rank:
+        ``return_status=True`` gives it as ``Status.source``).
+
+        ``src=ANY_SOURCE`` (-1, the default) takes the next message from any rank, ``tag=ANY_TAG``
+        any tag; ``buf=None`` allocates a 1-D array of ``dtype`` (default uint8) at the size the
+        sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
+        """
+        return self._p2p.recv(buf, src, tag, dtype=dtype, return_status=return_status,
+                              timeout=timeout)
+
+    # -- Python objects (``_objects.ObjectCollectives``) --------------------------------------
+    def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> Any:
+        """Every rank gets root's ``obj``."""
+        return self._objects.broadcast_object(obj, root, timeout=timeout)
+
+    def all_gather_object(self, obj: Any, *args: Any, timeout: float | None = None) -> Any:
+        """A list of every rank's ``obj``, in rank order.
+
+        torch's form ``all_gather_object(object_list, obj)`` fills ``object_list`` and returns
+        None.
+        """
+        return self._objects.all_gather_object(obj, *args, timeout=timeout)
+
+    def gather_object(self, obj: Any, root: Any = 0, *, timeout: float | None = None,
+                      object_gather_list: list[Any] | None = None,
+                      dst: int | None = None) -> list[Any] | None:
+        """Like ``all_gather_object`` but only ``root`` gets the list.
+
+        torch's form ``gather_object(obj, object_gather_list, dst=0)`` fills the list on ``dst``
+        and returns None.
+        """
+        return self._objects.gather_object(obj, root, timeout=timeout,
+                                           object_gather_list=object_gather_list, dst=dst)
+
+    # -- torch.distributed's spellings (``_torch_names.TorchSpellings``) ----------------------
+    def all_reduce(self, tensor: Any, op: "ReduceOp | str" = "sum", *, async_op: bool = False,
+                   timeout: float | None = None) -> Work | None:
+        """torch's ``all_reduce``: reduce ``tensor`` across ranks *in place*; None (or a Work).
+
+        hpcdp's ``allreduce(x)`` returns the result instead and leaves ``x`` alone.
+        """
+        return self._torch.all_reduce(tensor, op, async_op=async_op, timeout=timeout)
+
+    def all_gather_into_tensor(self, output_tensor: Any, input_tensor: Any, *,
+                               async_op: bool = False, timeout: float | None = None) -> Work | None:
+        """torch's ``all_gather_into_tensor``: rank i's input fills part i of ``output_tensor``
+        (shaped ``(size * n, ...)`` or ``(size, n, ...)``); None (or a Work)."""
+        return self._torch.all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op,
+                                                  timeout=timeout)
+
+    def reduce_scatter_tensor(self, output: Any, input: Any, op: "ReduceOp | str" = "sum", *,
+                              async_op: bool = False, timeout: float | None = None) -> Work | None:
+        """torch's ``reduce_scatter_tensor``: reduce ``input`` (``size`` parts along axis 0)
+        across ranks; part i lands in rank i's ``output``; None (or a Work)."""
+        return self._torch.reduce_scatter_tensor(output, input, op, async_op=async_op,
+                                                 timeout=timeout)
+
+    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,
+                          input_split_sizes: Any = None, *, async_op: bool = False,
+                          timeout: float | None = None) -> Work | None:
+        """torch's ``all_to_all_single`` with even splits: part j of ``input`` goes to rank j,
+        part i of ``output`` came from rank i; None (or a Work). Uneven splits are not offered."""
+        return self._torch.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                             async_op=async_op, timeout=timeout)
+
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0, *,
+                              timeout: float | None = None) -> None:
+        """torch's ``broadcast_object_list``: every rank's ``object_list`` becomes ``src``'s."""
+        return self._torch.broadcast_object_list(object_list, src, timeout=timeout)
 
     # -- sub-groups -------------------------------------------------------------------------
     @public

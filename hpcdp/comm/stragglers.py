@@ -16,14 +16,14 @@ from typing import Any, TextIO
 import numpy as np
 
 from .._config import setting
-from ..trace._clock import clock_offset_ns, wall_ns
-from ..trace._chrome import instant as _instant
-from ..trace._chrome import state as _chrome_state
-from ..trace._recorder import Recorder, current_rank, recorder as _recorder_of
+from ..trace import Recorder
+from ..trace import recorder as _recorder_of
+from ..trace.hooks import clock_offset_ns, current_rank, on_step, wall_ns
+from . import world  # (world imports this module too: a cycle inside comm, resolved at call time)
 
 __all__ = [
     "WINDOW", "StragglerReport", "gather_arrivals", "StragglerReporter", "report_stragglers",
-    "step", "from_env",
+    "from_env", "stop",
 ]
 
 #: collectives per rank looked at in one report (the gathered array is WINDOW x 2 int64)
@@ -160,9 +160,7 @@ class StragglerReporter:
     @property
     def group(self) -> Any:
         if self._group is None:
-            import hpcdp
-
-            self._group = hpcdp.get_default_group()
+            self._group = world.get_default_group()
         return self._group
 
     def step(self) -> StragglerReport | None:
@@ -200,11 +198,9 @@ def report_stragglers(every: int, group: Any = None, **options: Any) -> Straggle
     return rep
 
 
-def step() -> StragglerReport | None:
-    """Mark the end of a training step: for this rank's straggler reporter, if there is one, and
-    (``HPCDP_TRACE=1``) as a "step" mark on its timeline, which ``plot`` splits the time at."""
-    if _chrome_state.on:
-        _instant("step", "step")
+@on_step
+def _step() -> StragglerReport | None:
+    """``hpcdp.trace.step()``'s observer: count a step for this rank's reporter, if any."""
     rep = _reporters.get(current_rank()) if _reporters else None
     return None if rep is None else rep.step()
 

@@ -3,19 +3,17 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from .._arrays import _SUPPORTED, is_cupy, is_supported_dtype, xp_of
+# one timeout rule for every layer, transports included: it lives with the settings it bounds
+from .._config import TIMEOUT_MAX, check_timeout
 
 __all__ = ["check_array", "check_out", "check_rank", "check_tag", "check_divisible",
            "check_timeout", "TIMEOUT_MAX"]
-
-#: the longest wait Python's locks and conditions accept (about 292 years on Linux)
-TIMEOUT_MAX = float(threading.TIMEOUT_MAX)
 
 
 def check_array(where: str, x: Any, xp: ModuleType | None = None) -> Any:
@@ -88,27 +86,3 @@ def check_divisible(where: str, x: Any, size: int) -> int:
             f"{where}: axis 0 has length {x.shape[0]}, not divisible by the group size {size}"
         )
     return x.shape[0] // size
-
-
-def check_timeout(where: str, t: Any, *, named: bool = False) -> float:
-    """A timeout in seconds: a finite number > 0, at most ``TIMEOUT_MAX``.
-
-    nan would never expire (every comparison with it is false) and a negative or zero one would
-    expire before the call starts; inf is refused too, because every blocking call in hpcdp must
-    end, and a deadline that cannot pass hides a hung job (pass a large value to wait long).
-    ``named``: ``where`` already names the value (``HPCDP_TIMEOUT='nan'``).
-    """
-    if (type(t) is float or type(t) is int) and 0 < t <= TIMEOUT_MAX:  # nan fails both
-        return float(t)
-    what = where if named else f"{where}: timeout={t!r}"
-    if isinstance(t, bool) or not isinstance(t, numbers.Real):
-        raise TypeError(f"{what}: a timeout is a number of seconds, got {type(t).__name__}")
-    f = float(t)
-    if math.isnan(f):
-        raise ValueError(f"{what}: nan is not a timeout (it would never expire)")
-    if f <= 0:
-        raise ValueError(f"{what}: a timeout must be > 0 seconds")
-    if f > TIMEOUT_MAX:
-        raise ValueError(f"{what}: a timeout must be finite and at most {TIMEOUT_MAX:g} s "
-                         "(every blocking call must end; pass a large value to wait long)")
-    return f

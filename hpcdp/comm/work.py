@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import trace
+from ..trace.hooks import on_error
 from .validation import check_timeout
-from ..backends.base import Request
+from ..backends.base import CompletedRequest, Request
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class Work:
     def _fail(self, exc: BaseException) -> BaseException:
         """Keep ``exc`` as this call's outcome and tell the flight recorder (dumps on a timeout)."""
         self._error = exc
-        trace.on_error(self._group._rec, self._tok, exc)
+        on_error(self._group._rec, self._tok, exc)
         return exc
 
     def _raise(self, exc: BaseException) -> None:
@@ -178,8 +178,6 @@ class CompletedWork(Work):
     """A Work that is already complete (world size 1, empty groups)."""
 
     def __init__(self, group: "ProcessGroup", op: str, seq: int, result: Any) -> None:
-        from ..backends.base import CompletedRequest
-
         super().__init__(group, op, seq, CompletedRequest(), _nothing)
         self._done = True
         self._result = result

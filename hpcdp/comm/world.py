@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from .. import trace
 from .._config import setting
+from ..trace import hooks as trace_hooks
 from ..backends import backend_factory
 from .validation import check_timeout
 from ..errors import BackendUnavailableError, HpcdpError
@@ -24,7 +25,8 @@ from . import stragglers
 
 __all__ = [
     "init", "finalize", "is_initialized", "rank", "world_size", "get_default_group",
-    "new_group", "detect_backend", "local_rank",
+    "new_group", "detect_backend", "local_rank", "on_finalize", "group_or_default",
+    "check_options", "start_tracing", "set_thread_default", "started_as",
 ]
 
 _default: ProcessGroup | None = None
@@ -134,7 +136,7 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
         _started[group] = name
         _default = group
     _install_excepthook()
-    _start_tracing(group)
+    start_tracing(group)
     return group
 
 
@@ -195,17 +197,17 @@ def _report_death(exc_type: type[BaseException], exc: BaseException) -> None:
         pass
 
 
-def _start_tracing(group: ProcessGroup) -> None:
+def start_tracing(group: ProcessGroup) -> None:
     """Arm the flight-record dumps for this rank; with ``HPCDP_TRACE`` line the clocks up
     (collective; not for ranks that are threads of one process, which share its clock); with
-    ``HPCDP_STRAGGLER=N`` start the straggler report (see ``hpcdp.trace``)."""
-    trace.install(group.ranks[group.rank], group.size)
+    ``HPCDP_STRAGGLER=N`` start the straggler report (``comm.stragglers``)."""
+    trace_hooks.install(group.ranks[group.rank], group.size)
     if trace.enabled() and not group.backend.shares_process:
         trace.estimate_clock_offset(group)
     stragglers.from_env(group)
 
 
-def _set_thread_default(group: ProcessGroup | None, started_as: str | None = None) -> None:
+def set_thread_default(group: ProcessGroup | None, started_as: str | None = None) -> None:
     """This thread's default group (a simulated rank of ``spawn``), started under backend
     ``started_as``; None clears it."""
     global _thread_groups
@@ -214,6 +216,11 @@ def _set_thread_default(group: ProcessGroup | None, started_as: str | None = Non
     with _lock:
         _thread_groups += (group is not None) - (getattr(_tls, "group", None) is not None)
     _tls.group = group
+
+
+def started_as(group: ProcessGroup) -> str | None:
+    """The registered backend name ``group`` was started under (``init``, ``spawn``), if any."""
+    return _started.get(group)
 
 
 def on_finalize(fn: Callable[[ProcessGroup], None]) -> Callable[[ProcessGroup], None]:
@@ -237,6 +244,7 @@ def finalize() -> None:
     if current is not None:
         for fn in list(_finalizers):
             fn(current)
+        trace_hooks.record_finalize(current)  # last: the hooks above may still communicate
     with _lock:
         g = getattr(_tls, "group", None)
         if g is not None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import trace
+from ..trace.hooks import state as trace_state
 from .._config import setting
 from ..errors import HpcdpError
 from ._buckets import Bucket, build_buckets
@@ -226,7 +227,7 @@ class Reducer:
                     v[...] = p.grad
         b.launched = True
         self._next_launch = b.index + 1
-        if trace.state.on:  # (buckets in flight as an arg: a counter track costs 2 events a step)
+        if trace_state.on:  # (buckets in flight as an arg: a counter track costs 2 events a step)
             trace.instant("bucket ready", "ddp", bucket=b.index, bytes=b.nbytes,
                           in_flight=len(self._inflight) + 1)
         gb = GradBucket(b.index, b.flat, b.params, b.views, self.group, self.divisor,

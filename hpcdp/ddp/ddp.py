@@ -41,12 +41,14 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import trace
+from ..trace.hooks import pinned_line
 from .._arrays import xp_of
 from ..errors import HpcdpError, public
 from ..nn.module import Module
-from ..optim._names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
+from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
+from .join import Join
 from ..comm.world import group_or_default
 
 __all__ = ["DDP"]
@@ -217,7 +219,7 @@ class DDP:
         sync = self._require_sync
         reducer = self._reducer
         reducer.begin_pass(sync)
-        with trace.span("backward", "ddp", sync=sync), trace.pinned_line():
+        with trace.span("backward", "ddp", sync=sync), pinned_line():
             try:
                 # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
                 run = getattr(self.module, "run_backward", None)
@@ -315,8 +317,6 @@ class DDP:
                 of ranks still training in that iteration.
             enable: False makes it a no-op context.
         """
-        from .join import Join
-
         return Join(self, divide_by_initial_world_size=divide_by_initial_world_size, enable=enable)
 
     def __repr__(self) -> str:

@@ -12,9 +12,9 @@ Modules by concern: ``_api`` (policies), ``_wrap`` (units), ``_param`` (one para
 from __future__ import annotations
 
 from ._api import STRATEGIES, Event, MixedPrecision, SizeBasedPolicy, size_based
-from ._memory import MemoryStats, zero_formula
+from ._memory import MemoryStats, distinct_nbytes, optimizer_state_bytes, zero_formula
 from ._param import FreedGrad
 from .fsdp import FSDP
 
 __all__ = ["FSDP", "MixedPrecision", "SizeBasedPolicy", "size_based", "STRATEGIES", "Event",
-           "MemoryStats", "FreedGrad", "zero_formula"]
+           "MemoryStats", "FreedGrad", "zero_formula", "distinct_nbytes", "optimizer_state_bytes"]

@@ -20,9 +20,9 @@ import numpy as np
 
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
-from ..nn._backend import to_module
-from ..optim._names import by_name, optimizer_names
-from ..optim._state_check import check_groups, load_param_state
+from ..nn.backend import to_module
+from ..optim.names import by_name, optimizer_names
+from ..optim.state_check import check_groups, load_param_state
 
 __all__ = ["state_dict", "load_state_dict", "full_state_dict", "optim_state_dict", "load_optim_state_dict"]
 

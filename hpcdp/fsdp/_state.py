@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import HpcdpError
 from ._api import BF16, Event
+from ._collectives import decode, encode
 from ._unit import FREE, GATHERED, Unit
 
 __all__ = ["Schedule", "MAX_REDUCTIONS_IN_FLIGHT"]
@@ -329,7 +330,5 @@ def _cast_input(a: Any, dtype: Any) -> Any:
     if not hasattr(a, "dtype") or not hasattr(a, "astype") or not np.issubdtype(a.dtype, np.floating):
         return a
     if dtype == BF16:
-        from ._collectives import decode, encode
-
         return decode(encode(a, BF16), BF16).reshape(a.shape)
     return a if a.dtype == dtype else a.astype(dtype)

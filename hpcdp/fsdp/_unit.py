@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import trace
+from ..trace.hooks import state as trace_state
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.parameter import Parameter
@@ -140,7 +141,7 @@ class Unit:
         self._ag_bytes = int(self._ag_buf.nbytes)
         self._track(self._ag_bytes)
         self._ag_work = self.comm.all_gather(send, self._ag_buf)
-        if trace.state.on:
+        if trace_state.on:
             trace.instant("gather posted", "fsdp", unit=self.name, bytes=self._ag_bytes)
         return True
 
@@ -264,7 +265,7 @@ class Unit:
             slot = self.slots[i]
             slot.param.grad = FreedGrad(slot.name)
         self.reduction = Reduction(self.comm, send, self.reduce_dtype, predivide, self.name)
-        if trace.state.on:
+        if trace_state.on:
             trace.instant("reduction posted", "fsdp", unit=self.name, bytes=int(send.nbytes))
 
     def finish_reduction(self) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from .._arrays import xp_of
 from ..errors import CollectiveMismatchError, HpcdpError, public
 from ..nn.module import Module
+from ..optim.optimizer import live_optimizers
 from . import _checkpoint
 from ._api import STRATEGIES, Event, MixedPrecision
 from ._collectives import ShardComm
@@ -395,8 +396,6 @@ class FSDP:
         """
         shard_params = [p for _, p in self._named_shards]
         if optimizer is None:
-            from ..optim.optimizer import live_optimizers
-
             mine = {id(p) for p in shard_params}
             optimizers = [o for o in live_optimizers()
                           if any(id(p) in mine for g in o.param_groups for p in g["params"])]

@@ -274,7 +274,7 @@ def attempt_secret(base: str, attempt: int) -> str:
 
 def _weak_secret(secret: str, master_addr: str) -> str | None:
     """Why ``secret`` is too guessable for a job whose store listens beyond loopback, or None."""
-    from ..backends.tcp._wire import check_secret, is_loopback  # late: no backend imported here
+    from ..backends.tcp import check_secret, is_loopback  # late: the launcher needs no transport
 
     return None if is_loopback(master_addr) else check_secret(secret)
 

@@ -20,6 +20,8 @@ import traceback
 from multiprocessing.connection import Connection, wait as mp_wait
 from typing import Any, Callable
 
+from .. import trace
+from ..comm.world import finalize, init
 from ..errors import HpcdpError, PeerFailureError
 
 __all__ = ["spawn_processes", "free_port"]
@@ -57,21 +59,19 @@ def _watch_parent(conn: Connection) -> None:
 
 
 def _child(rank: int, env: dict[str, str], path: list[str], payload: bytes, conn: Connection,
-           timeout: float | None) -> None:
+           timeout: float | None, backend: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.path[:] = path
     threading.Thread(target=_watch_parent, args=(conn,), daemon=True).start()
-    import hpcdp
-
     status: tuple[Any, ...]
     try:
         fn, args, kwargs = pickle.loads(payload)
-        hpcdp.init("tcp", timeout=timeout)
+        init(backend, timeout=timeout)
         status = ("ok", fn(rank, *args, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         status = ("err", exc, traceback.format_exc())
-        hpcdp.trace.dump(f"uncaught {type(exc).__name__} on tcp rank {rank}: {exc}")
+        trace.dump(f"uncaught {type(exc).__name__} on {backend} rank {rank}: {exc}")
     try:
         data = pickle.dumps(status)
     except Exception as exc:  # noqa: BLE001 - unpicklable result or exception
@@ -79,7 +79,7 @@ def _child(rank: int, env: dict[str, str], path: list[str], payload: bytes, conn
                                                f"{status[1]!r}"), status[-1]))
     conn.send_bytes(data)
     try:
-        hpcdp.finalize()
+        finalize()
     except Exception:  # noqa: BLE001 - the result is already delivered
         pass
     sys.stdout.flush()
@@ -89,8 +89,10 @@ def _child(rank: int, env: dict[str, str], path: list[str], payload: bytes, conn
 
 def spawn_processes(fn: Callable[..., Any], world_size: int, *, args: tuple[Any, ...] = (),
                     kwargs: dict[str, Any] | None = None, timeout: float | None = None,
-                    join_timeout: float | None = None, env: dict[str, str] | None = None) -> list[Any]:
-    """``fn(rank, *args, **kwargs)`` on ``world_size`` local TCP ranks; each rank's return value.
+                    join_timeout: float | None = None, env: dict[str, str] | None = None,
+                    backend: str = "tcp") -> list[Any]:
+    """``fn(rank, *args, **kwargs)`` on ``world_size`` local ranks of ``backend`` (one that
+    meets through the launcher's environment: TCP); each rank's return value.
 
     Raises the first root-cause exception (a ``PeerFailureError`` only if nothing else failed),
     with the rank in a note; kills every child on failure or after ``join_timeout`` seconds.
@@ -101,7 +103,7 @@ def spawn_processes(fn: Callable[..., Any], world_size: int, *, args: tuple[Any,
     base.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "HPCDP_SECRET": secrets.token_hex(32),
-        "HPCDP_BACKEND": "tcp",
+        "HPCDP_BACKEND": backend,
     })
     base.pop("HPCDP_MASTER_ADDR", None)
     base.pop("HPCDP_MASTER_PORT", None)
@@ -111,8 +113,9 @@ def spawn_processes(fn: Callable[..., Any], world_size: int, *, args: tuple[Any,
         for r in range(world_size):
             e = dict(base, RANK=str(r), LOCAL_RANK=str(r))
             parent_end, child_end = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_child, args=(r, e, list(sys.path), payload, child_end, timeout),
-                            name=f"hpcdp-tcp-rank{r}", daemon=True)
+            p = ctx.Process(target=_child, args=(r, e, list(sys.path), payload, child_end, timeout,
+                                                 backend),
+                            name=f"hpcdp-{backend}-rank{r}", daemon=True)
             p.start()
             child_end.close()
             procs.append(p)

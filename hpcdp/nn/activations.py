@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._backend import erf, xp_of
+from .backend import erf, xp_of
 from .module import Module
 
 __all__ = ["ReLU", "GELU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "LogSoftmax"]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import init
-from ._backend import xp_of
+from .backend import xp_of
 from .activations import softmax
 from .linear import Linear
 from .module import Module

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import copy_into
+from .backend import copy_into
 from .parameter import Parameter
 
 __all__ = [

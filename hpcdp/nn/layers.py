@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import init
-from ._backend import xp_of
+from .backend import xp_of
 from .linear import Embedding, Linear
 from .module import Module
 from .normalization import LayerNorm, RMSNorm

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from . import init
-from ._backend import scatter_add, xp_of
+from .backend import scatter_add, xp_of
 from .module import Module
 from .parameter import Parameter
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import xp_of
+from .backend import xp_of
 from .activations import log_softmax
 from .module import Module
 

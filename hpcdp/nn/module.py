@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from ._backend import copy_into, is_float_dtype, resolve_xp, to_module, xp_of
+from .backend import copy_into, is_float_dtype, resolve_xp, to_module, xp_of
 from .hooks import HooksMixin
 from .microbatch import SavedTensorsMixin
 from .parameter import Parameter

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import xp_of
+from .backend import xp_of
 from .module import Module
 from .parameter import Parameter
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable
 
-from ._backend import is_float_dtype, xp_of
+from .backend import is_float_dtype, xp_of
 
 __all__ = ["Parameter", "RemovableHandle", "GradHook"]
 

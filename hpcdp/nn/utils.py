@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from ._backend import xp_of
+from .backend import xp_of
 from .parameter import Parameter
 
 __all__ = ["clip_grad_norm_", "parameters_to_vector", "vector_to_parameters"]

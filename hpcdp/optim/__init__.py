@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from . import lr_scheduler
-from ._names import name_keyed
+from .names import name_keyed
 from .adam import Adam, AdamW
 from .optimizer import Optimizer
 from .sgd import SGD

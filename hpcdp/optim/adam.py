@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
-from ..nn._backend import xp_of
+from ..nn.backend import xp_of
 from .optimizer import Optimizer
 
 __all__ = ["Adam", "AdamW"]

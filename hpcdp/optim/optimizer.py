@@ -7,8 +7,8 @@ from typing import Any, Callable, Iterable
 
 
 from ..errors import HpcdpError
-from ._names import NAME_HINT, by_name, is_name_keyed, load_by_name, names_of, state_by_name
-from ._state_check import check_index_keyed, require_state_dict
+from .names import NAME_HINT, by_name, is_name_keyed, load_by_name, names_of, state_by_name
+from .state_check import check_index_keyed, require_state_dict
 
 __all__ = ["Optimizer", "live_optimizers"]
 
@@ -36,7 +36,7 @@ class Optimizer:
     Parameters whose ``.grad is None`` are skipped by ``step``. ``state`` is keyed by the parameter
     objects, which must hash by identity (``nn.Parameter`` does).
 
-    ``state_dict()`` is keyed by parameter *name* wherever names are known (see ``_names``):
+    ``state_dict()`` is keyed by parameter *name* wherever names are known (see ``names``):
     ``{"state": {"0.weight": {...}}, "param_groups": [{..., "params": ["0.weight", ...]}]}``, so it
     loads under DDP, FSDP, a pipeline or one process alike. Names come from ``DDP`` (which tags its
     module's parameters), from ``(name, parameter)`` pairs given here, and on FSDP shards and
@@ -46,7 +46,7 @@ class Optimizer:
     in it are the live state arrays (not copies); ``load_state_dict`` copies what it is given.
     """
 
-    #: what each parameter's state holds (see ``_state_check``); None: checked generically
+    #: what each parameter's state holds (see ``state_check``); None: checked generically
     state_spec: dict[str, str] | None = None
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
@@ -170,7 +170,7 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore hyper-parameters and per-parameter state (arrays copied onto each param's
-        module/dtype). Everything is checked first (``_state_check``): a wrong shape, dtype or
+        module/dtype). Everything is checked first (``state_check``): a wrong shape, dtype or
         hyper-parameter type, or state for a parameter no group lists, raises naming the entry
         and changes nothing."""
         owner = self._sharded_owner()

@@ -17,10 +17,10 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import CollectiveMismatchError, HpcdpError
-from ..nn._backend import xp_of
+from ..nn.backend import xp_of
 from ..nn.parameter import Parameter
-from ._names import NAME_HINT, index_keyed, is_name_keyed
-from ._state_check import check_index_keyed, require_state_dict
+from .names import NAME_HINT, index_keyed, is_name_keyed
+from .state_check import check_index_keyed, require_state_dict
 from .optimizer import Optimizer
 from ..comm.world import group_or_default
 
@@ -181,7 +181,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole optimizer state (plain or consolidated format); each rank keeps its share.
 
-        Every rank checks the whole state (``_state_check``), its share and the others', before
+        Every rank checks the whole state (``state_check``), its share and the others', before
         changing anything: a wrong entry fails on every rank alike, naming the parameter's global
         index, and state for an index no group lists is an error, not dropped.
         """

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._arrays import xp_of
+from ..comm.world import get_default_group
 from ._actions import Action, Op
 
 __all__ = ["Grid", "grid", "DataParallelGrads"]
@@ -38,8 +39,6 @@ def grid(pp: int, dp: int | None = None, *, group: Any = None) -> Grid:
         dp: replicas (default: ``group.size // pp``); ``pp * dp`` must equal the group size.
     """
     if group is None:
-        from ..comm.world import get_default_group
-
         group = get_default_group()
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"grid: pp must be a positive int, got {pp!r}")

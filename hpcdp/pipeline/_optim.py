@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..optim._names import by_name, load_by_name, optimizer_names
+from ..optim.names import by_name, load_by_name, optimizer_names
 
 __all__ = ["optim_state_dict", "load_optim_state_dict"]
 

@@ -28,7 +28,7 @@ from .._arrays import xp_of
 from ..comm.validation import check_timeout
 from ..errors import CollectiveMismatchError, HpcdpError
 from ..trace import span
-from ..trace import state as trace_state
+from ..trace.hooks import state as trace_state
 from ._actions import Action, Op
 from ._builtin import schedule as builtin_schedule
 from ._channel import (

@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from .. import nn
+from ..comm.world import get_default_group
 from ..errors import CollectiveMismatchError
 from . import _optim
 
@@ -62,8 +63,6 @@ class PipelineStage:
     def __init__(self, model: nn.Module, split_points: Sequence[int] | None = None, virtual: int = 1,
                  group: Any = None) -> None:
         if group is None:
-            from ..comm.world import get_default_group
-
             group = get_default_group()
         if not isinstance(model, nn.Sequential):
             raise TypeError(f"PipelineStage: the model must be an nn.Sequential (its children are split "

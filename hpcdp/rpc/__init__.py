@@ -18,20 +18,21 @@ Safety: a peer can only name what ``@rpc.register`` exposed (functions, classes 
 public methods through RRefs), and values travel as msgpack plus raw array buffers
 (``_codec``): nothing is ever unpickled, every size is capped (``Limits``, announced to peers,
 which check before sending), and a malformed or forged message is answered with an error
-while the worker keeps serving. TCP uses its own HMAC-authenticated connections.
+while the worker keeps serving. Messages travel over a duplicate of the group's backend
+(``Backend.dup()``, ``_channel``): on TCP its HMAC-authenticated connections, no port of RPC's own.
 
 Semantics: callee functions run concurrently, at most ``num_worker_threads`` at once: a short
 callee on the thread that read its request (no hand-off: most of a small call's cost), others
 on a pool; a callee that blocks or runs long never stops its worker serving (``_duty``), and a
-waiting caller reads its own reply where the transport allows. A callee's exception is raised
-on the caller as ``RemoteError`` (also an instance of the original builtin type) with the
-remote traceback; every call has a deadline (``CommTimeoutError``), enforced by the waiting
-caller itself too; a peer that disconnects fails the calls pending on it with
-``PeerFailureError`` (on MPI only a peer that leaves can be noticed; a killed one shows as a
-timeout). Arrays are sent zero-copy from the caller's buffers, and results from the arrays a
-callee returns: do not change them until the call completes, and return copies of state that
-other calls keep changing. RRefs are reference-counted across workers (``_rref``) and the owner
-frees a value once no worker refers to it.
+waiting caller reads its own reply itself. A callee's exception is raised on the caller as
+``RemoteError`` (also an instance of the original builtin type) with the remote traceback; every
+call has a deadline (``CommTimeoutError``), enforced by the waiting caller itself too; a peer
+that disconnects fails the calls pending on it with ``PeerFailureError`` (where the backend
+cannot tell a dead peer, MPI, only a peer that leaves can be noticed; a killed one shows as a
+timeout). Arrays are sent zero-copy where the backend sends so, from the caller's buffers, and
+results from the arrays a callee returns: do not change them until the call completes, and
+return copies of state that other calls keep changing. RRefs are reference-counted across
+workers (``_rref``) and the owner frees a value once no worker refers to it.
 """
 from __future__ import annotations
 

@@ -24,13 +24,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgpack
 import numpy as np
 
-from ..errors import (
-    BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError,
-)
+from ..errors import HpcdpError, PeerFailureError, ProtocolError
 from .._config import SETTINGS, setting
 from ..comm.validation import check_timeout
 from . import _protocol as P
 from ._calls import Calls
+from ._channel import Channel
 from ._codec import Limits, decode, encode
 from ._errors import remote_error
 from ._future import Future
@@ -39,7 +38,6 @@ from ._pool import Pool
 from ._rref import RRefManager
 from ._serve import Serving
 from ._shutdown import Coordinator
-from ._transport_base import exchange_bytes
 from ._wire import MAX_ENVELOPE, Frame, pack_envelope, unpack_envelope
 
 __all__ = ["Agent", "WorkerInfo"]
@@ -112,44 +110,20 @@ class Agent(Serving, Calls, Housekeeping):
         }
         self.coord = Coordinator(self)  # graceful shutdown
         self._start_housekeeping()
-        self.transport = self._make_transport(group, init_timeout)
+        self.transport = Channel(group, self.limits, self._deliver, self._lost)
         try:
-            group.barrier(timeout=init_timeout)  # every peer's transport exists before traffic
+            group.barrier(timeout=init_timeout)  # every peer's channel exists before traffic
         except BaseException:
             self.transport.close(False, 0.0)
             raise
-        polled = self.transport if hasattr(self.transport, "poll") else None
-        self._polled = polled
-        # how a caller waiting for a reply from each peer reads it itself (None: it does not)
+        self._polled = self.transport
+        # how a caller waiting for a reply from each peer reads it itself
         self._directs = [None if r == self.rank else self.transport.direct(r)
                          for r in range(self.size)]
         self.pool = Pool(f"hpcdp-rpc{self.rank}-pool", num_worker_threads,
-                         max(1024, 64 * num_worker_threads), self, progress=polled)
+                         max(1024, 64 * num_worker_threads), self, progress=self.transport)
         self._control_thread.start()
         self._timer_thread.start()
-        self.transport.start()
-
-    def _make_transport(self, group: Any, init_timeout: float) -> Any:
-        """The channel to the peers, chosen by what the backend can do (``Backend``'s
-        capabilities), never by its name: a registered third-party backend gets one too."""
-        be = group.backend
-        if be.shares_process:
-            from ._transport_sim import SimTransport
-
-            return SimTransport(group, self.limits, self._deliver, self._lost, init_timeout)
-        if be.native_comm() is not None:
-            from ._transport_mpi import MPITransport
-
-            return MPITransport(group, self.limits, self._deliver, self._lost)
-        from ._transport_tcp import TCPTransport
-
-        try:
-            return TCPTransport(group, self.limits, self._deliver, self._lost, init_timeout,
-                                max(30.0, self.default_timeout))
-        except BackendUnavailableError as exc:
-            raise BackendUnavailableError(
-                f"init_rpc (rank {self.rank}): the {be.name} backend shares no process and has "
-                f"no MPI communicator, so RPC needs its own TCP connections: {exc}") from None
 
     # -- naming -----------------------------------------------------------------------------
     def worker_info(self, rank: int) -> WorkerInfo:
@@ -476,3 +450,11 @@ def _log_failure(fut: Future) -> None:
     if err is not None:
         LOG.debug("hpcdp.rpc: %s failed: %s", fut.what, err)
 
+
+def exchange_bytes(group: Any, data: bytes, timeout: float) -> list[bytes]:
+    """Every rank's ``data`` in rank order, over the group's collectives (no pickle)."""
+    sizes = group.all_gather(np.array([len(data)], np.int64), timeout=timeout).reshape(-1)
+    padded = np.zeros(max(1, int(sizes.max())), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    rows = group.all_gather(padded, timeout=timeout)
+    return [rows[i, : int(sizes[i])].tobytes() for i in range(group.size)]

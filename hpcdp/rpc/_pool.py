@@ -5,7 +5,7 @@ returns False when the queue is full, so the agent can answer "busy" instead of 
 Callees run inline by a transport's serving thread (``_duty``) count against the same bound
 (``try_inline``).
 
-With a polled transport (MPI) the pool also makes progress, leader/follower style: one idle
+The pool also makes the channel's progress (``_channel``), leader/follower style: one idle
 thread, the leader, polls and runs the short callees its polls find itself (the leader's duty
 is lent to them, see ``_duty``); when a poll queues work for the pool it hands the lead to
 another idle thread (or starts one) and runs the work itself, so a request goes from the wire to
@@ -185,7 +185,10 @@ class Pool:
                     if busy:
                         last = time.monotonic()
                 with self.cv:
-                    if self.tasks or self.closed:
+                    # queued work takes this thread only while a callee may start: with every
+                    # worker busy it leads on, or nobody would poll until a callee ends
+                    if self.closed or self.tasks and \
+                            self.running + self.inline < self.max_threads:
                         if self._lead_token is token:
                             self._lead_token = None
                             self.leading = False
@@ -195,7 +198,7 @@ class Pool:
                                 self._spawn()
                         return
                     others = self.running > 0 or self.inline > 0
-                idle_pause(time.monotonic() - last, others=others)
+                progress.idle_pause(time.monotonic() - last, others)
         finally:
             with self.cv:
                 rest, self._batch = (list(self._batch), collections.deque()) \

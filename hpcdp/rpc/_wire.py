@@ -1,4 +1,4 @@
-"""RPC frames: a fixed prefix, the buffer lengths, the envelope, the body, then the buffers.
+"""RPC message layout: a fixed prefix, the buffer lengths, the envelope, the body, the buffers.
 
 ::
 
@@ -8,10 +8,11 @@
     body          the codec's msgpack value (arguments, result or error text)
     buffers       raw array bytes
 
-Everything a receiver allocates is announced in the prefix and the lengths and checked against
-its ``Limits`` first. A frame that breaks a limit but is well formed is drained (read in fixed
-chunks, never allocated) and reported to the agent with its envelope, so the caller gets a clear
-error and the connection stays in step; a malformed prefix is fatal for that connection only.
+The channel (``_channel``) sends the prefix, lengths, envelope and a small body as one head
+message and the rest as data messages. Everything a receiver allocates is announced in the
+prefix and the lengths and checked against its ``Limits`` first; a message that breaks a limit
+but is well formed is reported to the agent with its envelope alone, so the caller gets a clear
+error.
 
 Large array parts are received into buffers from ``RECV_BUFFERS``, which reuses a buffer once
 nothing refers to it any more (see ``RecvBuffers``).
@@ -186,5 +187,5 @@ class RecvBuffers:
             self._bytes = 0
 
 
-#: shared by every transport of the process (simulated ranks are threads of one process)
+#: shared by every channel of the process (simulated ranks are threads of one process)
 RECV_BUFFERS = RecvBuffers(setting("HPCDP_RPC_RECV_CACHE"))

@@ -3,7 +3,8 @@
 - ``suite``: the cases a new backend must pass (collectives against numpy for every op, dtype and
   shape; p2p; timeouts; failures), runnable on any registered backend or inside ``mpirun``;
 - ``run_ranks`` / ``run_mpi`` / ``check``: run a body on N ranks and assert on what they report;
-- ``fixtures`` (needs pytest): ``mpi_world`` and the MPI-safe ``shared_tmp_path``.
+- ``fixtures`` (needs pytest): ``world`` (one test body on simulated, TCP and MPI worlds),
+  ``mpi_world`` and the MPI-safe ``shared_tmp_path``.
 """
 from __future__ import annotations
 

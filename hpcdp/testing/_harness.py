@@ -58,7 +58,7 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
                              timeout=timeout)
     outer = getattr(_world._tls, "group", None)
     # started as the parent was, so that a body's own hpcdp.init() returns the fresh group
-    _world._set_thread_default(group, _world._started.get(parent))
+    _world.set_thread_default(group, _world.started_as(parent))
     try:
         mine: tuple[str, Any] = ("ok", fn(group.rank, *args))
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -71,7 +71,7 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
     else:
         raised = None
     finally:
-        _world._set_thread_default(outer)
+        _world.set_thread_default(outer)
     try:
         everyone = parent.all_gather_object(mine)
     finally:
@@ -89,7 +89,8 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
 def check(per_rank: Sequence[Any], limit: int = 20) -> None:
     """Assert that no rank reported a failure (bodies return lists of failure messages)."""
     fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in (fs or [])]
-    assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails[:limit])
+    more = f"\n... and {len(fails) - limit} more" if len(fails) > limit else ""
+    assert not fails, f"{len(fails)} failure(s):\n" + "\n".join(fails[:limit]) + more
 
 
 def spawn_backends() -> list[str]:

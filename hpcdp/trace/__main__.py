@@ -4,6 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ._analyze import describe, find_divergence, stale_note, summary
+from ._files import load_flight_records
+from ._merge import merge
+from ._overhead import main as overhead
+from ._plot import plot
+from .benchplot import plot_files
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -43,29 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "analyze":
-            from ._analyze import describe, find_divergence, stale_note, summary
-            from ._files import load_flight_records
-
             stale: list[int] = []
             records = load_flight_records(args.directory, stale)
             print(describe(find_divergence(records), records) + stale_note(stale))
             if args.verbose:
                 print("\n".join(summary(records)))
         elif args.cmd == "merge":
-            from ._merge import merge
-
             print(merge(args.directory, args.out))
         elif args.cmd == "plot":
-            from ._plot import plot
-
             print(plot(args.source, args.out))
         elif args.cmd == "overhead":
-            from ._overhead import main as overhead
-
             return overhead(["-n", str(args.n), "--trials", str(args.trials)])
         else:
-            from ..bench._plot import plot_files
-
             print(plot_files(args.files, args.out))
     except (OSError, ValueError) as exc:
         print(f"python -m hpcdp.trace {args.cmd}: {exc}", file=sys.stderr)

@@ -34,7 +34,7 @@ from ._recorder import (
 )
 
 __all__ = ["FORMAT", "trace_dir", "dump", "install", "record_path", "describe_group", "op_json",
-           "on_error", "job_id", "mark_finished"]
+           "on_error", "job_id", "mark_finished", "record_finalize"]
 
 FORMAT = "hpcdp.flight/1"
 _dump_lock = threading.RLock()
@@ -281,12 +281,6 @@ def install(rank: int, world_size: int, *, signals: bool = True) -> None:
         raise ValueError(f"install: rank {rank} is not in [0, {world_size})")
     world_size_seen[0] = max(world_size_seen[0], world_size)
     recorder(rank).finished = None  # a fresh init: this rank is running again
-    with _dump_lock:
-        if "finalize" not in _installed:
-            from ..comm.world import on_finalize
-
-            on_finalize(_on_finalize)
-            _installed.add("finalize")
     if threading.current_thread() is not threading.main_thread():
         bind_rank(rank)
         return
@@ -364,8 +358,10 @@ def _keep_finished_records() -> bool:
     return source("HPCDP_TRACE_DIR") == "environment" or setting("HPCDP_TRACE", strict=False)
 
 
-def _on_finalize(group: Any) -> None:
-    """``hpcdp.finalize`` (an ``on_finalize`` hook): this rank finished in good order."""
+def record_finalize(group: Any) -> None:
+    """``hpcdp.finalize`` calls this (after its ``on_finalize`` hooks, before the transport
+    goes): this rank finished in good order. Called from ``comm``, so ``trace`` needs no
+    import of the layer above it."""
     try:
         rank = int(group.ranks[group.rank])
         alone = group.size <= 1 or bool(getattr(group.backend, "shares_process", False))

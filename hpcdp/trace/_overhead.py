@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._chrome import Timeline
 from ._recorder import Recorder
 
 __all__ = ["measure", "main"]
@@ -39,8 +40,6 @@ def _loop(n: int, rec: Recorder | None, shape: Any, dtype: Any, g: Any) -> float
 
 def measure(n: int = 200_000, trials: int = 7) -> dict[str, float]:
     """Median nanoseconds per begin+end pair in each mode, over a bare loop."""
-    from ._chrome import Timeline
-
     shape, dtype, g = (1024,), np.dtype("float32"), _Group()
     with tempfile.TemporaryDirectory() as d:
         tl = Timeline(0, d)  # default chunking, as in a real run

@@ -14,14 +14,14 @@ Contract for the collective layer (the only caller on the hot path)::
     if rec is not None:
         rec.end(tok)
 
-``begin``/``end`` are plain closures stored on the instance (no method binding, no lock). The
-blocking allreduce fast path, the one place where a Python call is a measurable share of the
-operation, inlines them through ``Recorder.inline`` (the row layout below is that contract):
-``rows[t % cap] = (t, op, group, seq, shape, dtype, peer, start_ns, thread, where)`` at the
-start, ``ends[t % cap] = (t, end_ns, state, where)`` at the end if ``rows[t % cap][0] == t``. Each
-ring slot is replaced by one tuple store, atomic under the GIL, and an end is paired with its
-begin by token, so threads may begin and end operations concurrently and a slot that a newer
-operation took over is never misattributed.
+``begin``/``end`` are plain closures stored on the instance (no method binding, no lock), and
+the common case (no source lines, no timeline) is specialised when the recorder is built, so the
+blocking allreduce's latency lane, the one caller where a Python call is a measurable share of the
+operation, calls them like every other caller does. A ring slot holds ``(t, op, group, seq,
+shape, dtype, peer, start_ns, thread, where)`` from ``begin`` and ``(t, end_ns, state, where)``
+from ``end``; each is replaced by one tuple store, atomic under the GIL, and an end is paired
+with its begin by token, so threads may begin and end operations concurrently and a slot that a
+newer operation took over is never misattributed.
 
 Source lines: walking the stack out of hpcdp costs as much as the rest of ``begin``, so by
 default only failed or timed-out operations (on the error path) record their caller's line;
@@ -177,9 +177,6 @@ class Recorder:
         self._timeline: Any = None
         self.begin: Callable[..., int]
         self.end: Callable[..., None]
-        #: (rows, ends, next token, clock, thread ident, capacity) while ``begin`` would only store
-        #: a row (no source lines, no timeline), else None: the layout in the module docstring
-        self.inline: tuple[Any, ...] | None = None
         #: (how, wall-clock ns) once this rank is done ("finalize", or "exit" without it): its
         #: record then says so, and ``analyze`` tells a rank that finished from one that died
         self.finished: tuple[str, int] | None = None
@@ -196,7 +193,6 @@ class Recorder:
 
     def _build(self) -> None:
         cap = self.capacity
-        self.inline = None
         if cap == 0:
             self.begin = lambda *a, **k: 0
             self.end = lambda *a, **k: None
@@ -250,8 +246,6 @@ class Recorder:
 
         self.begin = begin
         self.end = end
-        if not (self.lines or tl is not None):
-            self.inline = (rows, ends, nxt, clock, ident, cap)
 
     def snapshot(self) -> list[Op]:
         """The retained operations, oldest first (safe while other threads record)."""

@@ -121,7 +121,7 @@ def test_latency_path_gives_up_at_its_deadline_when_tests_are_slow(
     (before the fix its 1024-Test spin ran 1.024 s uncounted, then waited a full second more,
     and returned success at 1.5 s). Both roads: a small call's persistent request, and the
     ``Iallreduce`` of an MPI without them."""
-    from hpcdp.backends.mpi import _requests as rq
+    from hpcdp.backends.mpi import _fastpath, _requests as rq
     from hpcdp.backends import base, mpi
     from hpcdp.ops import ReduceOp
 
@@ -133,25 +133,25 @@ def test_latency_path_gives_up_at_its_deadline_when_tests_are_slow(
     x = np.ones(2)
     slot = real_req = None
     if road == "persistent":
-        assert be._small is not None
-        be.allreduce_blocking(x, x, ReduceOp.SUM, 1.0)  # makes the request, on the real comm
-        slot = be._fast[x.dtype][1][ReduceOp.SUM][1][x.size]
+        assert be.fastpath.slots is not None
+        be.quick_allreduce(x, x, ReduceOp.SUM, 1.0)  # makes the request, on the real comm
+        slot = be.fastpath.table[x.dtype][1][ReduceOp.SUM][1][x.size]
         real_req = slot.req
         slot.req = _SlowRequest(real_req, clock, at=1500)
         slow.posted.append(slot.req)
     else:
-        be._small = None
+        be.fastpath.slots = None
     try:
         with monkeypatch.context() as m:
-            m.setattr(mpi, "_monotonic", clock.monotonic)
+            m.setattr(_fastpath, "_monotonic", clock.monotonic)
             m.setattr(base, "time", clock)
             m.setattr(rq, "time", clock)
-            be.comm = slow
-            req = be.allreduce_blocking(x, x, ReduceOp.SUM, 1.0)
+            be.comm = be.fastpath.comm = slow
+            req = be.quick_allreduce(x, x, ReduceOp.SUM, 1.0)
         assert req is not None, "the allreduce returned success after its deadline"
         assert slow.posted[0].n < slow.at  # it gave up before the peer came
     finally:
-        be.comm = real_comm
+        be.comm = be.fastpath.comm = real_comm
         for r in slow.posted:  # let it complete now, so shutdown frees the communicators
             r.at = 0
         rq.drain(rq.pending_of(be), 5.0)

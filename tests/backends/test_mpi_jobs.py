@@ -70,7 +70,7 @@ _LEAVE = """
 """
 
 
-# 32 MiB: an Iallreduce; 3 elements: a persistent request (``_mpi_persistent``)
+# 32 MiB: an Iallreduce; 3 elements: a persistent request (``mpi._fastpath``)
 _COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persistent"])
 
 
@@ -253,9 +253,9 @@ def test_small_allreduces_beside_a_posting_thread_take_the_algorithm_lock(tmp_pa
 
     Persistent requests (the default) read libnbc's algorithm variable once, when made, under
     the lock: the main thread takes it once (one request) and never again. Without them
-    (``HPCDP_MPI_PERSISTENT=0``) each small ``Iallreduce`` reads it when posted: the only
+    (``HPCDP_MPI_FASTPATH=0``) each small ``Iallreduce`` reads it when posted: the only
     thread posts without the lock, and takes it again once another thread exists."""
-    rc, out = _job(tmp_path, _THREADED_POSTS, env={"HPCDP_MPI_PERSISTENT": persistent})
+    rc, out = _job(tmp_path, _THREADED_POSTS, env={"HPCDP_MPI_FASTPATH": persistent})
     _no_crash(rc, out)
     assert rc == 0, out
     seen = [json.loads(text) for text in _results(tmp_path)]
@@ -401,7 +401,7 @@ _FREED_WHILE_SENT_TO = """
 
 @pytest.mark.timeout(CAP + 30)
 def test_late_rank_does_not_free_a_communicator_its_peers_still_send_on(tmp_path) -> None:
-    rc, out = _job(tmp_path, _FREED_WHILE_SENT_TO.format(tests=os.path.join(ROOT, "tests")), n=4)
+    rc, out = _job(tmp_path, _FREED_WHILE_SENT_TO.format(tests=os.path.dirname(os.path.abspath(__file__))), n=4)
     _no_crash(rc, out)
     assert rc == 0, out
     assert _results(tmp_path) == ["10.0"] * 4, out

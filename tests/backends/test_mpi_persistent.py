@@ -1,4 +1,4 @@
-"""MPI: small allreduces on persistent requests (``hpcdp.backends._mpi_persistent``).
+"""MPI: small allreduces on persistent requests (``hpcdp.backends.mpi._fastpath``).
 
 A persistent request's tag is fixed when it is made, so every rank must take it for the same
 call whatever it passed locally: blocking or ``async_op``, a view or a fresh array, numpy or
@@ -15,7 +15,7 @@ import pytest
 
 import hpcdp
 from conftest import run_mpi
-from hpcdp.backends.mpi import _persistent as _mpi_persistent
+from hpcdp.backends.mpi import _fastpath
 
 _TAG = 7311
 
@@ -31,7 +31,7 @@ def _mine(rank: int, size: int, dtype: Any = np.float64, base: float = 0.0) -> n
 
 def _uses_persistent(rank: int) -> dict[str, Any]:
     g = hpcdp.get_default_group()
-    small = g.backend._small
+    small = getattr(g.backend.fastpath, "slots", None)
     out: dict[str, Any] = {"supported": small is not None}
     if small is None:
         return out
@@ -140,8 +140,8 @@ def _retired(rank: int) -> dict[str, Any]:
     """More shapes than a group keeps: the oldest retire in call order, one still running
     included (freed once it completes), and every result stays right."""
     g = hpcdp.get_default_group()
-    small, n = g.backend._small, g.size
-    cap = _mpi_persistent.MAX_SLOTS
+    small, n = getattr(g.backend.fastpath, "slots", None), g.size
+    cap = _fastpath.MAX_SLOTS
     bad: list[str] = []
     g.allreduce(_mine(rank, 1))  # a shape's first call is checked, not run on its requests
     running = g.allreduce(_mine(rank, 1, base=7.0), async_op=True)  # the oldest: retired first
@@ -160,7 +160,7 @@ def _retired(rank: int) -> dict[str, Any]:
 
 @pytest.mark.mpi(min_size=2)
 def test_requests_retire_oldest_first_and_results_stay_right(mpi_world) -> None:
-    cap = _mpi_persistent.MAX_SLOTS
+    cap = _fastpath.MAX_SLOTS
     for o in run_mpi(_retired, timeout=30.0):
         assert o == {"bad": [], "kept": cap, "held": 1, "left": 0}, o
 
@@ -246,8 +246,8 @@ def _ops_differ_once(rank: int) -> dict[str, Any]:
                 req = be.allreduce(_mine(rank, 3, base=float(k)), recv, ReduceOp.SUM)
                 done = req.wait(5.0)
             else:
-                req = be.allreduce_blocking(_mine(rank, 3, base=float(k)), recv, ReduceOp.SUM,
-                                            5.0)
+                req = be.quick_allreduce(_mine(rank, 3, base=float(k)), recv, ReduceOp.SUM,
+                                         5.0)
                 done = req is None
         except HpcdpError as exc:
             out["backend"].append(f"{type(exc).__name__}: {exc}")

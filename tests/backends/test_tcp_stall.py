@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.testing import run_mpi
+from hpcdp.testing.fixtures import World, worlds
 from hpcdp.errors import HpcdpError
 
 MID = 16 << 20  # several times what the socket buffers hold
@@ -172,12 +172,7 @@ def late_message(rank: int) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("backend", ["tcp", "sim"])
-def test_abandoned_receive_is_not_written_into(backend: str) -> None:
-    res = hpcdp.spawn(late_message, 2, backend=backend, timeout=30, join_timeout=60)
-    assert res == [[], []], res
-
-
-@pytest.mark.mpi(min_size=2)
-def test_abandoned_receive_is_not_written_into_mpi(mpi_world) -> None:
-    assert run_mpi(late_message) == [[]] * mpi_world.size
+@pytest.mark.parametrize("world", worlds("tcp-2", "sim-2", "mpi"), indirect=True)
+def test_abandoned_receive_is_not_written_into(world: World) -> None:
+    res = world.run(late_message, timeout=30, join_timeout=60)
+    assert res == [[]] * world.size, res

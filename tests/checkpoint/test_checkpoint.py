@@ -13,30 +13,29 @@ from ckpt_bodies import (
     body_async, body_load_check, body_load_error, body_reshard_subgroups, body_roundtrip,
     body_save, make_state, shared_dir,
 )
-from hpcdp.testing import run_mpi, run_ranks, spawn_backends
+from hpcdp.testing import check, run_mpi, run_ranks
+from hpcdp.testing.fixtures import World, grid, worlds
 from hpcdp.checkpoint import Shard, _commit, latest, list_checkpoints, load, save
 from hpcdp.checkpoint._format import MANIFEST
 
-SPAWN_BACKENDS = spawn_backends()
+
+@pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
+def test_roundtrip(world: World, shared_tmp_path: str) -> None:
+    """In the default mode (auto: mpio under MPI with a parallel h5py, vds otherwise)."""
+    check(world.run(body_roundtrip, os.path.join(shared_tmp_path, "ck", "step-1")))
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails[:30])
-
-
-# -- single process (sim / tcp ranks) ----------------------------------------------------------
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_roundtrip(backend: str, world_size: int, tmp_path) -> None:
-    _check(run_ranks(backend, world_size, body_roundtrip, str(tmp_path / "ck" / "step-1")))
+# MPI only: "vds" forced where "auto" would choose mpio (the spawned worlds use vds already).
+@pytest.mark.parametrize("world", worlds("mpi"), indirect=True)
+def test_roundtrip_vds(world: World, shared_tmp_path: str) -> None:
+    check(world.run(body_roundtrip, os.path.join(shared_tmp_path, "ck", "step-1"), "vds"))
 
 
 @pytest.mark.parametrize("n_load", [1, 2, 3, 4])
 def test_save_on_4_load_on_k(n_load: int, tmp_path) -> None:
     path = str(tmp_path / "step-4")
     run_ranks("sim", 4, body_save, path)
-    _check(run_ranks("sim", n_load, body_load_check, path, 4))
+    check(run_ranks("sim", n_load, body_load_check, path, 4))
 
 
 def test_plain_session_reads_any_array(tmp_path) -> None:
@@ -60,14 +59,15 @@ def test_plain_session_reads_any_array(tmp_path) -> None:
         "print('ok')\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMI", "PMIX", "SLURM", "HPCDP_", "MASTER_"))}
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/: ckpt_bodies
     out = subprocess.run([sys.executable, "-c", code, path, here], env=env, cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
-def test_async_save(tmp_path) -> None:
-    _check(run_ranks("sim", 3, body_async, str(tmp_path / "a" / "step-1")))
+@pytest.mark.parametrize("world", worlds("sim-3", "mpi"), indirect=True)
+def test_async_save(world: World, shared_tmp_path: str) -> None:
+    check(world.run(body_async, os.path.join(shared_tmp_path, "a", "step-1")))
 
 
 def test_keep_last_latest_and_cleanup(tmp_path) -> None:
@@ -204,7 +204,7 @@ def _body_keys_with_slash_and_percent(rank: int, path: str, mode: str) -> list[s
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_keys_with_slash_and_percent_vds(world_size: int, tmp_path) -> None:
-    _check(run_ranks("sim", world_size, _body_keys_with_slash_and_percent,
+    check(run_ranks("sim", world_size, _body_keys_with_slash_and_percent,
                      str(tmp_path / "a%d" / "step-1"), "vds"))
 
 
@@ -217,7 +217,7 @@ def _body_finalize_waits(rank: int, path: str) -> tuple[bool, bool]:
 def test_finalize_waits_for_async_save(tmp_path) -> None:
     path = str(tmp_path / "ck" / "step-1")
     assert run_ranks("sim", 2, _body_finalize_waits, path) == [(True, True)] * 2
-    _check(run_ranks("sim", 2, body_load_check, path, 2))
+    check(run_ranks("sim", 2, body_load_check, path, 2))
 
 
 # -- corruption: every rank raises, naming file and dataset -------------------------------------
@@ -277,24 +277,14 @@ def test_corruption_raises_on_every_rank(case: str, like_state: bool, saved_on: 
 
 
 # -- under mpirun (-n 2 and -n 4) --------------------------------------------------------------
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("mode", ["auto", "vds"])
-def test_roundtrip_mpi(mpi_world, mode: str) -> None:
-    d = shared_dir()
-    try:
-        _check(run_mpi(body_roundtrip, os.path.join(d, "step-1"), mode))
-    finally:
-        hpcdp.barrier()
-        if hpcdp.rank() == 0:
-            shutil.rmtree(d, ignore_errors=True)
-
-
+# MPI only: sub-groups standing in for other world sizes, the mpio writer, HPCDP_CKPT_MODE read
+# in every rank's process, and a byte flipped once in a file every rank then reads.
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("mode", ["auto", "vds"])
 def test_reshard_subgroups_mpi(mpi_world, mode: str) -> None:
     d = shared_dir()
     try:
-        _check(run_mpi(body_reshard_subgroups, os.path.join(d, "step-1"), mode))
+        check(run_mpi(body_reshard_subgroups, os.path.join(d, "step-1"), mode))
     finally:
         hpcdp.barrier()
         if hpcdp.rank() == 0:
@@ -351,13 +341,3 @@ def test_corruption_mpi(mpi_world) -> None:
     if hpcdp.rank() == 0:
         shutil.rmtree(d, ignore_errors=True)
 
-
-@pytest.mark.mpi(min_size=2)
-def test_async_mpi(mpi_world) -> None:
-    d = shared_dir()
-    try:
-        _check(run_mpi(body_async, os.path.join(d, "step-1")))
-    finally:
-        hpcdp.barrier()
-        if hpcdp.rank() == 0:
-            shutil.rmtree(d, ignore_errors=True)

@@ -10,7 +10,6 @@ so that the only thing between the forged file and the caller is hpcdp's validat
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,8 @@ import hpcdp
 from ckpt_bodies import (
     DATA, RAW_ERRORS, forge, good_manifest, load_error, manifest, meta, plain_w, slab, tree,
 )
-from hpcdp.testing import run_mpi, run_ranks
+from hpcdp.testing import run_ranks
+from hpcdp.testing.fixtures import World, worlds
 from hpcdp.checkpoint import Shard, load, save
 from hpcdp.checkpoint._format import FORMAT, MANIFEST
 
@@ -347,12 +347,13 @@ def _body_load_error(rank: int, path: str) -> str:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", worlds("sim-3", "mpi"), indirect=True)
 @pytest.mark.parametrize("case", ["vds-absolute", "tiling", "manifest"])
-def test_every_rank_refuses_sim(case: str, tmp_path) -> None:
-    ck = _forged_for(case, str(tmp_path))
-    msgs = run_ranks("sim", 3, _body_load_error, ck)
+def test_every_rank_refuses(world: World, case: str, shared_tmp_path: str) -> None:
+    ck = world.from_root(_forged_for, case, shared_tmp_path)
+    msgs = world.run(_body_load_error, ck)
     assert all(msgs) and len(set(msgs)) == 1, msgs
-    assert "rank(s) [0, 1, 2]" in msgs[0], msgs[0]
+    assert f"rank(s) {list(range(world.size))}" in msgs[0], msgs[0]   # [0, 1, 2] on sim-3
     assert not any(e in msgs[0] for e in RAW_ERRORS), msgs[0]
 
 
@@ -364,22 +365,3 @@ def _forged_for(case: str, tmp: str) -> str:
                      manifest({"w": meta([16], "|u1", [])}, tree("w")))
     return forge(os.path.join(tmp, "step-1"), plain_w, [good_manifest()])
 
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["vds-absolute", "tiling", "manifest"])
-def test_every_rank_refuses_mpi(mpi_world, case: str) -> None:
-    from ckpt_bodies import shared_dir
-
-    d = shared_dir()
-    try:
-        ck = _forged_for(case, d) if hpcdp.rank() == 0 else None
-        ck = hpcdp.broadcast_object(ck, root=0)
-        msgs = run_mpi(_body_load_error, ck)
-        assert all(msgs) and len(set(msgs)) == 1, msgs
-        assert not any(e in msgs[0] for e in RAW_ERRORS), msgs[0]
-        assert f"rank(s) {list(range(hpcdp.world_size()))}" in msgs[0], msgs[0]
-    finally:
-        hpcdp.barrier()
-        if hpcdp.rank() == 0:
-            shutil.rmtree(d, ignore_errors=True)

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.testing import run_mpi, run_ranks, spawn_backends
-
-SPAWN_BACKENDS = spawn_backends()
+from hpcdp.testing.fixtures import World, grid, worlds
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "examples", "02_ddp_train.py")
@@ -57,21 +55,6 @@ def _parity(run, ckdir: str) -> None:
             assert np.array_equal(a["params"][k], b["params"][k]), f"rank {r}: {k} differs"
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_resume_parity(backend: str, world_size: int, tmp_path) -> None:
-    _parity(lambda argv: run_ranks(backend, world_size, body_train, argv, timeout=120),
-            str(tmp_path / "ck"))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_resume_parity_mpi(mpi_world) -> None:
-    from ckpt_bodies import shared_dir
-
-    d = shared_dir()
-    _parity(lambda argv: run_mpi(body_train, argv), os.path.join(d, "ck"))
-    hpcdp.barrier()
-    if hpcdp.rank() == 0:
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)
+@pytest.mark.parametrize("world", worlds(*grid([1, 2]), "mpi"), indirect=True)
+def test_resume_parity(world: World, shared_tmp_path: str) -> None:
+    _parity(lambda argv: world.run(body_train, argv, timeout=120), os.path.join(shared_tmp_path, "ck"))

@@ -15,29 +15,24 @@ from bodies import (
 )
 from cases import body_late_timeout, body_mismatch, on_time_ok
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, grid, worlds
 
 BODIES = [body_out_and_inplace, body_out_errors, body_async, body_p2p, body_subgroups,
           body_bad_inputs, body_review_regressions, body_all_collectives_async_and_out,
           body_medium_all_gather, body_p2p_timeout, body_bad_timeouts, body_byte_order]
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
-
-
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
 @pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__[5:])
-def test_api(backend: str, world_size: int, body) -> None:
-    _check(run_ranks(backend, world_size, body))
+def test_api(world: World, body) -> None:
+    check(world.run(body))
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("body", BODIES + [body_split_messages], ids=lambda b: b.__name__[5:])
-def test_api_mpi(mpi_world, body) -> None:
-    args = (7,) if body is body_split_messages else ()
-    _check(run_mpi(body, *args))
+# MPI only: the element limit above which the MPI backend splits a message is its own.
+@pytest.mark.parametrize("world", worlds("mpi"), indirect=True)
+def test_split_messages(world: World) -> None:
+    check(world.run(body_split_messages, 7))
 
 
 @pytest.mark.parametrize("backend", SPAWN_BACKENDS)
@@ -56,6 +51,8 @@ def test_timeout_names_op_and_arrives_in_time(backend: str) -> None:
         assert "allreduce #" in late["message"] and "rank 1" in late["message"], late
 
 
+# Not merged with the test above: under MPI the late rank's outcome is not specified (it may
+# succeed against a peer that already left), so only the on-time ranks are checked.
 @pytest.mark.mpi(min_size=2)
 def test_timeout_mpi(mpi_world) -> None:
     # Rank 1 joins only after the others gave up on their 1 s timeout (message-ordered, not a
@@ -80,6 +77,8 @@ def test_debug_detail_mismatch(backend: str, monkeypatch: pytest.MonkeyPatch) ->
         assert "bodies.py" in m or "cases.py" in m, m  # names the user's source line
 
 
+# Not merged: HPCDP_DEBUG is read when a group is made, and the MPI world exists before the
+# test; so the MPI run makes its own group (any size), the spawned one checks all 3 ranks.
 @pytest.mark.mpi(min_size=2)
 def test_debug_detail_mismatch_mpi(mpi_world, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HPCDP_DEBUG", "detail")  # read when a group is made

@@ -2,30 +2,35 @@
 
 Every case runs on world sizes 1-4 (from its ``min_size``) of each registered backend that
 ``hpcdp.spawn`` can start, and every case that does not need ranks to leave runs on the MPI world
-of ``mpirun -n 2`` and ``-n 4`` (``tests/run_mpi.py``).
+of ``mpirun -n 2`` and ``-n 4`` (``tests/run_mpi.py``): one test, bound to each world by the
+``world`` fixture.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from hpcdp.testing import Case, check_failures, matrix, run_case, run_case_here, spawn_backends
+from hpcdp.testing import Case, check_failures, matrix
+from hpcdp.testing.fixtures import World, grid, worlds
 
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-def _id(param: object) -> str:
-    return param.name if isinstance(param, Case) else str(param)
+def _cases_by_world() -> list[Any]:
+    """(world, case) params: on a spawned world of n ranks the cases whose ``min_size`` allows n;
+    on the MPI world those that do not need ranks to leave (``spawn_only``)."""
+    out = []
+    for w in worlds(*grid(WORLD_SIZES), "mpi"):
+        (backend, size), = w.values
+        cases = ([c for c, _ in matrix([2], spawned=False)] if backend == "mpi"
+                 else [c for c, _ in matrix([size])])
+        out += [pytest.param(w.values[0], c, id=f"{w.id}-{c.name}", marks=w.marks) for c in cases]
+    return out
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", spawn_backends())
-@pytest.mark.parametrize("case,world_size", matrix(WORLD_SIZES), ids=_id)
-def test_conformance(backend: str, case: Case, world_size: int) -> None:
-    check_failures(run_case(backend, world_size, case))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", [c for c, n in matrix([2], spawned=False)], ids=_id)
-def test_conformance_mpi(mpi_world, case: Case) -> None:
-    check_failures(run_case_here(case))
+@pytest.mark.parametrize("world,case", _cases_by_world(), indirect=["world"])
+def test_conformance(world: World, case: Case) -> None:
+    # spawned worlds get the case's own group timeout; the MPI world run_mpi's (longer) one
+    check_failures(case.judge(world.run(case.body, *case.args, timeout=case.timeout)))

@@ -31,7 +31,7 @@ def test_split_rule_rejects_nonsense() -> None:
 
 
 def test_one_xp_of() -> None:
-    from hpcdp.nn import _backend
+    from hpcdp.nn import backend as _backend
 
     assert _backend.xp_of is xp_of
     assert xp_of(np.ones(2), [1], 3.0) is np and xp_of() is np
@@ -118,7 +118,7 @@ def test_capabilities_of_mpi(mpi_world) -> None:
 @pytest.mark.timeout(120)
 def test_run_is_the_launcher_entry_point_and_the_shims_are_gone() -> None:
     code = ("import importlib.util, hpcdp.run, hpcdp.backends.tcp as t;"
-            "assert hpcdp.run.main is __import__('hpcdp.launch._cli').launch._cli.main;"
+            "assert hpcdp.run.main is __import__('hpcdp.launch.cli').launch.cli.main;"
             "assert all(importlib.util.find_spec('hpcdp.backends.' + m) is None"
             "           for m in ('_tcp_wire', '_tcp_accept', '_tcp_spawn'));"
             "assert t.bind_address('127.0.0.1') == '127.0.0.1'")

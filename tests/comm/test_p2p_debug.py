@@ -11,6 +11,7 @@ import pytest
 import hpcdp
 from hpcdp.comm import debug as _debug
 from hpcdp.testing import check, p2p, run_ranks, spawn_backends
+from hpcdp.testing.fixtures import World, grid, worlds
 
 HERE = os.path.basename(__file__)
 #: (tag, what rank 0 sends, what rank 1 receives into): each a mismatch the check must name
@@ -132,39 +133,22 @@ def test_env_one_turns_the_p2p_check_on(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("body", [body_mismatches, body_missing_header], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("world", worlds(*grid([2]), "mpi"), indirect=True)
+def test_p2p_mismatch_named(world: World) -> None:
+    """A mismatched send and receive are named (the body turns the check on for its own group,
+    which under MPI is ``run_mpi``'s fresh group of every rank: the world's stays as it was)."""
+    check(world.run(body_mismatches, timeout=20, mpi_timeout=30))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", spawn_backends())
-def test_p2p_mismatch_named(backend: str, body) -> None:
-    """A mismatched send and receive are named; so is a receiver whose sender sent no header."""
-    check(run_ranks(backend, 2, body, timeout=20))
+def test_p2p_missing_header_named(backend: str) -> None:
+    """A receiver whose sender sent no header says so (2 ranks exactly: every rank but 0
+    receives, so it is not run on the MPI world of 4)."""
+    check(run_ranks(backend, 2, body_missing_header, timeout=20))
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("backend", spawn_backends())
-def test_correct_p2p_unchanged_under_debug(backend: str, world_size: int) -> None:
-    check(run_ranks(backend, world_size, body_conformance_with_debug, timeout=30))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(300)
-def test_p2p_mismatch_named_mpi(mpi_world) -> None:
-    sub = mpi_world.new_group(list(range(mpi_world.size)), name="p2p-debug", timeout=30)
-    sub.debug = "detail"
-    try:
-        fails = _pairs(sub)
-    finally:
-        sub.debug = "off"
-    check(mpi_world.all_gather_object(fails))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(300)
-def test_correct_p2p_unchanged_under_debug_mpi(mpi_world) -> None:
-    level = mpi_world.debug
-    mpi_world.debug = "detail"
-    try:
-        fails = body_conformance_with_debug(mpi_world.rank)
-    finally:
-        mpi_world.debug = level
-    check(mpi_world.all_gather_object(fails))
+@pytest.mark.parametrize("world", worlds(*grid([1, 3]), "mpi"), indirect=True)
+def test_correct_p2p_unchanged_under_debug(world: World) -> None:
+    check(world.run(body_conformance_with_debug, timeout=30))

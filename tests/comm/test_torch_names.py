@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_mpi, run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, worlds
 
 
 def body_torch_names(rank: int) -> list[str]:
@@ -151,23 +152,9 @@ def _readonly() -> Any:
     return hpcdp.all_reduce(x)
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_torch_names_sim(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_torch_names))
-
-
-def test_torch_names_tcp() -> None:
-    _check(run_ranks("tcp", 2, body_torch_names, timeout=60))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_torch_names_mpi(mpi_world) -> None:
-    _check(run_mpi(body_torch_names))
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "tcp-2", "mpi"), indirect=True)
+def test_torch_names(world: World) -> None:
+    check(world.run(body_torch_names, timeout=60))
 
 
 def test_module_and_group_offer_the_same_torch_names() -> None:

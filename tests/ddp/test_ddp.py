@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.testing import run_mpi, run_ranks, spawn_backends
+from hpcdp.testing import check, run_ranks, spawn_backends
+from hpcdp.testing.fixtures import World, worlds
 from ddp_bodies import (
     SMALL_CAP, body_comm_hook, body_fp16_large, body_hooks_see_local, body_join,
     body_join_frozen, body_join_no_sync, body_many_buckets, body_overlap, body_parity,
@@ -16,11 +17,6 @@ from hpcdp.ddp._buckets import assign_buckets
 from hpcdp.ddp.comm_hooks import from_bf16, to_bf16
 
 SPAWN_BACKENDS = spawn_backends()
-
-
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
 
 
 PARITY = [  # (model, optimizer, bucket cap MiB, no_sync accumulation steps, bucket view)
@@ -34,34 +30,27 @@ PARITY = [  # (model, optimizer, bucket cap MiB, no_sync accumulation steps, buc
 ]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "sim-4", "mpi"), indirect=True)
 @pytest.mark.parametrize("case", PARITY, ids=lambda c: "-".join(map(str, c)))
-def test_parity_sim(world_size: int, case: tuple) -> None:
+def test_parity(world: World, case: tuple) -> None:
     model, opt, cap, accum, view = case
-    _check(run_ranks("sim", world_size, body_parity, model, opt, cap, accum, 3, 4, view))
+    check(world.run(body_parity, model, opt, cap, accum, 3, 4, view))
+    if world.is_mpi and world.size == 4:   # N = 3 as well, on a sub-group
+        check(world.run(body_parity_first3, model, opt, cap, accum, 3, 4, view))
 
 
 @pytest.mark.parametrize("backend", [b for b in SPAWN_BACKENDS if b != "sim"])
 def test_parity_other_spawn_backends(backend: str) -> None:
-    _check(run_ranks(backend, 3, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
+    check(run_ranks(backend, 3, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
 
 
 def test_single_rank_is_plain_training() -> None:
-    _check(run_ranks("sim", 1, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("case", PARITY, ids=lambda c: "-".join(map(str, c)))
-def test_parity_mpi(mpi_world, case: tuple) -> None:
-    model, opt, cap, accum, view = case
-    _check(run_mpi(body_parity, model, opt, cap, accum, 3, 4, view))
-    if mpi_world.size == 4:   # N = 3 as well, on a sub-group
-        _check(run_mpi(body_parity_first3, model, opt, cap, accum, 3, 4, view))
+    check(run_ranks("sim", 1, body_parity, "mlp", "adam", SMALL_CAP, 2, 2, 4, True))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_hooks_and_input_gradient_unscaled(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_hooks_see_local))
+    check(run_ranks("sim", world_size, body_hooks_see_local))
 
 
 def test_bucket_assignment() -> None:
@@ -76,53 +65,30 @@ def test_bucket_assignment() -> None:
 
 
 def test_many_buckets_reverse_order() -> None:
-    _check(run_ranks("sim", 2, body_many_buckets))
+    check(run_ranks("sim", 2, body_many_buckets))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_overlap_sim(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_overlap))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_overlap_mpi(mpi_world) -> None:
-    _check(run_mpi(body_overlap))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "mpi"), indirect=True)
+def test_overlap(world: World) -> None:
+    check(world.run(body_overlap))
 
 
 @pytest.mark.parametrize("find_unused", [True, False])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_unused_parameters(world_size: int, find_unused: bool) -> None:
-    _check(run_ranks("sim", world_size, body_unused, find_unused))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("find_unused", [True, False])
-def test_unused_parameters_mpi(mpi_world, find_unused: bool) -> None:
-    _check(run_mpi(body_unused, find_unused))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_unused_parameters(world: World, find_unused: bool) -> None:
+    check(world.run(body_unused, find_unused))
 
 
 @pytest.mark.parametrize("divide_initial", [True, False])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_join_uneven_inputs(world_size: int, divide_initial: bool) -> None:
-    _check(run_ranks("sim", world_size, body_join, divide_initial, timeout=20))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("divide_initial", [True, False])
-def test_join_mpi(mpi_world, divide_initial: bool) -> None:
-    _check(run_mpi(body_join, divide_initial))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "mpi"), indirect=True)
+def test_join_uneven_inputs(world: World, divide_initial: bool) -> None:
+    check(world.run(body_join, divide_initial, timeout=20))
 
 
 @pytest.mark.parametrize("divide_initial", [True, False])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_join_with_no_sync_and_buffers(world_size: int, divide_initial: bool) -> None:
-    _check(run_ranks("sim", world_size, body_join_no_sync, divide_initial, timeout=20))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("divide_initial", [True, False])
-def test_join_with_no_sync_and_buffers_mpi(mpi_world, divide_initial: bool) -> None:
-    _check(run_mpi(body_join_no_sync, divide_initial))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_join_with_no_sync_and_buffers(world: World, divide_initial: bool) -> None:
+    check(world.run(body_join_no_sync, divide_initial, timeout=20))
 
 
 def test_join_disagreeing_no_sync_raises() -> None:
@@ -141,41 +107,24 @@ def test_join_disagreeing_no_sync_raises() -> None:
             return [] if "no_sync" in str(exc) else [f"unexpected error: {exc}"]
         return ["ranks disagreeing about no_sync under join did not raise"]
 
-    _check(run_ranks("sim", 2, body, timeout=20))
+    check(run_ranks("sim", 2, body, timeout=20))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_join_syncs_frozen_parameters(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_join_frozen, timeout=20))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_join_syncs_frozen_parameters_mpi(mpi_world) -> None:
-    _check(run_mpi(body_join_frozen))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_join_syncs_frozen_parameters(world: World) -> None:
+    check(world.run(body_join_frozen, timeout=20))
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_compression_hooks(world_size: int, kind: str) -> None:
-    _check(run_ranks("sim", world_size, body_comm_hook, kind))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_compression_hooks_mpi(mpi_world, kind: str) -> None:
-    _check(run_mpi(body_comm_hook, kind))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_compression_hooks(world: World, kind: str) -> None:
+    check(world.run(body_comm_hook, kind))
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_compression_hooks_large_gradients(world_size: int, kind: str) -> None:
-    _check(run_ranks("sim", world_size, body_fp16_large, kind))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_compression_hooks_large_gradients_mpi(mpi_world, kind: str) -> None:
-    _check(run_mpi(body_fp16_large, kind))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "mpi"), indirect=True)
+def test_compression_hooks_large_gradients(world: World, kind: str) -> None:
+    check(world.run(body_fp16_large, kind))
 
 
 def test_bf16_rounding() -> None:
@@ -191,29 +140,22 @@ def test_bf16_rounding() -> None:
     assert rel.max() <= 2**-8
 
 
-def test_subgroups() -> None:
-    _check(run_ranks("sim", 4, body_subgroups))
+@pytest.mark.parametrize("world", worlds("sim-4", "mpi", mpi_min_size=4), indirect=True)
+def test_subgroups(world: World) -> None:
+    check(world.run(body_subgroups))
 
 
-@pytest.mark.mpi(min_size=4)
-def test_subgroups_mpi(mpi_world) -> None:
-    _check(run_mpi(body_subgroups))
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "mpi"), indirect=True)
+def test_rewrap_and_close(world: World) -> None:
+    check(world.run(body_rewrap))
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_rewrap_and_close(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_rewrap))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_rewrap_and_close_mpi(mpi_world) -> None:
-    _check(run_mpi(body_rewrap))
-
-
-@pytest.mark.mpi(min_size=2)
+# MPI only: the progress thread drives MPI requests (a thread-multiple or serialized MPI
+# library); the simulated and TCP backends have no such thread to test.
+@pytest.mark.parametrize("world", worlds("mpi"), indirect=True)
 @pytest.mark.parametrize("thread_multiple", [True, False])
-def test_progress_thread_mpi(mpi_world, thread_multiple: bool) -> None:
-    _check(run_mpi(body_progress_thread, thread_multiple))
+def test_progress_thread(world: World, thread_multiple: bool) -> None:
+    check(world.run(body_progress_thread, thread_multiple))
 
 
 def test_errors() -> None:
@@ -228,4 +170,4 @@ def test_errors() -> None:
             return []
         return ["bucket_cap_mb=0 accepted"]
 
-    _check(run_ranks("sim", 2, body))
+    check(run_ranks("sim", 2, body))

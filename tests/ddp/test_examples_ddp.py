@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.testing import run_mpi, run_ranks
+from hpcdp.testing import run_ranks
+from hpcdp.testing.fixtures import World, worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "02_ddp_train.py")
@@ -26,8 +27,9 @@ def body_train(rank: int, argv: list[str]) -> float:
     return _main()(argv)["test_accuracy"]
 
 
-def test_02_ddp_train_sim_4_ranks() -> None:
-    accs = run_ranks("sim", 4, body_train, ["--no-progress"], timeout=60)
+@pytest.mark.parametrize("world", worlds("sim-4", "mpi"), indirect=True)
+def test_02_ddp_train(world: World) -> None:
+    accs = world.run(body_train, ["--no-progress"], timeout=60)
     assert len(set(accs)) == 1, accs          # every rank holds the same model
     assert accs[0] >= 0.95, accs
 
@@ -40,12 +42,6 @@ def test_02_ddp_train_plain_python() -> None:
                          text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "test accuracy: 0.9" in out.stdout and "1 rank(s)" in out.stdout
-
-
-@pytest.mark.mpi(min_size=2)
-def test_02_ddp_train_mpi(mpi_world) -> None:
-    accs = run_mpi(body_train, ["--no-progress"])
-    assert len(set(accs)) == 1 and accs[0] >= 0.95, accs
 
 
 class MemoryCheckpoints:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, worlds
 from fsdp_bodies import body_parity, body_parity_first3
 
 pytestmark = pytest.mark.timeout(180)
@@ -12,57 +14,44 @@ pytestmark = pytest.mark.timeout(180)
 STRATEGIES = ["full_shard", "shard_grad_op", "no_shard"]
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "sim-4", "mpi"), indirect=True)
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_parity_sim(strategy: str, opt: str, world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_parity, strategy, opt, "nested"))
+def test_parity(world: World, strategy: str, opt: str) -> None:
+    check(world.run(body_parity, strategy, opt, "nested"))
+    if world.is_mpi and world.size == 4:   # N = 3 as well, on a sub-group
+        check(world.run(body_parity_first3, strategy, opt, "nested"))
 
 
 @pytest.mark.parametrize("wrap", ["none", "blocks", "size"])
 def test_parity_wrap_policies(wrap: str) -> None:
-    _check(run_ranks("sim", 4, body_parity, "full_shard", "adamw", wrap))
+    check(run_ranks("sim", 4, body_parity, "full_shard", "adamw", wrap))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_no_sync_accumulation(strategy: str) -> None:
-    _check(run_ranks("sim", 3, body_parity, strategy, "sgd", "nested", 3, 4, 2))
+    check(run_ranks("sim", 3, body_parity, strategy, "sgd", "nested", 3, 4, 2))
 
 
-def test_hybrid_shard_sim() -> None:
-    _check(run_ranks("sim", 4, body_parity, "hybrid_shard", "adamw", "nested", 3, 4, 1, 2))
+@pytest.mark.parametrize("world", worlds("sim-4", "mpi", mpi_min_size=4), indirect=True)
+def test_hybrid_shard(world: World) -> None:
+    """Two sub-groups of two: reduce-scatter inside, allreduce across."""
+    check(world.run(body_parity, "hybrid_shard", "adamw", "nested", 3, 4, 1, 2))
+    check(world.run(body_parity, "hybrid_shard", "sgd", "blocks", 3, 4, 2, 2))
 
 
 def test_single_rank_is_plain_training() -> None:
-    _check(run_ranks("sim", 1, body_parity, "full_shard", "adamw", "nested"))
+    check(run_ranks("sim", 1, body_parity, "full_shard", "adamw", "nested"))
 
 
 @pytest.mark.parametrize("backend", [b for b in SPAWN_BACKENDS if b != "sim"])
 def test_parity_other_spawn_backends(backend: str) -> None:
-    _check(run_ranks(backend, 3, body_parity, "full_shard", "adamw", "nested", 2))
+    check(run_ranks(backend, 3, body_parity, "full_shard", "adamw", "nested", 2))
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_parity_mpi(mpi_world, strategy: str, opt: str) -> None:
-    _check(run_mpi(body_parity, strategy, opt, "nested"))
-    if mpi_world.size == 4:   # N = 3 as well, on a sub-group
-        _check(run_mpi(body_parity_first3, strategy, opt, "nested"))
-
-
+# Not a world of test_no_sync_accumulation: that one runs every strategy with SGD on 3 ranks;
+# this one full_shard with AdamW on the MPI world.
 @pytest.mark.mpi(min_size=2)
 def test_no_sync_mpi(mpi_world) -> None:
-    _check(run_mpi(body_parity, "full_shard", "adamw", "nested", 3, 4, 2))
+    check(run_mpi(body_parity, "full_shard", "adamw", "nested", 3, 4, 2))
 
-
-@pytest.mark.mpi(min_size=4)
-def test_hybrid_shard_mpi(mpi_world) -> None:
-    """Two sub-groups of two: reduce-scatter inside, allreduce across."""
-    _check(run_mpi(body_parity, "hybrid_shard", "adamw", "nested", 3, 4, 1, 2))
-    _check(run_mpi(body_parity, "hybrid_shard", "sgd", "blocks", 3, 4, 2, 2))

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import runpy
-import shutil
 from typing import Any
 
 import pytest
 
 import hpcdp
-from conftest import run_mpi, run_ranks
+from hpcdp.testing.fixtures import World, worlds
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,7 +26,7 @@ def body_train(rank: int, ckpt_dir: str) -> dict[str, Any]:
     return main(SHORT + ["--batch-size", per_rank, "--ckpt-dir", ckpt_dir])
 
 
-def _check(results: list[dict[str, Any]]) -> None:
+def _check_results(results: list[dict[str, Any]]) -> None:
     r0 = results[0]
     assert len({round(r["held_out"], 12) for r in results}) == 1, [r["held_out"] for r in results]
     # Uniform guessing is ln(103) = 4.63 nats, the unigram baseline 3.24; 30 short steps reach ~2.9.
@@ -49,26 +48,10 @@ def _check_checkpoint(path: str) -> None:
     assert int(got["step"]) == 30
 
 
-def test_03_fsdp_gpt_sim_4_ranks(tmp_path) -> None:
-    results = run_ranks("sim", 4, body_train, str(tmp_path), timeout=120, join_timeout=280)
-    _check(results)
+@pytest.mark.parametrize("world", worlds("sim-4", "mpi"), indirect=True)
+def test_03_fsdp_gpt(world: World, shared_tmp_path: str) -> None:
+    results = world.run(body_train, shared_tmp_path, timeout=120, join_timeout=280)
+    _check_results(results)
     path = results[0]["checkpoint"]
     assert path and os.path.isdir(path)
-    got = hpcdp.checkpoint.load(path)
-    assert got["model"]["tok.weight"].shape == (103, 32)
-    assert got["optim"]["state"]["head.weight"]["exp_avg"].shape == (103, 32)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_03_fsdp_gpt_mpi(mpi_world) -> None:
-    from ckpt_bodies import shared_dir
-
-    d = shared_dir()
-    try:
-        results = run_mpi(body_train, d)
-        _check(results)
-        _check_checkpoint(results[0]["checkpoint"])
-    finally:
-        hpcdp.barrier()
-        if hpcdp.rank() == 0:
-            shutil.rmtree(d, ignore_errors=True)
+    _check_checkpoint(path)   # on every rank under MPI (a collective load)

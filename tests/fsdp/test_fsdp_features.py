@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import run_mpi, run_ranks
+from conftest import run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, worlds
 from fsdp_bodies import (
     body_clip, body_foreign, body_memory_peak, body_misuse, body_mixed, body_models_differ, body_prefetch,
     body_summon_writeback, body_zero,
@@ -15,42 +17,32 @@ from hpcdp.fsdp import MixedPrecision, size_based
 pytestmark = pytest.mark.timeout(180)
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
-
-
 @pytest.mark.parametrize("limit", [True, False])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_prefetch_order_and_limit(world_size: int, limit: bool) -> None:
-    _check(run_ranks("sim", world_size, body_prefetch, True, limit))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_prefetch_order_and_limit(world: World, limit: bool) -> None:
+    check(world.run(body_prefetch, True, limit))
 
 
 def test_no_prefetch_gathers_nothing_ahead() -> None:
-    _check(run_ranks("sim", 2, body_prefetch, False))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_prefetch_mpi(mpi_world) -> None:
-    _check(run_mpi(body_prefetch, True, True))
+    check(run_ranks("sim", 2, body_prefetch, False))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_memory_peak_and_stats(world_size: int) -> None:
-    _check(run_ranks("sim", world_size, body_memory_peak))
+    check(run_ranks("sim", world_size, body_memory_peak))
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "no_shard"])
 def test_clip_grad_norm_is_global(strategy: str) -> None:
-    _check(run_ranks("sim", 3, body_clip, strategy))
+    check(run_ranks("sim", 3, body_clip, strategy))
 
 
 def test_model_that_is_not_an_nn_module() -> None:
-    _check(run_ranks("sim", 3, body_foreign))
+    check(run_ranks("sim", 3, body_foreign))
 
 
 def test_summon_full_params_writeback() -> None:
-    _check(run_ranks("sim", 2, body_summon_writeback))
+    check(run_ranks("sim", 2, body_summon_writeback))
 
 
 @pytest.mark.parametrize("what", ["shape", "dtype", "options"])
@@ -63,7 +55,7 @@ def test_models_differ_raise_on_every_rank(what: str) -> None:
 
 
 def test_misuse_raises() -> None:
-    _check(run_ranks("sim", 2, body_misuse))
+    check(run_ranks("sim", 2, body_misuse))
 
 
 # Max abs parameter difference after 3 SGD steps (lr 0.2) against float32 FSDP: float16 compute
@@ -73,11 +65,11 @@ MIXED = [("float16", None, 5e-4), ("float16", "float32", 5e-4), ("bfloat16", "fl
 
 
 @pytest.mark.parametrize("param_dtype,reduce_dtype,tol", MIXED)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_mixed_precision_close_to_float32(world_size: int, param_dtype: str, reduce_dtype: str | None,
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "mpi"), indirect=True)
+def test_mixed_precision_close_to_float32(world: World, param_dtype: str, reduce_dtype: str | None,
                                           tol: float) -> None:
-    res = run_ranks("sim", world_size, body_mixed, param_dtype, reduce_dtype)
-    _check([f for f, _ in res])
+    res = world.run(body_mixed, param_dtype, reduce_dtype)
+    check([f for f, _ in res])
     err = res[0][1]
     assert 0 < err <= tol, f"max difference {err} (tolerance {tol}); 0 would mean no low precision"
 
@@ -85,21 +77,14 @@ def test_mixed_precision_close_to_float32(world_size: int, param_dtype: str, red
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
 def test_mixed_precision_other_strategies(strategy: str) -> None:
     res = run_ranks("sim", 2, body_mixed, "bfloat16", None, strategy)
-    _check([f for f, _ in res])
+    check([f for f, _ in res])
     assert 0 < res[0][1] <= 2.5e-3
 
 
 def test_mixed_precision_hybrid() -> None:
     res = run_ranks("sim", 4, body_mixed, "float16", "float32", "hybrid_shard", 2)
-    _check([f for f, _ in res])
+    check([f for f, _ in res])
     assert 0 < res[0][1] <= 5e-4
-
-
-@pytest.mark.mpi(min_size=2)
-def test_mixed_precision_mpi(mpi_world) -> None:
-    res = run_mpi(body_mixed, "bfloat16", "bfloat16")
-    _check([f for f, _ in res])
-    assert 0 < res[0][1] <= 2.5e-3
 
 
 def test_policies_validate() -> None:
@@ -115,14 +100,9 @@ def test_policies_validate() -> None:
 
 
 @pytest.mark.parametrize("opt", ["adam", "sgd"])
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_zero1_matches_ddp(world_size: int, opt: str) -> None:
-    _check(run_ranks("sim", world_size, body_zero, opt))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_zero1_mpi(mpi_world) -> None:
-    _check(run_mpi(body_zero, "adam"))
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_zero1_matches_ddp(world: World, opt: str) -> None:
+    check(world.run(body_zero, opt))
 
 
 def _memory_stats_find_the_optimizer(rank: int) -> list[str]:

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import hpcdp
-from conftest import run_mpi, run_ranks
+from conftest import run_ranks
+from hpcdp.testing.fixtures import World, worlds
 from hpcdp import nn
 from hpcdp.fsdp import FSDP
 
@@ -108,7 +109,7 @@ def body_job_held(rank: int, sync: threading.Barrier, owns: dict[int, int]) -> d
     return out
 
 
-def _check(results: list[dict[str, int]], n: int, ranks: list[int], share: int,
+def _check_held(results: list[dict[str, int]], n: int, ranks: list[int], share: int,
            slack: int) -> None:
     """``held`` of each of ``ranks`` is within ``slack`` of its shards, which are ``share`` of
     the model (1/N per process; the whole model for the sim job) up to padding."""
@@ -124,9 +125,11 @@ def _check(results: list[dict[str, int]], n: int, ranks: list[int], share: int,
     assert not fails, "\n".join(fails)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_tcp_rank_holds_its_shards_only(n: int) -> None:
-    _check(run_ranks("tcp", n, body_process_held, join_timeout=240), n, list(range(n)), 1, SLACK)
+@pytest.mark.parametrize("world", worlds("tcp-2", "tcp-3", "mpi"), indirect=True)
+def test_rank_holds_its_shards_only(world: World) -> None:
+    """A rank of its own process (TCP, MPI) holds its shards and little else."""
+    n = world.size
+    _check_held(world.run(body_process_held, join_timeout=240), n, list(range(n)), 1, SLACK)
 
 
 @pytest.mark.parametrize("algorithms", ["rendezvous", "p2p"])
@@ -138,8 +141,8 @@ def test_sim_job_holds_the_shards_only(n: int, algorithms: str, monkeypatch) -> 
     else:
         monkeypatch.delenv("HPCDP_SIM_ALGORITHMS", raising=False)
     # one process: the job's bytes are every rank's shards (``own`` is their sum) and slack each
-    _check(run_ranks("sim", n, body_job_held, threading.Barrier(n, timeout=120), {},
-                     join_timeout=240), n, [0], n, n * SLACK)
+    _check_held(run_ranks("sim", n, body_job_held, threading.Barrier(n, timeout=120), {},
+                          join_timeout=240), n, [0], n, n * SLACK)
 
 
 def body_kept_work(rank: int, sync: threading.Barrier, nbytes: int) -> int:
@@ -170,8 +173,3 @@ def test_sim_kept_work_does_not_keep_the_buffers(n: int, monkeypatch) -> None:
                      join_timeout=240)[0]
     assert held <= SLACK, f"{held:,} B held beyond the ranks' {nbytes:,} B arrays"
 
-
-@pytest.mark.mpi(min_size=2)
-def test_mpi_rank_holds_its_shards_only(mpi_world) -> None:
-    n = mpi_world.size
-    _check(run_mpi(body_process_held), n, list(range(n)), 1, SLACK)

@@ -11,17 +11,14 @@ import pytest
 
 import hpcdp
 from conftest import run_mpi, run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, worlds
 from fsdp_bodies import F64, WRAPS, Block, OddNet, compare, data, make_opt, only_shards_left, snapshot
 from hpcdp import nn, optim
 from hpcdp.errors import CommTimeoutError, HpcdpError, PeerFailureError
 from hpcdp.fsdp import FSDP, FreedGrad
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails)
 
 
 class TanhThenExtra(nn.Module):
@@ -105,12 +102,12 @@ def body_unused(rank: int, strategy: str, users: tuple[int, ...], shard_size: in
 @pytest.mark.parametrize("users", [(), (0,)], ids=["unused", "rank0-only"])
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
 def test_unused_parameters_match_one_process(strategy: str, users: tuple[int, ...]) -> None:
-    _check(run_ranks("sim", 3, body_unused, strategy, users))
+    check(run_ranks("sim", 3, body_unused, strategy, users))
 
 
 def test_unused_parameters_hybrid() -> None:
-    _check(run_ranks("sim", 4, body_unused, "hybrid_shard", (), 2))
-    _check(run_ranks("sim", 4, body_unused, "hybrid_shard", (3,), 2))
+    check(run_ranks("sim", 4, body_unused, "hybrid_shard", (), 2))
+    check(run_ranks("sim", 4, body_unused, "hybrid_shard", (3,), 2))
 
 
 def test_unused_parameters_under_no_sync() -> None:
@@ -145,13 +142,15 @@ def test_unused_parameters_under_no_sync() -> None:
             fails.append("act.extra got a gradient from a no_sync pass that zero_grad() discarded")
         return fails
 
-    _check(run_ranks("sim", 2, body))
+    check(run_ranks("sim", 2, body))
 
 
+# Not a world of the test above: there rank 0 alone uses a parameter on 3 ranks; here rank 1,
+# which on the MPI world of 2 is the last rank.
 @pytest.mark.mpi(min_size=2)
 def test_unused_parameters_mpi(mpi_world) -> None:
-    _check(run_mpi(body_unused, "full_shard", ()))
-    _check(run_mpi(body_unused, "full_shard", (1,)))
+    check(run_mpi(body_unused, "full_shard", ()))
+    check(run_mpi(body_unused, "full_shard", (1,)))
 
 
 def _failing(model: OddNet, which: str) -> Any:
@@ -204,16 +203,11 @@ def body_exception(rank: int, which: str, strategy: str) -> list[str]:
     return fails + only_shards_left(fsdp)
 
 
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
 @pytest.mark.parametrize("which", ["forward", "backward"])
-def test_exception_leaves_only_shards(which: str, strategy: str) -> None:
-    _check(run_ranks("sim", 2, body_exception, which, strategy))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_exception_leaves_only_shards_mpi(mpi_world) -> None:
-    _check(run_mpi(body_exception, "forward", "full_shard"))
-    _check(run_mpi(body_exception, "backward", "full_shard"))
+def test_exception_leaves_only_shards(world: World, which: str, strategy: str) -> None:
+    check(world.run(body_exception, which, strategy))
 
 
 def body_one_rank_fails(rank: int, rank0_done: threading.Event) -> str:
@@ -296,7 +290,7 @@ def body_zero_groups(rank: int, cls_name: str) -> list[str]:
 
 @pytest.mark.parametrize("cls_name", ["AdamW", "SGD"])
 def test_zero1_param_groups(cls_name: str) -> None:
-    _check(run_ranks("sim", 3, body_zero_groups, cls_name))
+    check(run_ranks("sim", 3, body_zero_groups, cls_name))
 
 
 def test_load_state_dict_refuses_a_buffer_of_another_shape() -> None:
@@ -313,7 +307,7 @@ def test_load_state_dict_refuses_a_buffer_of_another_shape() -> None:
             return [] if "scale" in str(exc) and f"rank {rank}" in str(exc) else [f"unclear: {exc}"]
         return [f"a (1,) buffer loaded into a (3,) one: now {model.scale}"]
 
-    _check(run_ranks("sim", 2, body))
+    check(run_ranks("sim", 2, body))
 
 
 def test_zero1_add_param_group_after_construction_raises() -> None:
@@ -329,7 +323,7 @@ def test_zero1_add_param_group_after_construction_raises() -> None:
             return [] if f"rank {rank}" in str(exc) else [f"unclear: {exc}"]
         return ["add_param_group after construction was accepted"]
 
-    _check(run_ranks("sim", 2, body))
+    check(run_ranks("sim", 2, body))
 
 
 @pytest.mark.parametrize("strategy,world_size", [("no_shard", 2), ("full_shard", 1), ("full_shard", 2)])
@@ -347,7 +341,7 @@ def test_summon_without_writeback_leaves_the_shards(strategy: str, world_size: i
         with fsdp.summon_full_params():
             return compare(before, snapshot(model), 0.0, f"{strategy} N={world_size} after writeback=False")
 
-    _check(run_ranks("sim", world_size, body))
+    check(run_ranks("sim", world_size, body))
 
 
 def test_sync_module_states_must_agree() -> None:

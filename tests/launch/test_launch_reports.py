@@ -275,7 +275,7 @@ def test_hpcdp_run_help_documents_every_option() -> None:
     res = subprocess.run(HPCDP_RUN + ["--help"], capture_output=True, text=True, timeout=CAP,
                          env=_env())
     assert res.returncode == 0, res.stderr
-    from hpcdp.launch._cli import _parser
+    from hpcdp.launch.cli import _parser
 
     for action in _parser()._actions:
         assert action.help and action.help.strip(), f"no help for {action.option_strings or action.dest}"

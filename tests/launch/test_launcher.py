@@ -421,7 +421,7 @@ def test_node_layout_rejects_bad_slurm_environment(env, message) -> None:
 
 
 def test_main_launches_with_the_slurm_layout(monkeypatch) -> None:
-    import hpcdp.launch._cli as run
+    import hpcdp.launch.cli as run
 
     calls = []
     monkeypatch.setattr(run, "launch", lambda cmd, nproc, **kw: calls.append((cmd, nproc, kw)) or 0)

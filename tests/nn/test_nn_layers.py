@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpcdp import nn
-from hpcdp.nn import _backend
+from hpcdp.nn import backend as _backend
 from test_nn import check_layer, numgrad, randn
 
 F64 = np.float64

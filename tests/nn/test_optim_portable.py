@@ -97,7 +97,8 @@ def reference(steps: int) -> dict[str, Any]:
     return run_ranks("sim", 1, body_segment, "plain", 0, steps, None, None)[0]
 
 
-def _check(per_rank: list[dict[str, Any]], ref: dict[str, Any], what: str) -> None:
+def _check_against_reference(per_rank: list[dict[str, Any]], ref: dict[str, Any],
+                             what: str) -> None:
     for part in ("params", "moments"):
         want = {k: b for k, (_, b) in ref[part].items()}
         got = _stitch(per_rank, part, want)
@@ -123,7 +124,7 @@ def test_ddp_to_fsdp_and_plain(tmp_path, target: str) -> None:
     run_ranks("sim", 2, body_segment, "ddp", 0, 2, None, path)
     n = 1 if target == "plain" else 3
     resumed = run_ranks("sim", n, body_segment, target, 2, 3, path, None)
-    _check(resumed, reference(3), f"ddp(2) -> {target}({n})")
+    _check_against_reference(resumed, reference(3), f"ddp(2) -> {target}({n})")
 
 
 @pytest.mark.parametrize("target", ["ddp", "plain"])
@@ -132,7 +133,7 @@ def test_fsdp_to_ddp_and_plain(tmp_path, target: str) -> None:
     run_ranks("sim", 3, body_segment, "fsdp:full_shard", 0, 2, None, path)
     n = 1 if target == "plain" else 2
     resumed = run_ranks("sim", n, body_segment, target, 2, 3, path, None)
-    _check(resumed, reference(3), f"fsdp(3) -> {target}({n})")
+    _check_against_reference(resumed, reference(3), f"fsdp(3) -> {target}({n})")
 
 
 def test_index_keyed_state_from_older_checkpoints_still_loads(tmp_path) -> None:
@@ -156,7 +157,7 @@ def test_index_keyed_state_from_older_checkpoints_still_loads(tmp_path) -> None:
     run_ranks("sim", 1, body_unnamed)
     for kind, n in (("fsdp:full_shard", 3), ("ddp", 2)):
         resumed = run_ranks("sim", n, body_segment, kind, 2, 3, path, None)
-        _check(resumed, reference(3), f"index-keyed -> {kind}({n})")
+        _check_against_reference(resumed, reference(3), f"index-keyed -> {kind}({n})")
 
 
 def test_name_keyed_state_into_an_unnamed_optimizer_says_what_to_do(tmp_path) -> None:

@@ -185,7 +185,8 @@ def test_fsdp_refuses_bad_optimizer_state_on_every_rank() -> None:
 def test_state_check_is_shared() -> None:
     """One checker: the three loaders call the same functions."""
     from hpcdp.fsdp import _checkpoint
-    from hpcdp.optim import _state_check, optimizer, zero
+    from hpcdp.optim import state_check as _state_check
+    from hpcdp.optim import optimizer, zero
 
     for mod in (optimizer, zero):  # index-keyed state: one function, built on the two below
         assert mod.check_index_keyed is _state_check.check_index_keyed, mod.__name__

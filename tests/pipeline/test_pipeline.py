@@ -8,6 +8,8 @@ import pytest
 import hpcdp
 import hpcdp.pipeline as pp
 from conftest import run_mpi, run_ranks
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, worlds
 from hpcdp import nn
 from pipeline_bodies import body_parity, body_parity_cases, body_pp_dp, make_model
 
@@ -15,17 +17,14 @@ VARIANTS = [("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 
 MICROBATCHES = (1, 2, 3, 8)
 
 
-def _check(per_rank: list[list[str]]) -> None:
-    fails = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not fails, "\n".join(fails[:20])
-
-
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "sim-4", "mpi"), indirect=True)
 @pytest.mark.parametrize("schedule,v", VARIANTS, ids=[n for n, _ in VARIANTS])
-def test_parity_sim(schedule: str, v: int) -> None:
-    for p in (1, 2, 3, 4):
+def test_parity(world: World, schedule: str, v: int) -> None:
+    # p stages on p spawned ranks; under mpirun, on sub-groups of the first p ranks (p >= 2)
+    for p in range(2, world.size + 1) if world.is_mpi else [world.size]:
         for m in MICROBATCHES:
-            _check(run_ranks("sim", p, body_parity, schedule, p, m, v))
+            check(world.run(body_parity, schedule, p, m, v))
 
 
 @pytest.mark.timeout(120)
@@ -33,47 +32,40 @@ def test_parity_sim(schedule: str, v: int) -> None:
 def test_loss_scaling_sim(kind: str) -> None:
     # mean over non-ignored targets (uneven per microbatch), label smoothing, MSE
     for schedule, v in VARIANTS:
-        _check(run_ranks("sim", 3, body_parity, schedule, 3, 8, v, kind))
+        check(run_ranks("sim", 3, body_parity, schedule, 3, 8, v, kind))
 
 
 @pytest.mark.timeout(300)
 def test_parity_tcp() -> None:
     cases = [(schedule, 3, 3, v) for schedule, v in VARIANTS]
-    _check(run_ranks("tcp", 3, body_parity_cases, cases, timeout=60))
+    check(run_ranks("tcp", 3, body_parity_cases, cases, timeout=60))
 
 
 @pytest.mark.timeout(120)
 def test_pp_dp_sim() -> None:
     for schedule in ("1f1b", "zero_bubble"):
-        _check(run_ranks("sim", 4, body_pp_dp, schedule, 2))   # 2 stages x 2 replicas
-    _check(run_ranks("sim", 3, body_pp_dp, "gpipe", 1))         # 1 stage x 3 replicas
+        check(run_ranks("sim", 4, body_pp_dp, schedule, 2))   # 2 stages x 2 replicas
+    check(run_ranks("sim", 3, body_pp_dp, "gpipe", 1))         # 1 stage x 3 replicas
 
 
 @pytest.mark.timeout(120)
 def test_pp_dp_loss_scaling_across_replicas_sim() -> None:
     # replicas hold different numbers of ignored targets: the mean is over the global batch's
-    _check(run_ranks("sim", 4, body_pp_dp, "1f1b", 2, 2, 1, "ce_ignore"))
-    _check(run_ranks("sim", 3, body_pp_dp, "zero_bubble", 1, 2, 1, "ce_ignore"))
+    check(run_ranks("sim", 4, body_pp_dp, "1f1b", 2, 2, 1, "ce_ignore"))
+    check(run_ranks("sim", 3, body_pp_dp, "zero_bubble", 1, 2, 1, "ce_ignore"))
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule,v", VARIANTS, ids=[n for n, _ in VARIANTS])
-def test_parity_mpi(mpi_world, schedule: str, v: int) -> None:
-    for p in range(2, mpi_world.size + 1):   # sub-groups of the first p ranks
-        for m in MICROBATCHES:
-            _check(run_mpi(body_parity, schedule, p, m, v))
-
-
+# Not merged with test_pp_dp_sim: the layouts follow the MPI world's size (size // 2 stages,
+# every schedule), where the spawned test picks fixed layouts on 3 and 4 ranks.
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 def test_pp_dp_mpi(mpi_world) -> None:
     # -n 4: 2 stages x 2 replicas (and 4 x 1); -n 2: 1 stage x 2 replicas (and 2 x 1)
     for schedule in ("1f1b", "zero_bubble", "gpipe"):
-        _check(run_mpi(body_pp_dp, schedule, mpi_world.size // 2))
-    _check(run_mpi(body_pp_dp, "interleaved_1f1b", mpi_world.size // 2, 2, 2))
+        check(run_mpi(body_pp_dp, schedule, mpi_world.size // 2))
+    check(run_mpi(body_pp_dp, "interleaved_1f1b", mpi_world.size // 2, 2, 2))
     # replicas with different numbers of ignored targets: still the global mean
-    _check(run_mpi(body_pp_dp, "1f1b", mpi_world.size // 2, 2, 1, "ce_ignore"))
+    check(run_mpi(body_pp_dp, "1f1b", mpi_world.size // 2, 2, 1, "ce_ignore"))
 
 
 def _body_stage_api(rank: int) -> list[str]:
@@ -103,7 +95,7 @@ def _body_stage_api(rank: int) -> list[str]:
 
 
 def test_stage_api_sim() -> None:
-    _check(run_ranks("sim", 2, _body_stage_api))
+    check(run_ranks("sim", 2, _body_stage_api))
 
 
 def _body_stage_errors(rank: int) -> list[str]:
@@ -161,7 +153,7 @@ def _body_stage_errors(rank: int) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_stage_and_pipeline_errors_sim() -> None:
-    _check(run_ranks("sim", 4, _body_stage_errors))
+    check(run_ranks("sim", 4, _body_stage_errors))
 
 
 def test_loss_weights() -> None:

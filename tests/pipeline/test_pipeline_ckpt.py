@@ -42,6 +42,9 @@ def test_pipeline4_to_plain_and_pipeline2(tmp_path) -> None:
     assert not any(fails), fails
 
 
+# Not a world of the test above: spawned worlds save on 4 ranks and load on fresh worlds of 2
+# and 1; one mpirun job cannot change its size, so it saves on the whole world and loads on
+# sub-groups (as does the optimizer-state test below).
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(180)
 def test_pipeline_checkpoint_mpi(mpi_world, tmp_path_factory) -> None:

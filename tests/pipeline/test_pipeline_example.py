@@ -21,7 +21,7 @@ def body_example(rank: int, extra: list[str]) -> dict:
     return mod["train"](mod["parse_args"](SHORT + extra))
 
 
-def _check(results: list[dict]) -> None:
+def _check_results(results: list[dict]) -> None:
     first = results[0]
     assert len(first["losses"]) == len(first["reference"]) == 3
     assert first["max_diff"] < 1e-9, first
@@ -32,11 +32,11 @@ def _check(results: list[dict]) -> None:
 
 @pytest.mark.timeout(300)
 def test_example_sim() -> None:
-    _check(run_ranks("sim", 4, body_example, [], join_timeout=240))
-    _check(run_ranks("sim", 4, body_example, ["--dp", "2", "--schedule", "zero_bubble"],
-                     join_timeout=240))
-    _check(run_ranks("sim", 2, body_example, ["--schedule", "interleaved_1f1b", "--virtual", "2"],
-                     join_timeout=240))
+    _check_results(run_ranks("sim", 4, body_example, [], join_timeout=240))
+    _check_results(run_ranks("sim", 4, body_example, ["--dp", "2", "--schedule", "zero_bubble"],
+                             join_timeout=240))
+    _check_results(run_ranks("sim", 2, body_example,
+                             ["--schedule", "interleaved_1f1b", "--virtual", "2"], join_timeout=240))
 
 
 @pytest.mark.timeout(300)
@@ -51,12 +51,14 @@ def test_example_plain_python() -> None:
     assert "max |pipeline - unpipelined| loss difference" in out.stdout
 
 
+# Not a world of test_example_sim: that one runs three fixed layouts; the MPI world runs the one
+# its size allows (data parallel only on an even size above 2).
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(300)
 def test_example_mpi(mpi_world) -> None:
     extra = ["--dp", "2"] if mpi_world.size % 2 == 0 and mpi_world.size > 2 else []
     results = run_mpi(body_example, extra)
-    _check(results)
+    _check_results(results)
 
 
 def test_bench_theory() -> None:

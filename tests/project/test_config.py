@@ -202,7 +202,7 @@ def test_every_declaration_is_complete() -> None:
         if s.kind == "seconds":
             assert s.maximum is None or math.isfinite(s.maximum), name
     assert {s.name for s in _config.internal_switches()} == {
-        "HPCDP_SIM_ALGORITHMS", "HPCDP_TEST_CUPY", "HPCDP_MPI_PERSISTENT", "HPCDP_DDP_PROGRESS_THREAD"}
+        "HPCDP_SIM_ALGORITHMS", "HPCDP_TEST_CUPY", "HPCDP_MPI_FASTPATH", "HPCDP_DDP_PROGRESS_THREAD"}
 
 
 def test_defaults_match_the_modules_constants() -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hpcdp.testing import run_mpi, run_ranks
+from hpcdp.testing.fixtures import World, worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -22,9 +22,9 @@ def body_example_01(rank: int) -> bool:
     return all(_load("01_collectives.py")["main"]().values())
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_01_collectives_sim(world_size: int) -> None:
-    assert all(run_ranks("sim", world_size, body_example_01))
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "sim-4", "mpi"), indirect=True)
+def test_01_collectives(world: World) -> None:
+    assert all(world.run(body_example_01))
 
 
 def test_01_collectives_plain_python() -> None:
@@ -35,11 +35,6 @@ def test_01_collectives_plain_python() -> None:
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "all correct" in out.stdout and "1 sim rank" in out.stdout
-
-
-@pytest.mark.mpi(min_size=2)
-def test_01_collectives_mpi(mpi_world) -> None:
-    assert all(run_mpi(body_example_01))
 
 
 def test_info_command() -> None:

@@ -1,13 +1,15 @@
 """hpcdp.rpc: every call form, bit-exact values of every dtype, RRefs shared with a third worker
 and freed by their owner, errors, timeouts and shutdown with calls in flight; on simulated and
-TCP ranks here, and on the MPI world under mpirun (``-m mpi``)."""
+TCP ranks here, and on the MPI world under mpirun (``-m mpi``): one body per test, bound to
+each world by the ``world`` fixture."""
 from __future__ import annotations
 
 import pytest
 
 import hpcdp
 import rpc_bodies as B
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from conftest import run_ranks
+from hpcdp.testing.fixtures import worlds
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,29 +19,29 @@ def _ok(results: list) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_call_forms(backend: str) -> None:
-    _ok(run_ranks(backend, 3, B.body_call_forms, timeout=60, join_timeout=120))
+@pytest.mark.parametrize("world", worlds(*B.spawned(3), "mpi"), indirect=True)
+def test_call_forms(world) -> None:
+    _ok(world.run(B.body_call_forms, timeout=60, join_timeout=120))
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_values_round_trip_bit_exact(backend: str) -> None:
-    _ok(run_ranks(backend, 2, B.body_values, timeout=60, join_timeout=120))
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_values_round_trip_bit_exact(world) -> None:
+    _ok(world.run(B.body_values, timeout=60, join_timeout=120))
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_rrefs_third_worker_and_refcounts(backend: str) -> None:
-    _ok(run_ranks(backend, 3, B.body_rrefs, timeout=60, join_timeout=120))
+@pytest.mark.parametrize("world", worlds(*B.spawned(3), "mpi"), indirect=True)
+def test_rrefs_third_worker_and_refcounts(world) -> None:
+    _ok(world.run(B.body_rrefs, timeout=60, join_timeout=120))
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_errors_timeouts_and_graceful_shutdown(backend: str) -> None:
-    _ok(run_ranks(backend, 2, B.body_errors, timeout=60, join_timeout=120))
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_errors_timeouts_and_graceful_shutdown(world) -> None:
+    _ok(world.run(B.body_errors, timeout=60, join_timeout=120))
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_worker_leaves_with_calls_in_flight(backend: str) -> None:
-    _ok(run_ranks(backend, 3, B.body_leave_abruptly, timeout=60, join_timeout=120))
+@pytest.mark.parametrize("world", worlds(*B.spawned(3), "mpi"), indirect=True)
+def test_worker_leaves_with_calls_in_flight(world) -> None:
+    _ok(world.run(B.body_leave_abruptly, timeout=60, join_timeout=120))
 
 
 def test_killed_callee_tcp(tmp_path) -> None:
@@ -54,29 +56,3 @@ def test_sim_rank_dies_mid_call() -> None:
     with pytest.raises(RuntimeError, match="rank 1 crashes"):
         run_ranks("sim", 2, B.body_sim_rank_dies, report, timeout=60, join_timeout=120)
     assert report == {0: []}
-
-
-# -- the same bodies on the MPI world (mpirun -n 2 and -n 4) -----------------------------------
-@pytest.mark.mpi(min_size=2)
-def test_call_forms_mpi(mpi_world) -> None:
-    _ok(run_mpi(B.body_call_forms))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_values_mpi(mpi_world) -> None:
-    _ok(run_mpi(B.body_values))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_rrefs_mpi(mpi_world) -> None:
-    _ok(run_mpi(B.body_rrefs))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_errors_mpi(mpi_world) -> None:
-    _ok(run_mpi(B.body_errors))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_leave_abruptly_mpi(mpi_world) -> None:
-    _ok(run_mpi(B.body_leave_abruptly))

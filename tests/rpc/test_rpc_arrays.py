@@ -14,7 +14,7 @@ import pytest
 import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from hpcdp.testing.fixtures import worlds
 from hpcdp.testing import check
 from hpcdp._arrays import SUPPORTED_DTYPES
 from hpcdp.rpc import _codec as C, _protocol as P
@@ -191,12 +191,6 @@ BODIES = [body_big_arrays, body_oversized_allocates_nothing]
 
 
 @pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__)
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_array_bodies(backend: str, body) -> None:
-    check(run_ranks(backend, 2, body, timeout=60, join_timeout=180))
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("body", BODIES, ids=lambda b: b.__name__)
-def test_array_bodies_mpi(mpi_world, body) -> None:
-    check(run_mpi(body))
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_array_bodies(world, body) -> None:
+    check(world.run(body, timeout=60, join_timeout=180))

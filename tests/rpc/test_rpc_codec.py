@@ -1,5 +1,5 @@
-"""hpcdp.rpc pieces without a transport: the codec, the registry, RemoteError, Future, the
-benchmark's smoke run."""
+"""hpcdp.rpc pieces without an agent: the codec, the registry, RemoteError, Future, the channel
+on its own, the benchmark's smoke run."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -17,6 +18,8 @@ from hpcdp._arrays import SUPPORTED_DTYPES
 from hpcdp.errors import CommTimeoutError, HpcdpError, ProtocolError
 from hpcdp.rpc import _codec as C, _registry
 from hpcdp.rpc._errors import remote_error
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.timeout(120)
@@ -213,57 +216,68 @@ def test_rrefs_in_a_value_that_fails_are_still_taken_in() -> None:
     assert seen == [ref[1:], ref[1:]]
 
 
-def test_stream_reader_resumes_at_every_byte() -> None:
-    """Frames fed one byte at a time (and all at once) come out whole and in order; a refused
-    frame is consumed and reported; an absurd announced size drops the stream."""
-    import select
-    import socket
+def body_channel_frames(rank: int) -> list[str]:
+    """Messages sent whole come out whole and in order on the channel (``_channel``, over the
+    backend's duplicate); a refused one (a body past the limit, an absurd announced array size
+    whose data never comes) is reported with its envelope and nothing else, and the channel
+    delivers what follows it."""
+    import time
 
-    from hpcdp.rpc._stream import FrameReader
+    import hpcdp
+    from hpcdp.rpc._channel import HEAD_TAG, TAG, Channel
     from hpcdp.rpc._wire import pack_envelope, pack_prefix
 
+    fails: list[str] = []
     lim = C.Limits(max_message_bytes=1 << 20, max_body_bytes=1 << 10)
+    got: list[Any] = []
+    ch = Channel(hpcdp.get_default_group(), lim, lambda src, f, _i: got.append((src, f)),
+                 lambda *_a: None)
     arrays = [np.arange(5_000, dtype=np.float64), np.zeros(0, np.uint8), np.ones(3, np.int8)]
-    frames = []
-    for i, (body, bufs) in enumerate([(b"b" * 10, []), (b"x" * 2_000, []),
-                                      (b"", [a.view(np.uint8) for a in arrays])]):
-        env = pack_envelope([1, i])
-        frames.append(pack_prefix(env, body, [b.nbytes for b in bufs]) + env + body +
-                      b"".join(b.tobytes() for b in bufs))
-    stream = b"".join(frames)
-    for step in (1, 7, 65_536, len(stream)):
-        a, b = socket.socketpair()
-        writer = threading.Thread(target=lambda: [a.sendall(stream[k:k + step])
-                                                  for k in range(0, len(stream), step)])
-        writer.start()
-        try:
-            reader, got = FrameReader(lim), []
-            b.settimeout(30)
-            while len(got) < 3:
-                if not reader.recv(b):
-                    select.select([b], [], [], 30)
-                while (f := reader.next_frame()) is not None:
-                    got.append(f)
-        finally:
-            writer.join(30)
-            a.close()
-            b.close()
-        assert [f.refused for f in got] == [None, "message body of 2000 bytes exceeds the "
-                                                  "limit of 1024", None], step
-        assert got[0].body == b"b" * 10 and got[1].body is None
-        assert [np.asarray(x).tobytes() for x in got[2].buffers] == \
-            [a.view(np.uint8).tobytes() for a in arrays]
-    huge = pack_prefix(b"\x92\x01\x01", b"", [1 << 62]) + b"\x92\x01\x01"
-    a, b = socket.socketpair()
-    try:
-        a.sendall(huge)
-        reader = FrameReader(lim)
-        reader.recv(b)
-        with pytest.raises(ProtocolError, match="announces"):
-            reader.next_frame()
-    finally:
-        a.close()
-        b.close()
+    if rank == 0:
+        for i, (body, bufs) in enumerate([(b"b" * 10, []), (b"x" * 2_000, []),
+                                          (b"", [a.view(np.uint8) for a in arrays]),
+                                          (b"y" * 9_000, [])]):
+            ch.send(1, pack_envelope([1, i]), body, [memoryview(b) for b in bufs])
+        env = pack_envelope([1, 4])
+        head = pack_prefix(env, b"", [1 << 62]) + TAG.pack(77) + env
+        ch.be.send(np.frombuffer(head, np.uint8), 1, HEAD_TAG)
+        ch.send(1, pack_envelope([1, 5]), b"after", [])
+        deadline = time.monotonic() + 30
+        while ch._sends and time.monotonic() < deadline:
+            ch.poll()
+    hpcdp.barrier()
+    if rank == 1:
+        deadline = time.monotonic() + 30
+        while (len(got) < 6 or [d for d in ch._discards if d[1] != 77]) and \
+                time.monotonic() < deadline:
+            ch.poll()  # (the refused body's data taken off the channel too; tag 77's never comes)
+        if [s for s, _ in got] != [0] * 6:
+            fails.append(f"{len(got)} messages, from {[s for s, _ in got]}")
+        frames = [f for _, f in got]
+        envs = [f.env for f in frames]
+        if envs != [pack_envelope([1, i]) for i in range(6)]:
+            fails.append(f"envelopes out of order or changed: {envs}")
+        refused = [f.refused for f in frames]
+        want = [None, "message body of 2000 bytes exceeds the limit of 1024", None,
+                "message body of 9000 bytes exceeds the limit of 1024",
+                f"message of {1 << 62} bytes exceeds the limit of {1 << 20}", None]
+        if refused != want:
+            fails.append(f"refused: {refused}")
+        elif not (bytes(frames[0].body) == b"b" * 10 and frames[1].body is None and
+                  frames[3].body is None and frames[4].buffers == [] and
+                  bytes(frames[5].body) == b"after"):
+            fails.append("bodies changed")
+        elif [np.asarray(x).tobytes() for x in frames[2].buffers] != \
+                [a.view(np.uint8).tobytes() for a in arrays]:
+            fails.append("arrays changed")
+    hpcdp.barrier()
+    ch.close(True, 5.0)
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "tcp-2", "mpi"), indirect=True)
+def test_channel_delivers_whole_messages_in_order(world) -> None:
+    check(world.run(body_channel_frames))
 
 
 def test_a_long_inline_callee_releases_the_rest_of_its_batch() -> None:
@@ -315,3 +329,26 @@ def test_a_long_inline_callee_releases_the_rest_of_its_batch() -> None:
     finally:
         release.set()
         pool.close(5.0)
+
+
+def test_rpc_reaches_backends_only_through_their_public_contract() -> None:
+    """RPC sends over ``Backend.dup()``: no module of ``hpcdp.rpc`` imports a backend's
+    private modules, a particular backend (``backends.tcp``, ``backends.mpi``), or any private
+    module outside ``hpcdp.rpc``."""
+    import ast
+    import glob
+
+    bad = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "hpcdp", "rpc", "*.py"))):
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2 and node.module:
+                parts = node.module.split(".")
+                names = [a.name for a in node.names]
+                if parts[0] == "backends" and (len(parts) > 2 or parts[1:] != ["base"]) or \
+                        any(p.startswith("_") and p not in ("_config", "_arrays") for p in parts) \
+                        or parts[0] == "backends" and any(n.startswith("_") for n in names):
+                    bad.append(f"{os.path.basename(path)}:{node.lineno}: from "
+                               f"{'.' * node.level}{node.module} import {', '.join(names)}")
+    assert not bad, bad

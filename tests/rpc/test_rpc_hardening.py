@@ -18,7 +18,8 @@ import pytest
 import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from conftest import run_mpi
+from hpcdp.testing.fixtures import worlds
 from hpcdp.testing import check
 from hpcdp.errors import CommTimeoutError, ProtocolError
 from hpcdp.rpc import _codec as C, _context, _protocol as P
@@ -226,46 +227,39 @@ def body_crossfire(rank: int) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_crossfire(backend: str) -> None:
-    res = run_ranks(backend, 2, body_crossfire, timeout=60, join_timeout=200)
-    assert res == [[], []], res
-
-
-@pytest.mark.mpi(min_size=2)
-def test_crossfire_mpi(mpi_world) -> None:
-    res = run_mpi(body_crossfire)
+def _all_ok(world, res: list) -> None:
     check(res)
+    assert res == [[]] * world.size, res
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_hardening(backend: str) -> None:
-    res = run_ranks(backend, 2, body_hardening, timeout=60, join_timeout=200)
-    assert res == [[], []], res
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_crossfire(world) -> None:
+    _all_ok(world, world.run(body_crossfire, timeout=60, join_timeout=200))
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_blocking_callees_never_stop_serving(backend: str) -> None:
-    res = run_ranks(backend, 2, body_handoff, timeout=60, join_timeout=200)
-    assert res == [[], []], res
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_hardening(world) -> None:
+    _all_ok(world, world.run(body_hardening, timeout=60, join_timeout=200))
 
 
-@pytest.mark.mpi(min_size=2)
-def test_hardening_mpi(mpi_world) -> None:
-    res = run_mpi(body_hardening)
-    check(res)
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_blocking_callees_never_stop_serving(world) -> None:
+    _all_ok(world, world.run(body_handoff, timeout=60, join_timeout=200))
 
 
-@pytest.mark.mpi(min_size=2)
-def test_blocking_callees_never_stop_serving_mpi(mpi_world) -> None:
-    res = run_mpi(body_handoff)
-    check(res)
+def raw_send(agent: Any, data: Any, dst: int, tag: int) -> None:
+    """Bytes sent as they are on the RPC channel's backend (``Backend.dup()``), past every
+    check of the sender."""
+    import numpy as np
+
+    req = agent.transport.be.send(np.frombuffer(data, np.uint8), dst, tag)
+    assert req.wait(30), "raw send did not complete"
 
 
 def body_forged_mpi_head(rank: int) -> list[str]:
     """A head announcing an absurd array length is refused by counting, never by listing
     its chunks (2**62 bytes would be billions of them); the worker serves on."""
-    from hpcdp.rpc._transport_mpi import ENV_TAG, _TAG
+    from hpcdp.rpc._channel import HEAD_TAG, TAG
     from hpcdp.rpc._wire import pack_prefix
 
     fails = B.start(rank, rpc_timeout=20)
@@ -273,8 +267,8 @@ def body_forged_mpi_head(rank: int) -> list[str]:
         agent = _context.current("test")
         for lens in ([2**62], [2**40] * 64):
             env = pack_envelope([P.CALL, 10**9, "echo"])
-            head = pack_prefix(env, b"", lens) + _TAG.pack(77) + env
-            agent.transport.comm.Send(head, 1, ENV_TAG)
+            head = pack_prefix(env, b"", lens) + TAG.pack(77) + env
+            raw_send(agent, head, 1, HEAD_TAG)
             B.check(fails, rpc.rpc_sync("worker1", B.add, args=(1, 2), timeout=10) == 3,
                     f"worker1 stopped serving after a head announcing {lens[0]} bytes")
     hpcdp.barrier()
@@ -296,15 +290,15 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
 
     import numpy as np
 
-    from hpcdp.rpc._transport_mpi import _DATA_TAG0, ENV_TAG, _TAG
+    from hpcdp.rpc._channel import DATA_TAG0, HEAD_TAG, TAG
     from hpcdp.rpc._wire import pack_prefix
 
     fails = B.start(rank, rpc_timeout=20)
     agent = _context.current("test")
     n, count = 8 << 20, 8
-    # the top of the transport's data tags, far from those its own messages use (from 16 up);
+    # the top of the channel's data tags, far from those its own messages use (from 16 up);
     # not TAG_UB itself: a communicator other than the world's may not carry the attribute
-    top = _DATA_TAG0 + agent.transport.tag_span
+    top = DATA_TAG0 + agent.transport.tag_span
     tags = [top - 1000 - i for i in range(count)]
     if rank == 1:
         tracemalloc.start()
@@ -314,8 +308,8 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
         body = msgpack.packb([C.TUPLE, [C.TUPLE, [C.NDARRAY, "uint8", [n], 0]], [C.DICT]])
         for i, tag in enumerate(tags):
             env = pack_envelope([P.CALL, 10**9 + i, "noop"])  # its error reply is dropped
-            agent.transport.comm.Send(pack_prefix(env, body, [n]) + _TAG.pack(tag) + env + body,
-                                      1, ENV_TAG)
+            raw_send(agent, pack_prefix(env, body, [n]) + TAG.pack(tag) + env + body, 1,
+                     HEAD_TAG)
     elif rank == 1:
         queued = lambda: len(agent.transport._incoming.get(0, ()))  # noqa: E731
         B.check(fails, B.wait_until(lambda: queued() >= count, 20), f"heads seen: {queued()}")
@@ -326,7 +320,7 @@ def body_heads_reserve_nothing(rank: int) -> list[str]:
     if rank == 0:
         data = np.zeros(n, np.uint8)
         for tag in tags:
-            agent.transport.comm.Send(data, 1, tag)
+            raw_send(agent, data, 1, tag)
     B.check(fails, rpc.rpc_sync(B.peer(rank), B.add, args=(1, 1), timeout=20) == 2,
             "serving after the forged heads")
     hpcdp.barrier()
@@ -352,14 +346,14 @@ def body_mismatched_chunk(rank: int) -> list[str]:
 
     import numpy as np
 
-    from hpcdp.rpc._transport_mpi import _DATA_TAG0, ENV_TAG, _TAG
+    from hpcdp.rpc._channel import DATA_TAG0, HEAD_TAG, TAG
     from hpcdp.rpc._wire import RECV_BUFFERS, pack_prefix
 
     fails = B.start(rank, rpc_timeout=20)
     agent = _context.current("test")
     n = 1 << 20
     for attempt in range(2):
-        tag = _DATA_TAG0 + agent.transport.tag_span - 2000 - attempt
+        tag = DATA_TAG0 + agent.transport.tag_span - 2000 - attempt
         if rank == 1 and attempt:
             RECV_BUFFERS.clear()  # a buffer taken now would be new memory, and traced
             reused = RECV_BUFFERS.reused
@@ -375,10 +369,10 @@ def body_mismatched_chunk(rank: int) -> list[str]:
                 heapq.heappush(agent._deadlines, (time.monotonic() + 30.0, mid))
             env = pack_envelope([P.CALL, mid, "echo"])
             body = msgpack.packb([C.TUPLE, [C.TUPLE, [C.NDARRAY, "uint8", [n], 0]], [C.DICT]])
-            comm = agent.transport.comm
-            comm.Send(pack_prefix(env, body, [n]) + _TAG.pack(tag) + env + body, 1, ENV_TAG)
+            raw_send(agent, pack_prefix(env, body, [n]) + TAG.pack(tag) + env + body, 1,
+                     HEAD_TAG)
             big = np.ones(4 * n, np.uint8)
-            _LEFT.append((comm.Isend(big, 1, tag), big))
+            _LEFT.append((agent.transport.be.send(big, 1, tag), big))
             B.raises(fails, rpc.RemoteError, lambda: fut.wait(timeout=15), "mismatched chunk",
                      "were announced")
         hpcdp.barrier()

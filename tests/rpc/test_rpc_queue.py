@@ -10,7 +10,6 @@ import ast
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from typing import Any
@@ -21,7 +20,8 @@ import pytest
 import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
-from conftest import ROOT, SPAWN_BACKENDS, job_env, run_mpi, run_ranks
+from conftest import ROOT, job_env
+from hpcdp.testing.fixtures import worlds
 from hpcdp.rpc import _context
 
 pytestmark = pytest.mark.timeout(240)
@@ -121,28 +121,17 @@ def body_busy_callee(rank: int, flag: str) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_busy_callee_holds_at_most_its_queue_budget(backend: str, monkeypatch) -> None:
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_busy_callee_holds_at_most_its_queue_budget(world, monkeypatch, shared_tmp_path) -> None:
     monkeypatch.setenv("HPCDP_RPC_QUEUE_BYTES", str(BUDGET))
-    with tempfile.TemporaryDirectory() as d:
-        res = run_ranks(backend, 2, body_busy_callee, os.path.join(d, "go"), timeout=60,
-                        join_timeout=200)
-    assert res == [[], []], res
-
-
-@pytest.mark.mpi(min_size=2)
-def test_busy_callee_holds_at_most_its_queue_budget_mpi(mpi_world, shared_tmp_path) -> None:
-    os.environ["HPCDP_RPC_QUEUE_BYTES"] = str(BUDGET)
-    try:
-        res = run_mpi(body_busy_callee, os.path.join(str(shared_tmp_path), "go"))
-    finally:
-        del os.environ["HPCDP_RPC_QUEUE_BYTES"]
-    assert all(r == [] for r in res), res
+    res = world.run(body_busy_callee, os.path.join(str(shared_tmp_path), "go"), timeout=60,
+                    join_timeout=200)
+    assert res == [[]] * world.size, res
 
 
 _MEMORY_SCRIPT = textwrap.dedent("""
     import os, resource, sys, tempfile, threading, time
-    sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
+    sys.path[:0] = [os.path.join(sys.argv[1], "tests", "rpc"), os.path.join(sys.argv[1], "tests")]
     import numpy as np
     import hpcdp, hpcdp.rpc as rpc
     import test_rpc_queue as Q

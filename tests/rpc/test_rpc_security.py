@@ -1,6 +1,7 @@
 """hpcdp.rpc refuses what it must, with a clear error, and keeps serving: unregistered names,
 forged messages from an authenticated peer, oversized and deeply nested payloads, payloads that
-name a class to build, and connections to the RPC port that do not authenticate."""
+name a class to build; on TCP it opens no port of its own (it travels over the backend's
+authenticated connections), and connections that do not authenticate are dropped."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,8 @@ import pytest
 import hpcdp
 import hpcdp.rpc as rpc
 import rpc_bodies as B
-from conftest import SPAWN_BACKENDS, run_mpi, run_ranks
+from conftest import run_ranks
+from hpcdp.testing.fixtures import worlds
 from hpcdp.errors import ProtocolError
 from hpcdp.rpc import _codec as C, _context, _protocol as P
 from hpcdp.rpc._wire import pack_envelope
@@ -194,18 +196,46 @@ def body_security(rank: int) -> list[str]:
     return fails
 
 
+def _listening_ports() -> set[int]:
+    """The TCP ports this process listens on (its sockets in LISTEN state, from /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def body_unauthenticated(rank: int) -> list[str]:
-    """Connections to worker1's RPC listener that fail the handshake are dropped."""
+    """RPC on TCP travels over the backend's own authenticated connections: ``init_rpc`` opens
+    no port of its own, and connections to worker1's one listener that fail the handshake are
+    dropped while RPC serves on."""
     from hpcdp.backends.tcp import _wire as wire
-    from hpcdp.rpc._transport_tcp import ROLE_RPC
     from tcp_helpers import closed_by_server
 
+    before = _listening_ports()
     fails = B.start(rank, rpc_timeout=20)
-    agent = _context.current("test")
-    ports = hpcdp.all_gather(np.array([agent.transport.address[1]]))
+    B.check(fails, _listening_ports() == before,
+            f"init_rpc opened a listener: ports {sorted(before)} -> {sorted(_listening_ports())}")
+    world = hpcdp.get_default_group().backend.world
+    ports = hpcdp.all_gather(np.array([world.listener.getsockname()[1]]))
     if rank == 0:
         addr = ("127.0.0.1", int(ports[1][0]))
-        secret = wire.get_secret()
+        secret, gen = wire.get_secret(), world.generation
         hello = struct.Struct("<4sBBHii32s")
 
         def attempt(label: str, payload: bytes) -> None:
@@ -216,21 +246,21 @@ def body_unauthenticated(rank: int) -> list[str]:
         attempt("garbage", os.urandom(64))
         attempt("RPC frame without handshake",
                 (struct.pack("<2sBBIII", b"HR", 1, 0, 7, 0, 0) + b"\x93\x01\x01\xa3add").ljust(64, b"\0"))
-        attempt("hello for the peer role", hello.pack(b"HPCD", 1, wire.ROLE_PEER, 0, 0, 1,
-                                                      os.urandom(32)))
-        attempt("hello for another rank", hello.pack(b"HPCD", 1, ROLE_RPC, 0, 0, 0,
+        attempt("hello for the store role", hello.pack(b"HPCD", 1, wire.ROLE_STORE, gen, 0, 1,
+                                                       os.urandom(32)))
+        attempt("hello for another rank", hello.pack(b"HPCD", 1, wire.ROLE_PEER, gen, 0, 0,
                                                      os.urandom(32)))
         # right role and target, wrong secret: the client side sees the server refuse
         with socket.create_connection(addr, timeout=5) as s:
             try:
-                wire.client_handshake(s, b"not the secret", ROLE_RPC, 0, 1, 5.0)
+                wire.client_handshake(s, b"not the secret", wire.ROLE_PEER, 0, 1, 5.0, gen)
                 fails.append("handshake with a wrong secret accepted")
             except Exception as exc:  # noqa: BLE001 - AuthError or a closed connection
                 B.check(fails, isinstance(exc, (hpcdp.AuthError, ConnectionError, OSError)),
                         f"wrong secret: {exc!r}")
         # the secret, but claiming a rank that is already connected: refused after the handshake
         with socket.create_connection(addr, timeout=5) as s:
-            wire.client_handshake(s, secret, ROLE_RPC, 0, 1, 5.0)
+            wire.client_handshake(s, secret, wire.ROLE_PEER, 0, 1, 5.0, gen)
             B.check(fails, closed_by_server(s), "second connection claiming rank 0 kept open")
         B.check(fails, rpc.rpc_sync("worker1", B.add, args=(2, 3)) == 5, "worker1 stopped serving")
     hpcdp.barrier()
@@ -238,21 +268,15 @@ def body_unauthenticated(rank: int) -> list[str]:
     return fails
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_refused_and_still_serving(backend: str) -> None:
-    res = run_ranks(backend, 2, body_security, timeout=60, join_timeout=150)
-    assert res == [[], []], res
+@pytest.mark.parametrize("world", worlds(*B.spawned(2), "mpi"), indirect=True)
+def test_refused_and_still_serving(world) -> None:
+    res = world.run(body_security, timeout=60, join_timeout=150)
+    assert res == [[]] * world.size, res
 
 
-def test_unauthenticated_connections_to_rpc_port() -> None:
+def test_rpc_opens_no_port_and_unauthenticated_connections_are_dropped() -> None:
     res = run_ranks("tcp", 2, body_unauthenticated, timeout=60, join_timeout=120)
     assert res == [[], []], res
-
-
-@pytest.mark.mpi(min_size=2)
-def test_refused_and_still_serving_mpi(mpi_world) -> None:
-    res = run_mpi(body_security)
-    assert all(r == [] for r in res), res
 
 
 def test_codec_refuses_without_a_transport() -> None:
@@ -347,15 +371,9 @@ _ZERO = {"owned": 0, "forks": 0, "handles": 0, "users": 0, "pending_children": 0
          "pending_requests": 0}
 
 
-@pytest.mark.parametrize("backend", SPAWN_BACKENDS)
-def test_rref_served_only_to_workers_handed_a_fork(backend: str) -> None:
+@pytest.mark.parametrize("world", worlds(*B.spawned(3), "mpi", mpi_min_size=3), indirect=True)
+def test_rref_served_only_to_workers_handed_a_fork(world) -> None:
     """Issue 20 item 11: a forged FORK (guessed id, or a real id from a worker never sent it)
     is refused, and so are that worker's uses; the legitimate flows still work."""
-    res = run_ranks(backend, 3, body_rref_capabilities, timeout=60, join_timeout=150)
-    assert res == [[], [], []], res
-
-
-@pytest.mark.mpi(min_size=3)
-def test_rref_served_only_to_workers_handed_a_fork_mpi(mpi_world) -> None:
-    res = run_mpi(body_rref_capabilities)
-    assert all(r == [] for r in res), res
+    res = world.run(body_rref_capabilities, timeout=60, join_timeout=150)
+    assert res == [[]] * world.size, res

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hpcdp import trace
+from hpcdp.trace import hooks
 from hpcdp.trace import COMPLETED, FAILED, TIMED_OUT
 from hpcdp.trace import _clock, _files
 from hpcdp.trace import _dump as _dump_module
@@ -48,7 +49,7 @@ class Rank:
         self.rec = trace.recorder(r)
         self.seqs: dict[str, int] = {}
 
-    @trace.hide_frames
+    @hooks.hide_frames
     def op(self, name: str, gname: str = "world", ranks: tuple[int, ...] | None = None,
            state: str = COMPLETED, shape=(4,), dtype=F32, peer: int = -1, seq: int | None = None) -> None:
         ranks = ranks or tuple(range(self.world))
@@ -171,7 +172,7 @@ def test_a_peer_that_finalized_is_said_to_have_finished(tmp_path) -> None:
     for rk in ranks:
         rk.op("allreduce")
         rk.op("allreduce")  # MARK-LAST
-    trace.mark_finished("finalize", 1, write=False)
+    hooks.mark_finished("finalize", 1, write=False)
     ranks[0].op("allreduce", state=TIMED_OUT)  # MARK-ALONE
     lines = analyze(_dump(tmp_path)).splitlines()
     fn = "(test_a_peer_that_finalized_is_said_to_have_finished)"

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import job_env
 from hpcdp.bench import _plot
+from hpcdp.trace import benchplot
 from hpcdp.bench._common import Row
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -51,7 +52,7 @@ def _rows() -> list[dict]:
 
 def test_every_panel_is_built_with_its_target() -> None:
     rows = _rows()
-    panels = _plot._collective_panels(rows) + _plot._pair_panels(rows)
+    panels = benchplot._collective_panels(rows) + benchplot._pair_panels(rows)
     titles = [p.title for p in panels]
     assert "allreduce, 2 ranks: bus bandwidth" in titles and "all_gather, 2 ranks: time per op" in titles
     assert "allreduce latency (barrier between calls)" in titles
@@ -64,7 +65,7 @@ def test_every_panel_is_built_with_its_target() -> None:
     # the baseline's busbw comes from its time: same bytes, busbw scales with 1/time
     assert base[2][-1] == pytest.approx(hp[2][-1] * (1 / 0.98))
     assert tgt[1] == [1 << 20, 4 << 20] and tgt[2][-1] == pytest.approx(base[2][-1] * 0.97)
-    figs = {lab: (v, d, t) for lab, v, d, t in _plot._figure_rows(rows)}
+    figs = {lab: (v, d, t) for lab, v, d, t in benchplot._figure_rows(rows)}
     assert figs["A2 allreduce latency overhead us (8 B - 1 KiB, worst size)"] == (4.0, "<=", 3.0)
     assert figs["D1 sync 1000 tensors: time / baseline"] == (0.3, "<=", 0.5)
     assert figs["D4 weak scaling efficiency, 2 ranks"] == (0.9, ">=", 0.85)
@@ -112,7 +113,7 @@ def test_pipeline_rows_are_figures_against_their_targets() -> None:
              "bubble_theory": 0.2727},
             {"bench": "F1", "schedule": "zero_bubble", "ranks": 4, "ratio": 1.2, "bubble": 0.2,
              "bubble_theory": 0.1}]
-    figs = {lab: (v, d, t) for lab, v, d, t in _plot._figure_rows(rows)}
+    figs = {lab: (v, d, t) for lab, v, d, t in benchplot._figure_rows(rows)}
     assert figs["F1 1f1b, 4 ranks: step / ideal"] == (1.04, "<=", 1.10)
     v, d, t = figs["F1 zero_bubble, 4 ranks: |bubble - theory|"]
     assert (v, d, t) == (pytest.approx(0.1), "<=", 0.03)
@@ -142,7 +143,7 @@ def test_fsdp_and_trace_rows_are_figures_against_their_targets() -> None:
             {"bench": "E4", "ranks": 4, "ratio": 3.5},
             {"bench": "summary", "name": "T1 DDP example step: HPCDP_TRACE=1 / off", "value": 1.02,
              "target": "<= 1.05"}]
-    figs = {lab: (v, d, t) for lab, v, d, t in _plot._figure_rows(rows)}
+    figs = {lab: (v, d, t) for lab, v, d, t in benchplot._figure_rows(rows)}
     assert figs == {"E3 ZeRO-3 step / DDP step, 2 ranks": (1.4, "<=", 1.6),
                     "E4 ZeRO-3 / DDP model size, 4 ranks": (3.5, ">=", pytest.approx(3.2)),
                     "T1 DDP example step: HPCDP_TRACE=1 / off": (1.02, "<=", 1.05)}

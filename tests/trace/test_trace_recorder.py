@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hpcdp import trace
+from hpcdp.trace import hooks
 from hpcdp.trace import COMPLETED, FAILED, STARTED, TIMED_OUT, Recorder
 from hpcdp.trace._dump import reset_hooks_for_tests
 
@@ -103,9 +104,9 @@ def test_pinned_line_names_the_call_around_what_it_starts() -> None:
         return deep(n - 1) if n else rec.begin("allreduce", "world", 1)
 
     pin = sys._getframe().f_lineno + 1
-    with trace.pinned_line():
+    with hooks.pinned_line():
         rec.end(deep(5))
-        with trace.pinned_line():  # nested: the outer call stays the user's line
+        with hooks.pinned_line():  # nested: the outer call stays the user's line
             rec.end(deep(3))
     rec.end(deep(2))
     inner = deep.__code__.co_firstlineno + 1
@@ -117,7 +118,7 @@ def test_pinned_line_names_the_call_around_what_it_starts() -> None:
 def test_pinned_line_costs_nothing_without_lines() -> None:
     trace.configure(lines=False)
     rec = Recorder(0, 8, lines=True)
-    with trace.pinned_line():
+    with hooks.pinned_line():
         tok = rec.begin("allreduce", "world", 1); here = sys._getframe().f_lineno  # noqa: E702
     rec.end(tok)
     assert rec.snapshot()[0].line.startswith(f"{HERE}:{here} ")
@@ -156,7 +157,7 @@ def test_registry_env_and_rank_binding(monkeypatch) -> None:
     monkeypatch.setenv("HPCDP_FLIGHT_RECORDER", "16")
     trace.reset()
     assert trace.recorder(5).capacity == 16 and trace.recorder(5) is trace.recorder(5)
-    assert trace.active_recorder(5) is trace.recorder(5)
+    assert hooks.active_recorder(5) is trace.recorder(5)
     seen = {}
 
     def thread() -> None:
@@ -169,7 +170,7 @@ def test_registry_env_and_rank_binding(monkeypatch) -> None:
     assert seen["rec"].rank == 9
     monkeypatch.setenv("HPCDP_FLIGHT_RECORDER", "0")
     trace.reset()
-    assert trace.active_recorder(1) is None
+    assert hooks.active_recorder(1) is None
     monkeypatch.setenv("HPCDP_FLIGHT_RECORDER", "lots")
     trace.reset()
     with pytest.raises(ValueError, match="HPCDP_FLIGHT_RECORDER='lots'"):
@@ -255,17 +256,17 @@ def test_on_error_ends_dumps_and_rate_limits(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HPCDP_TRACE_DUMP_INTERVAL", "3600")
     rec = trace.recorder(0)
     t1, t2, t3 = (rec.begin("allreduce", "world", s) for s in (1, 2, 3))
-    trace.on_error(rec, t1, CollectiveMismatchError("allreduce #1: shapes differ"))
+    hooks.on_error(rec, t1, CollectiveMismatchError("allreduce #1: shapes differ"))
     assert not os.listdir(tmp_path)  # a mismatch raises on every rank at once: no dump needed
-    trace.on_error(rec, t2, CommTimeoutError("allreduce #2 timed out"))
+    hooks.on_error(rec, t2, CommTimeoutError("allreduce #2 timed out"))
     doc = json.loads((tmp_path / "flight-rank0.json").read_text())
     assert doc["reason"] == "CommTimeoutError: allreduce #2 timed out"
     assert [e["state"] for e in doc["entries"]] == ["failed", "timed out", "started"]
-    trace.on_error(rec, t3, PeerFailureError("rank 1 died"))  # within the interval: not rewritten
+    hooks.on_error(rec, t3, PeerFailureError("rank 1 died"))  # within the interval: not rewritten
     assert json.loads((tmp_path / "flight-rank0.json").read_text())["reason"] == doc["reason"]
     assert rec.snapshot()[2].state == FAILED
     monkeypatch.setenv("HPCDP_TRACE_DUMP_INTERVAL", "0")
-    trace.on_error(None, 0, PeerFailureError("rank 1 died"))
+    hooks.on_error(None, 0, PeerFailureError("rank 1 died"))
     assert json.loads((tmp_path / "flight-rank0.json").read_text())["reason"] == "PeerFailureError: rank 1 died"
 
 
@@ -280,7 +281,8 @@ def _run(code: str, tmp_path, timeout: float = 60, **popen) -> subprocess.Comple
 def test_uncaught_exception_dumps_at_exit(tmp_path) -> None:
     proc = _run("""
         from hpcdp import trace
-        trace.install(0, 2)
+        from hpcdp.trace import hooks
+        hooks.install(0, 2)
         rec = trace.recorder()
         rec.end(rec.begin("allreduce", "world", 1))
         rec.begin("barrier", "world", 2)
@@ -300,7 +302,8 @@ def test_sigusr1_dumps_and_chains_to_the_previous_handler(tmp_path) -> None:
         got = []
         signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))   # e.g. a preemption helper
         from hpcdp import trace
-        trace.install(1, 2)
+        from hpcdp.trace import hooks
+        hooks.install(1, 2)
         rec = trace.recorder()
         rec.begin("allreduce", "world", 1)
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -322,7 +325,7 @@ def test_install_from_a_thread_only_binds_the_rank() -> None:
 
     def thread() -> None:
         try:
-            trace.install(2, 4)
+            hooks.install(2, 4)
             assert trace.recorder().rank == 2
         except BaseException as exc:  # noqa: BLE001 - reported below
             err.append(exc)
@@ -333,7 +336,7 @@ def test_install_from_a_thread_only_binds_the_rank() -> None:
     assert not err, err
     assert signal.getsignal(signal.SIGUSR1) is before
     with pytest.raises(ValueError, match="rank 4 is not in"):
-        trace.install(4, 4)
+        hooks.install(4, 4)
 
 
 def test_late_end_of_a_forgotten_entry_keeps_the_newer_ones_end() -> None:

@@ -9,7 +9,9 @@ import pytest
 
 import hpcdp
 from hpcdp import trace
-from hpcdp.trace import StragglerReport
+from hpcdp.trace import hooks
+from hpcdp.comm import stragglers
+from hpcdp.comm.stragglers import StragglerReport
 from hpcdp.trace._clock import WALL_MINUS_MONO_NS
 
 from conftest import SPAWN_BACKENDS, run_ranks
@@ -41,14 +43,14 @@ def test_report_arithmetic() -> None:
 
 def _straggler_body(rank: int, late: int, nops: int) -> dict:
     g = hpcdp.get_default_group()
-    trace.install(rank, g.size)
+    hooks.install(rank, g.size)
     sync = trace.estimate_clock_offset(g)
     x = np.ones(3)
     for s in range(1, nops + 1):
         if rank == late:
             time.sleep(0.2)
         g.allreduce(x)  # recorded by the collective layer itself
-    rep = trace.gather_arrivals(g)
+    rep = stragglers.gather_arrivals(g)
     return {"seqs": rep.seqs.tolist(), "last": rep.last_counts().tolist(), "ranks": list(rep.ranks),
             "text": rep.format(), "sync": (sync.offset_ns, sync.rtt_ns)}
 
@@ -71,7 +73,7 @@ def _skewed_clock_body(rank: int, skew_ns: int) -> tuple[int, int]:
     g = hpcdp.get_default_group()
     clock = (lambda: time.monotonic_ns() + WALL_MINUS_MONO_NS + (skew_ns if rank == 1 else 0))
     s = trace.estimate_clock_offset(g, rounds=5, clock=clock)
-    assert trace.clock_offset_ns(g.ranks[g.rank]) == s.offset_ns
+    assert hooks.clock_offset_ns(g.ranks[g.rank]) == s.offset_ns
     return s.offset_ns, s.rtt_ns
 
 
@@ -91,7 +93,7 @@ def _reporter_body(rank: int, every: int, steps: int) -> tuple[str, int]:
     g = hpcdp.get_default_group()
     trace.bind_rank(rank)
     buf = io.StringIO()
-    rep = trace.report_stragglers(every, file=buf)
+    rep = hpcdp.report_stragglers(every, file=buf)
     reports = 0
     for _ in range(steps):
         for _ in range(2):
@@ -113,20 +115,18 @@ def test_reporter_prints_on_rank_zero_every_n_steps() -> None:
 
 
 def test_env_and_argument_checks(monkeypatch) -> None:
-    from hpcdp.comm import stragglers as _straggler
-
     monkeypatch.setenv("HPCDP_STRAGGLER", "often")
     with pytest.raises(ValueError, match="HPCDP_STRAGGLER='often'"):
-        _straggler.from_env()
+        stragglers.from_env()
     monkeypatch.setenv("HPCDP_STRAGGLER", "0")
-    assert _straggler.from_env() is None
+    assert stragglers.from_env() is None
     monkeypatch.setenv("HPCDP_STRAGGLER", "25")
-    rep = _straggler.from_env()
+    rep = stragglers.from_env()
     assert rep is not None and rep.every == 25
-    _straggler.stop()
+    stragglers.stop()
     assert trace.step() is None
     with pytest.raises(ValueError, match="every must be >= 1"):
-        trace.report_stragglers(0)
+        hpcdp.report_stragglers(0)
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         trace.estimate_clock_offset(object(), rounds=0)
 
@@ -147,6 +147,6 @@ def test_mpi_clock_offsets_and_arrivals(mpi_world) -> None:
         if rank == late:
             time.sleep(0.2)
         g.allreduce(x)
-    rep = trace.gather_arrivals(g)
+    rep = stragglers.gather_arrivals(g)
     assert rep.seqs.tolist() == [1, 2, 3] and rep.ranks == tuple(range(n))
     assert int(rep.last_counts()[late]) >= 2, rep.format()

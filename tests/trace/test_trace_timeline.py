@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hpcdp import trace
+from hpcdp.trace import hooks
 from hpcdp.trace import _chrome
 from hpcdp.trace._merge import assign_lanes, merged_events
 from hpcdp.trace._plot import self_times
@@ -26,7 +27,7 @@ def fresh():
     trace.disable()
     trace.reset()
     for r in list(trace._clock._offsets):
-        trace.set_clock_offset(r, 0)
+        hooks.set_clock_offset(r, 0)
 
 
 class G:
@@ -80,7 +81,7 @@ def test_span_instant_counter_follow_the_switch(tmp_path) -> None:
     trace.counter("nothing", v=1)
     assert not os.listdir(tmp_path)
     trace.enable(tmp_path)
-    trace.install(0, 1)
+    hooks.install(0, 1)
     with trace.span("outer", "phase", step=2):
         assert work() == 7
         try:
@@ -108,7 +109,7 @@ def test_sim_ranks_get_one_timeline_each(tmp_path) -> None:
     trace.enable(tmp_path)
 
     def body(rank: int) -> None:
-        trace.install(rank, 3)
+        hooks.install(rank, 3)
         with trace.span("step", "train", rank=rank):
             hpcdp.barrier()
 
@@ -123,7 +124,7 @@ def test_sim_ranks_get_one_timeline_each(tmp_path) -> None:
 def _write_rank(directory, rank: int, offset_ns: int, spans: list[tuple[str, int, int]]) -> None:
     """A timeline of spans at the given reference-clock times (ns after a common epoch), written
     by a rank whose clock reads ``reference - offset_ns``."""
-    trace.set_clock_offset(rank, offset_ns)
+    hooks.set_clock_offset(rank, offset_ns)
     tl = _chrome.Timeline(rank, str(directory))
     for name, t0, t1 in spans:
         tl.complete(name, "phase", tl.epoch_ns + t0 - offset_ns, tl.epoch_ns + t1 - offset_ns)

@@ -5,7 +5,7 @@ collective (timeout, MPI error, exit, finalize) sends every other member a "left
 fail at once with ``PeerFailureError`` instead of waiting a timeout of their own; a rank whose
 deadline passes asks the others whether they joined the call, to say who did not arrive.
 Checking for a notice is one read of the posted buffer, which MPI fills during the progress our
-own calls make: the latency path pays about 0.05 us for it.
+own calls make: cheap enough for the small-message path to do on every call.
 
 Messages are 16 int64 words: magic, kind, collective index, sender's world rank, nonce, text
 length, then up to 80 bytes of text. The index counts collectives posted on the group, the same
@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import CollectiveMismatchError, HpcdpError, PeerFailureError
 from . import _requests as _rq
 
-__all__ = ["Notices", "ROLL_CALL_WAIT"]
+__all__ = ["Notices", "ROLL_CALL_WAIT", "report_death"]
 
 _MAGIC = 0x68706364704E4F54  # "hpcdpNOT"
 _LEFT, _ASK, _ANSWER, _DIED = 1, 2, 3, 4
@@ -38,23 +38,24 @@ ROLL_CALL_WAIT = 0.2
 
 
 class Notices:
-    """Mixin of ``MPIBackend``: needs ``comm``, ``rank``, ``size``, ``ranks`` and ``_index``."""
+    """One group's side channel; the backend holds it as ``notices`` (and shuts it down).
 
-    comm: Any
-    rank: int
-    size: int
-    ranks: tuple[int, ...]
-    _index: int
+    ``index`` counts the collectives posted on the group (the backend and its small-message path
+    take the next one for each): it lives here because it is what notices and roll calls name.
+    ``owner`` is the backend, under which the channel's sends are registered (``_requests``)."""
 
-    def _open_notices(self, MPI: Any) -> None:
-        self._notice = self.comm.Dup()
+    def __init__(self, comm: Any, rank: int, size: int, ranks: tuple[int, ...], owner: Any) -> None:
+        MPI = _rq._MPI
+        self.comm = comm.Dup()
+        self.rank, self.size, self.ranks, self.owner = rank, size, ranks, owner
+        self.index = 0
         #: (index, world rank, why) of a peer that left; index 0: it died (every call fails)
-        self._left: tuple[int, int, str] | None = None
-        self._announced = False
+        self.left: tuple[int, int, str] | None = None
+        self.announced = False
         self._nonce = itertools.count(1)
-        self._nbuf = np.zeros(_WORDS, np.int64)
-        self._nview = memoryview(self._nbuf)  # [0] turns non-zero when a notice landed
-        self._nreq: Any = self._notice.Irecv([self._nbuf, MPI.INT64_T], MPI.ANY_SOURCE, _NOTICE_TAG)
+        self._buf = np.zeros(_WORDS, np.int64)
+        self.view = memoryview(self._buf)  # [0] turns non-zero when a notice landed
+        self._req: Any = self.comm.Irecv([self._buf, MPI.INT64_T], MPI.ANY_SOURCE, _NOTICE_TAG)
 
     def mpi_error(self, exc: Any, what: str, index: int) -> HpcdpError:
         """hpcdp's error for an MPI exception in ``what``; the other ranks are told (collectives)."""
@@ -91,7 +92,7 @@ class Notices:
         buf[:6] = (_MAGIC, kind, index, self.ranks[self.rank], nonce, len(raw))
         buf.view(np.uint8)[_TEXT_AT: _TEXT_AT + len(raw)] = np.frombuffer(raw, np.uint8)
         try:
-            req = _rq.MPIRequest(self, [self._notice.Isend([buf, MPI.INT64_T], dst, tag)],  # type: ignore[arg-type]
+            req = _rq.MPIRequest(self.owner, [self.comm.Isend([buf, MPI.INT64_T], dst, tag)],
                                  "notice")
             req.keep = buf
         except MPI.Exception:
@@ -99,37 +100,34 @@ class Notices:
 
     def announce(self, index: int, why: str) -> None:
         """Tell every other rank of the group that this one left (once): they fail at once."""
-        if self._announced or self.size == 1 or self._notice == _rq._MPI.COMM_NULL:
+        if self.announced or self.size == 1 or self.comm == _rq._MPI.COMM_NULL:
             return
-        self._announced = True
+        self.announced = True
         for r in range(self.size):
             if r != self.rank:
                 self._send_header(r, _NOTICE_TAG, _LEFT, index, 0, why)
 
-    def report_death(self, why: str) -> None:
-        """Tell the other ranks of every live group of this process that it is dying of ``why``
-        (an uncaught exception); a group that announced a departure already is left alone."""
-        if _rq._MPI is None or _rq._MPI.Is_finalized():
+    def died(self, why: str) -> None:
+        """Tell the other ranks that this process is dying of ``why`` (once; not after an
+        announced departure)."""
+        if self.announced or self.size == 1 or self.comm == _rq._MPI.COMM_NULL:
             return
-        for be in list(_rq._LIVE):
-            if be._announced or be.size == 1 or be._notice == _rq._MPI.COMM_NULL:
-                continue
-            be._announced = True
-            for r in range(be.size):
-                if r != be.rank:
-                    be._send_header(r, _NOTICE_TAG, _DIED, 0, 0, why)
+        self.announced = True
+        for r in range(self.size):
+            if r != self.rank:
+                self._send_header(r, _NOTICE_TAG, _DIED, 0, 0, why)
 
-    def notice_waiting(self) -> bool:
-        return self._nview[0] != 0 or self._left is not None
+    def waiting(self) -> bool:
+        return self.view[0] != 0 or self.left is not None
 
-    def check_notices(self, index: int, p2p: bool = False) -> None:
+    def check(self, index: int, p2p: bool = False) -> None:
         """Answer questions, take notices; raise if a peer left at or before collective ``index``
         (``p2p``: a point-to-point wait, which only a peer's death fails)."""
-        if self._nview[0]:
+        if self.view[0]:
             with _rq._LOCK:
                 while self._take_notice():  # the repost may match a queued message at once
                     pass
-        left = self._left
+        left = self.left
         if left is not None and not left[0] and (index or p2p):
             raise PeerFailureError(
                 f"rank {left[1]} died of an uncaught {left[2]}; the group cannot be used any "
@@ -142,19 +140,19 @@ class Notices:
     def _take_notice(self) -> bool:
         """Under ``_LOCK``: handle the message in the posted buffer, if one landed; post again."""
         MPI = _rq._MPI
-        req = self._nreq
-        if req is None or self._notice == MPI.COMM_NULL:
+        req = self._req
+        if req is None or self.comm == MPI.COMM_NULL:
             return False
         st = MPI.Status()
         try:
             if not req.Test(st):
                 return False
         except MPI.Exception:
-            self._nreq = None
+            self._req = None
             return False
-        hdr = self._nbuf.copy()
-        self._nbuf[:] = 0
-        self._nreq = self._notice.Irecv([self._nbuf, MPI.INT64_T], MPI.ANY_SOURCE, _NOTICE_TAG)
+        hdr = self._buf.copy()
+        self._buf[:] = 0
+        self._req = self.comm.Irecv([self._buf, MPI.INT64_T], MPI.ANY_SOURCE, _NOTICE_TAG)
         if hdr[0] != _MAGIC:
             return True
         kind, index, who, nonce, n = (int(v) for v in hdr[1:6])
@@ -162,16 +160,16 @@ class Notices:
             text = _text(hdr, n)
             if kind == _DIED:
                 index = 0
-            if self._left is None or index < self._left[0]:
-                self._left = (index, who, text)
+            if self.left is None or index < self.left[0]:
+                self.left = (index, who, text)
         elif kind == _ASK:
-            self._send_header(st.Get_source(), _ANSWER_TAG, _ANSWER, self._index, nonce,
+            self._send_header(st.Get_source(), _ANSWER_TAG, _ANSWER, self.index, nonce,
                               self._pending_what(index))
         return True
 
     def _pending_what(self, index: int) -> str:
         """The operation this rank has pending as collective ``index`` ("" if none: finished)."""
-        for r in _rq.pending_of(self):  # type: ignore[arg-type]
+        for r in _rq.pending_of(self.owner):
             if r.index == index and not r.done:
                 return r.what
         return ""
@@ -180,7 +178,7 @@ class Notices:
         """Ask the other ranks whether they joined collective ``index``; what did not arrive."""
         MPI = _rq._MPI
         others = [r for r in range(self.size) if r != self.rank]
-        if not others or self._notice == MPI.COMM_NULL:
+        if not others or self.comm == MPI.COMM_NULL:
             return f"{what} did not complete"
         nonce = next(self._nonce)
         for r in others:
@@ -190,7 +188,7 @@ class Notices:
         buf, st = np.zeros(_WORDS, np.int64), MPI.Status()
         deadline = time.monotonic() + ROLL_CALL_WAIT
         while len(answers) < len(others) and time.monotonic() < deadline:
-            msg = self._notice.Improbe(MPI.ANY_SOURCE, _ANSWER_TAG, st)
+            msg = self.comm.Improbe(MPI.ANY_SOURCE, _ANSWER_TAG, st)
             if msg is None:
                 _rq.serve_all()  # a peer may be asking us the same thing
                 time.sleep(1e-4)
@@ -208,10 +206,10 @@ class Notices:
         return (f"rank(s) {missing} of the group have not joined {what} (no answer within "
                 f"{ROLL_CALL_WAIT:g} s, or still in an earlier call); rank(s) {joined} have")
 
-    def close_notices(self) -> None:
+    def close(self) -> None:
         """Withdraw the posted notice receive (its buffer must outlive it)."""
         with _rq._LOCK:
-            req, self._nreq = self._nreq, None
+            req, self._req = self._req, None
         if req is None:
             return
         try:
@@ -221,7 +219,7 @@ class Notices:
                     return
         except _rq._MPI.Exception:
             pass
-        _rq.keep_forever((req, self._nbuf))
+        _rq.keep_forever((req, self._buf))
 
 
 def _text(hdr: np.ndarray, n: int) -> str:
@@ -249,3 +247,12 @@ def _all_reached(what: str, index: int, names: dict[int, str], me: int) -> str:
     return (f"every rank of the group reached collective #{index} of this group but it did not "
             f"complete (this rank's ({me}) is {what}{said}{tail}): {verdict}; HPCDP_DEBUG=detail "
             "compares each rank's call")
+
+
+def report_death(why: str) -> None:
+    """Tell the other ranks of every live group of this process that it is dying of ``why``
+    (an uncaught exception); a group that announced a departure already is left alone."""
+    if _rq._MPI is None or _rq._MPI.Is_finalized():
+        return
+    for be in list(_rq._LIVE):
+        be.notices.died(why)

@@ -20,18 +20,18 @@ import ctypes
 import sys
 import threading
 import time
-import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ...errors import HpcdpError
 from .._staging import Chain
 from ..base import Request, poll_until
+from . import _tuning
 
 if TYPE_CHECKING:
-    from . import MPIBackend
+    from ._backend import MPIBackend
 
-__all__ = ["MPIRequest", "Chain", "Lifetime", "bind", "drain", "reap", "pending_of",
-           "register_backend"]
+__all__ = ["MPIRequest", "Chain", "bind", "drain", "reap", "pending_of", "register_backend",
+           "unregister_backend", "keep_forever", "serve_all", "EXIT_GRACE"]
 
 #: seconds ``finalize`` and interpreter exit wait for operations still in flight
 EXIT_GRACE = 2.0
@@ -56,6 +56,10 @@ def bind(mpi: Any) -> None:
 
 def register_backend(be: "MPIBackend") -> None:
     _LIVE.add(be)
+
+
+def unregister_backend(be: "MPIBackend") -> None:
+    _LIVE.discard(be)
 
 
 def _settled(r: Any) -> bool:
@@ -90,7 +94,7 @@ class MPIRequest(Request):
             ok = reqs[0].Test() if len(reqs) == 1 else _MPI.Request.Testall(reqs)
         except _MPI.Exception as exc:
             if self.error is None:
-                self.error = self.be.mpi_error(exc, self.what, self.index)
+                self.error = self.be.notices.mpi_error(exc, self.what, self.index)
             ok = all(_settled(r) for r in reqs)
         if ok:
             self.keep = ()
@@ -104,8 +108,9 @@ class MPIRequest(Request):
                     self._poll()
         if self.error is not None:
             raise self.error
-        if self.be.notice_waiting():
-            self.be.check_notices(self.index, not self.done)  # (a p2p wait fails if a peer died)
+        notices = self.be.notices
+        if notices.waiting():
+            notices.check(self.index, not self.done)  # (a p2p wait fails if a peer died)
         return self.done
 
     def wait(self, timeout: float | None) -> bool:
@@ -117,7 +122,7 @@ class MPIRequest(Request):
     def pending(self) -> str:
         if self.index:
             try:
-                return self.be.roll_call(self.index, self.what)
+                return self.be.notices.roll_call(self.index, self.what)
             except _MPI.Exception as exc:  # the side channel failed too: say so, not less
                 return f"{self.what} did not complete (the roll call failed: {exc})"
         return f"{self.what} did not complete: the peer has not made the matching call"
@@ -147,7 +152,7 @@ class MPIRequest(Request):
             return None
         self.cancel()
         if self.index:  # the other ranks must not wait a full timeout of their own
-            self.be.announce(self.index, f"timed out in {self.what}")
+            self.be.notices.announce(self.index, f"timed out in {self.what}")
         return None
 
 
@@ -156,63 +161,6 @@ class MPIRequest(Request):
 #: ranks on a loaded 2-core machine), so 64 could outlast a deadline by a second.
 _TESTS_PER_CLOCK = 8
 
-
-
-class Lifetime:
-    """Mixin of ``MPIBackend``: shutting a group down without freeing what MPI may still use."""
-
-    comm: Any
-    _notice: Any
-    _p2p: Any
-    _small: Any
-    ranks: tuple[int, ...]
-    rank: int
-    # from ``Notices``, earlier in the backend's bases
-    close_notices: Callable[[], None]
-    announce: Callable[[int, str], None]
-    notice_waiting: Callable[[], bool]
-
-    def before_finalize(self) -> None:
-        """Withdraw the notice receive and free idle persistent requests; what still runs is
-        kept alive (MPI may write into it until it completes, or through MPI_Finalize)."""
-        self.close_notices()
-        if self._small is not None:
-            busy = self._small.close()
-            if busy:
-                keep_forever(busy)
-
-    def shutdown(self) -> None:
-        """Finish (or hand to the exit handler) what is in flight, then free the communicators.
-
-        A communicator with a collective still in flight is not freed: libnbc would progress it
-        on freed state (a segfault). Its requests stay registered, so their buffers stay alive.
-        Nor is one whose peer left: the peer's abandoned calls may still send to this rank, and
-        Open MPI hands messages for a freed communicator to the next one given its context id
-        (a late rank crashed in its next ``Comm_dup``).
-        """
-        MPI = _MPI
-        if self.comm == MPI.COMM_NULL:
-            return
-        comms = (self._notice, self._p2p, self.comm)
-        if not MPI.Is_finalized():
-            left = drain(pending_of(self), EXIT_GRACE)
-            first = min((r for r in left if r.index), key=lambda r: r.index, default=None)
-            if first is not None:
-                self.announce(first.index, f"finalized with {first.what} unfinished")
-            peer_left = self.notice_waiting()
-            self.before_finalize()
-            if left or peer_left:
-                keep_forever(comms)
-            if left:
-                warnings.warn(f"hpcdp.finalize (rank {self.ranks[self.rank]}): "
-                              f"{len(left)} MPI operation(s) still in flight "
-                              f"({', '.join(sorted({r.what for r in left}))})",
-                              RuntimeWarning, stacklevel=3)
-            elif not peer_left:
-                for c in comms:
-                    c.Free()
-        self.comm = self._p2p = self._notice = MPI.COMM_NULL
-        _LIVE.discard(self)
 
 
 def _register(r: MPIRequest) -> None:
@@ -282,12 +230,12 @@ def serve_all() -> None:
         return
     _served = now
     for be in list(_LIVE):
-        if be.notice_waiting():
-            be.check_notices(0)
-        small = be._small
-        if small is not None and small.waiting:
+        if be.notices.waiting():
+            be.notices.check(0)
+        fast = be.fastpath
+        if fast is not None and fast.queued():
             with _LOCK:
-                small.advance()
+                fast.advance()
 
 
 def _at_exit() -> None:
@@ -300,7 +248,7 @@ def _at_exit() -> None:
             first = min((r for r in left if r.be is be and r.index), key=lambda r: r.index,
                         default=None)
             if first is not None:
-                be.announce(first.index, f"exited with {first.what} unfinished")
+                be.notices.announce(first.index, f"exited with {first.what} unfinished")
         for be in list(_LIVE):
             be.before_finalize()
         left = drain(pending_of(None), 0.05)  # the notices just sent
@@ -312,6 +260,4 @@ def _at_exit() -> None:
                   "MPI_Finalize", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - an exit handler must not hide the real exit
         print(f"hpcdp: exit handler failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    from . import _tuning as _mpi_tuning
-
-    _mpi_tuning.release()
+    _tuning.release()

@@ -24,7 +24,7 @@ from .._staging import HostPool, stage
 from ..base import Request
 
 if TYPE_CHECKING:
-    from . import MPIBackend
+    from ._backend import MPIBackend
 
 __all__ = ["Staging", "cuda_aware", "staged", "probe_cuda_aware", "PROBE_TIMEOUT"]
 

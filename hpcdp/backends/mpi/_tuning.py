@@ -1,17 +1,10 @@
 """libnbc's Iallreduce algorithm, chosen per call by message size through MPI_T.
 
-hpcdp's blocking allreduce is an ``Iallreduce`` polled against a deadline (see ``mpi.py``). Open
-MPI 4's libnbc picks binomial for 2-3 ranks whatever the size. Measured here, 2 ranks bound to
-cores, time relative to the blocking ``MPI_Allreduce``:
-
-    size        ring     binomial
-    8 B - 1 KiB +2.4 to +3.1 us   +1.45 us
-    4 KiB       0.88x    (about 2x)
-    1 MiB       0.70x    1.44-1.50x
-    4 MiB       0.65x    1.27x
-    16 MiB      0.51x    0.88x
-
-So ring from ``RING_MIN_BYTES`` up, libnbc's own choice below. The choice is a process-wide MPI_T
+hpcdp's allreduce is an ``Iallreduce`` polled against a deadline (see ``_backend``). Open MPI 4's
+libnbc picks binomial for 2-3 ranks whatever the size, which is slower than the blocking
+``MPI_Allreduce`` from a few KiB up (about 1.3-1.5x its time at 1-4 MiB on 2 ranks), where its
+ring beats ``MPI_Allreduce``; below a few KiB ring costs microseconds more than binomial. So
+ring from ``RING_MIN_BYTES`` up, libnbc's own choice below (``post``). The choice is a process-wide MPI_T
 control variable (``coll_libnbc_iallreduce_algorithm``) that libnbc reads when a call is posted:
 set-and-post runs under one lock, so two threads posting at once cannot give one call the other's
 algorithm, and every rank decides from the size alone, so all ranks of a call agree (libnbc
@@ -21,19 +14,20 @@ own nonblocking allreduces read it too (the context-id agreement inside ``Comm_s
 skipped a call its peers posted (told that a peer left): the next ``new_group`` hung.
 It is written through MPI_T, after ``MPI_Init``, so it holds whether the script
 imported mpi4py before hpcdp or not (the ``OMPI_MCA_`` environment is read only at ``MPI_Init``,
-which cost 0.72-0.83 of ``Allreduce``'s bandwidth in mpi4py-first scripts).
+which cost a fifth to a quarter of ``Allreduce``'s bandwidth in mpi4py-first scripts).
 
 A user's own choice wins: with ``OMPI_MCA_coll_libnbc_iallreduce_algorithm`` set, or the variable
 not at its default (0) when hpcdp starts, hpcdp leaves it alone; so does an MPI without it.
 """
 from __future__ import annotations
 
+import _thread
 import ctypes
 import os
 import threading
 from typing import Any
 
-__all__ = ["Tuner", "tuner", "release", "RING_MIN_BYTES"]
+__all__ = ["Tuner", "tuner", "release", "post", "RING_MIN_BYTES"]
 
 RING_MIN_BYTES = 8 << 10
 _DEFAULT, _RING = 0, 1
@@ -42,6 +36,8 @@ _THREAD_MULTIPLE = 3  # MPI_THREAD_MULTIPLE in Open MPI's mpi.h
 
 _tuner: "Tuner | None" = None
 _probed = False
+#: Threads started through ``_thread`` (every ``threading.Thread``), the main thread excluded.
+_other_threads = _thread._count
 
 
 class Tuner:
@@ -73,6 +69,26 @@ class Tuner:
                 self.set(_DEFAULT)
             self._lib.MPI_T_cvar_handle_free(ctypes.byref(self._handle))
             self._lib.MPI_T_finalize()
+
+
+def post(nb: Tuner | None, comm: Any, s: Any, r: Any, mop: Any, nbytes: int) -> Any:
+    """``comm.Iallreduce(s, r, mop)`` with the algorithm for ``nbytes`` (``nb``: the tuner)."""
+    ring = nbytes >= RING_MIN_BYTES
+    if nb is None or not (ring or nb.current or _other_threads()):
+        # Untuned, or a small call from the only thread, with the variable at its default:
+        # no thread can be between a set and its post (the lock is a measurable share here).
+        return comm.Iallreduce(s, r, mop)
+    nb.lock.acquire()  # the algorithm libnbc reads while posting
+    try:
+        if ring:
+            nb.set(_RING)  # for this post only: back to the default right after it
+        elif nb.current:
+            nb.set(_DEFAULT)
+        return comm.Iallreduce(s, r, mop)
+    finally:
+        if ring:
+            nb.set(_DEFAULT)
+        nb.lock.release()
 
 
 def tuner() -> Tuner | None:

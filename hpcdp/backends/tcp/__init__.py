@@ -9,5 +9,6 @@ in every frame), ``_transport`` (the mesh: one reader thread, tag-matched queues
 from __future__ import annotations
 
 from ._backend import TCPBackend, _World, bind_address, create_world
+from ._wire import check_secret, is_loopback
 
-__all__ = ["TCPBackend", "create_world", "bind_address"]
+__all__ = ["TCPBackend", "create_world", "bind_address", "check_secret", "is_loopback"]

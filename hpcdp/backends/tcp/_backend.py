@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..._config import setting
-from ...comm.validation import check_timeout
+from ..._config import check_timeout
 from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
 from .._runner import P2PBackend, Runner
@@ -149,6 +149,7 @@ class TCPBackend(P2PBackend):
 
     name = "tcp"
     max_tag = 2**31 - 1
+    recv_size_checked = True  # a wrong-sized receive fails, its message drained (``_frames``)
 
     def __init__(self, world: "_World", ranks: tuple[int, ...], channel: int) -> None:
         self.world = world
@@ -179,6 +180,18 @@ class TCPBackend(P2PBackend):
         g, t, nbytes = found
         return self.ranks.index(g), t, nbytes
 
+    def peers_gone(self) -> dict[int, str]:
+        """Group ranks whose connection ended (crashed, or finalized), with why."""
+        dead = self.transport.dead
+        return {i: f"rank {g} {dead[g]}" for i, g in enumerate(self.ranks) if g in dead}
+
+    def dup(self) -> "TCPBackend":
+        """Collective: these ranks on a channel of their own over the same authenticated
+        connections (frames carry the channel id, so nothing crosses between channels)."""
+        dup = self.new_group(range(self.size))
+        assert dup is not None
+        return dup
+
     def new_group(self, ranks: Sequence[int]) -> "TCPBackend | None":
         # every member of this group calls new_group in the same order, so the id agrees
         self._subgroups += 1
@@ -187,10 +200,17 @@ class TCPBackend(P2PBackend):
             return None
         return TCPBackend(self.world, tuple(self.ranks[r] for r in ranks), channel)
 
+    def cap_unposted(self, nbytes: int) -> None:
+        """Drop p2p messages of more than ``nbytes`` that arrive before their receive is posted
+        (drained off the socket, nothing allocated for them); ``probe`` never reports them."""
+        self.transport.unposted_caps[self.channel] = int(nbytes)
+
     def shutdown(self) -> None:
         self._runner.stop()
         if self.channel == 0:
             self.world.close()
+        else:
+            self.transport.close_channel(self.channel)
 
     def describe(self) -> str:
         return f"tcp(rank {self.rank} of {self.size}, channel {self.channel})"

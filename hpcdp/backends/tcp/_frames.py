@@ -51,6 +51,7 @@ class FrameReader:
     Every method here runs with ``peer.rlock`` held.
     """
 
+    rank: int
     cap: int
     lock: Any
     posted: dict[tuple, collections.deque[_Req]]
@@ -61,6 +62,8 @@ class FrameReader:
     sig_differs: Callable[[int, int, tuple, tuple], CollectiveMismatchError]
     on_probe: Callable[[int, int, tuple], None]
     on_mismatch_note: Callable[[int, int, bytes], None]
+    #: channel -> most bytes of a p2p message kept for a receive not yet posted (``cap_unposted``)
+    unposted_caps: dict[int, int]
 
     def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
@@ -131,12 +134,14 @@ class FrameReader:
         req, off, chunks = cur[1], cur[2], cur[3]
         if req is not None and req.error is None and off + n <= req.nbytes:
             dest = req.view[off:off + n] if off or n != req.nbytes else req.view
+        elif chunks is None or req is None and self._past_cap(cur, n):
+            dest = None  # drained as it comes: nothing is allocated for it
         else:
             buf = bytearray(n)
             chunks.append(buf)
             dest = memoryview(buf)
         take = min(n, peer.send - pos)  # read-ahead bytes first
-        if take:
+        if take and dest is not None:
             dest[:take] = view[pos:pos + take]
         # the header and the read-ahead are consumed only now, together with the state that
         # lets any thread resume the payload (an exception above leaves the frame unread)
@@ -145,6 +150,22 @@ class FrameReader:
         if take < n and not self._fill(peer, deadline):
             return False
         self._frame_done(peer)
+        return True
+
+    def _past_cap(self, cur: list[Any], n: int) -> bool:
+        """Whether an unexpected message grows past its channel's ``unposted_caps``: then it
+        is dropped (``cur``'s chunks become None) and the rest of it drained."""
+        caps = self.unposted_caps
+        if not caps:
+            return False
+        key = cur[0]
+        cap = caps.get(key[2]) if key[1] == P2P else None
+        if cap is None or cur[2] + n <= cap:
+            return False
+        wire.LOG.warning("rank %d dropped a message from rank %d (channel %d, tag %d): no "
+                         "receive was posted for it and it passes the channel's cap of %d bytes",
+                         self.rank, key[0], key[2], key[3], cap)
+        cur[3] = None
         return True
 
     def _fill(self, peer: _Peer, deadline: float | None) -> bool:
@@ -158,8 +179,11 @@ class FrameReader:
                 self._redirect(peer)  # its owner gave up on it: keep the message ourselves
             got = fill[1]
             try:
-                # MSG_WAITALL: one wake-up per large piece, not one per segment
-                k = sock.recv_into(fill[0][got:], n - got, _WAITALL)
+                if fill[0] is None:  # a dropped message: drained through a small buffer
+                    k = sock.recv_into(peer.drain, min(n - got, len(peer.drain)))
+                else:
+                    # MSG_WAITALL: one wake-up per large piece, not one per segment
+                    k = sock.recv_into(fill[0][got:], n - got, _WAITALL)
             except BlockingIOError:  # nothing for a RECV_TICK
                 k = -1
             if k == 0:
@@ -207,6 +231,8 @@ class FrameReader:
         if req is not None:
             self._finish_recv(req, off + n, chunks)
             return
+        if chunks is None:
+            return  # dropped (``_past_cap``)
         self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4])
 
     def _take_posted(self, key: tuple) -> _Req | None:

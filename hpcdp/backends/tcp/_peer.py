@@ -130,6 +130,7 @@ class _Peer:
         # bytes read ahead of the parser: a small frame arrives in one recv() with its header
         self.stage = bytearray(_STAGE)
         self.sview = memoryview(self.stage)
+        self.drain = memoryview(bytearray(_STAGE))  # where a dropped message's bytes go
         self.spos = self.send = 0
         self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks, sig]
         #: frame payload in progress: [destination view, bytes in, frame bytes, frame flags]

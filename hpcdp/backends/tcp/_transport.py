@@ -64,6 +64,7 @@ class Transport(FrameReader, CollChecks):
         #: dead without saying goodbye: fails every collective of a group that contains them
         self.crashed: set[int] = set()
         self.aborted: dict[tuple[int, int], str] = {}  # (kind, channel) -> why
+        self.unposted_caps: dict[int, int] = {}
         self.closing = False
         self._init_checks()
 
@@ -286,6 +287,13 @@ class Transport(FrameReader, CollChecks):
             raise PeerFailureError(f"probe on rank {self.rank}: rank {dead[0]} {self.dead[dead[0]]}",
                                    peers=dead)
         return None
+
+    def close_channel(self, channel: int) -> None:
+        """Forget a channel's cap and the p2p messages no receive took (``TCPBackend.shutdown``)."""
+        with self.lock:
+            self.unposted_caps.pop(channel, None)
+            for key in [k for k in self.unexpected if k[1] == P2P and k[2] == channel]:
+                del self.unexpected[key]
 
     def _unpost(self, req: _Req) -> bool:
         """Withdraw a receive given up on; True if its message had completed after all.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Mapping, Sequence
 
-from ._state_check import check_groups, load_param_state
+from .state_check import check_groups, load_param_state
 
 __all__ = ["name_keyed", "is_name_keyed", "names_of", "tag_names", "by_name", "optimizer_names",
            "state_by_name", "load_by_name", "index_keyed", "whole"]

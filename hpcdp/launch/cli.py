@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import Sequence
 
+from .. import trace
 from ..progress import launcher_rank
 from ._boot import remember as remember_early_signals
 from ._local import GRACE, attempt_secret, launch, rank_command
@@ -118,11 +119,7 @@ def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int
 
 
 def _dump_flight_record(exc: BaseException) -> None:
-    """Write this rank's flight record (and flush its timeline) if hpcdp was in use."""
-    if "hpcdp.trace" not in sys.modules:
-        return
-    from .. import trace
-
+    """Write this rank's flight record (and flush its timeline)."""
     trace.dump(f"uncaught {type(exc).__name__}: {exc}")
     trace.flush_timelines()
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..nn._backend import to_module, xp_of
+from ..nn.backend import to_module, xp_of
 
 __all__ = ["check_groups", "load_param_state", "state_index", "require_state_dict", "check_index_keyed"]
 

@@ -1,11 +1,21 @@
-"""Small allreduces on persistent MPI requests: the schedule is built once, each call starts it.
+"""The MPI backend's small-message path, behind one switch (``HPCDP_MPI_FASTPATH``).
 
-Why: measured on 2 ranks bound to cores (Open MPI 4.1, libnbc), one 8 B allreduce took 1.3 us as
-``Allreduce``, 1.9 us as ``Iallreduce`` + ``Test`` and 1.0 us as ``Start`` + ``Test`` of a
-persistent request (``MPI_Allreduce_init``; ``MPIX_Allreduce_init`` in Open MPI 4). A persistent
-request is bound to its buffers, so a call copies in and out: 1.33 us against 2.23 us for the
-copy + ``Iallreduce`` it replaces at 8 B, 1.71 against 2.65 us at 1 KiB. Still nonblocking, so
-every wait keeps its deadline and a late rank still gets an exception, not an abort.
+Two tricks, for the latency of small allreduces, which a training loop's scalars (losses,
+counters, norms) and DDP's small buckets are:
+
+1. Persistent requests. A small allreduce (under ``RING_MIN_BYTES``) starts a persistent MPI
+   request made once per dtype and count (``MPI_Allreduce_init``; ``MPIX_Allreduce_init`` in
+   Open MPI 4, called through ctypes) instead of posting an ``Iallreduce``, whose schedule
+   libnbc builds afresh on every call. It is still nonblocking, so every wait keeps its
+   deadline and a late rank still gets an exception, not an abort. A persistent request is bound
+   to its buffers, so a call copies in and out.
+2. The quick lane (``FastPath.allreduce``, the backend's ``quick_allreduce``): a blocking call
+   starts its request and ``Test``s it in a short spin, without the request object and registry
+   that only asynchronous callers need; only a call still running after the spin becomes a
+   registered request (``SmallRequest``/``MPIRequest``) and waits like any other.
+
+With the switch off (alike on every rank) neither exists: small allreduces are ``Iallreduce``s
+and blocking ones wait on their request like the rest.
 
 Matching. libnbc gives a persistent request its tag when the request is made, and an
 ``Iallreduce`` takes the next tag when it is posted: a ``Start`` on one rank never matches an
@@ -36,6 +46,7 @@ collectives do outside ``HPCDP_DEBUG``.
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -43,12 +54,15 @@ import numpy as np
 from ..._config import setting
 from ...errors import CollectiveMismatchError, HpcdpError
 from ...ops import ReduceOp
+from ..base import Request
 from . import _requests as _rq
+from . import _tuning
+from ._notices import Notices
 
 if TYPE_CHECKING:
-    from . import MPIBackend
+    from ._backend import MPIBackend
 
-__all__ = ["Slot", "Slots", "SmallRequest", "FirstCall", "initializer", "MAX_SLOTS"]
+__all__ = ["FastPath", "fast_path", "Slot", "Slots", "SmallRequest", "FirstCall", "MAX_SLOTS"]
 
 #: shapes (dtype, count) a group keeps persistent requests for: one request per op (four; two
 #: for bool), each holding two buffers of under ``RING_MIN_BYTES`` (at most 2 MiB a group)
@@ -66,16 +80,13 @@ _probed: list[Init | None] = []
 
 def initializer(MPI: Any) -> Init | None:
     """``init(comm, send, recv, mpi_type, mpi_op) -> Prequest``, or None where MPI has none;
-    probed once per process. ``HPCDP_MPI_PERSISTENT=0`` turns the path off (set it alike on
-    every rank: the choice must be the same on all)."""
+    probed once per process."""
     if not _probed:
         _probed.append(_probe(MPI))
     return _probed[0]
 
 
 def _probe(MPI: Any) -> Init | None:
-    if not setting("HPCDP_MPI_PERSISTENT"):
-        return None
     try:
         probe = np.zeros(1, np.int32)
         MPI.COMM_SELF.Allreduce_init([probe, MPI.INT32_T], [probe.copy(), MPI.INT32_T],
@@ -143,8 +154,8 @@ class Slots:
     """A group's persistent allreduces by (dtype, count, op), made and retired in call order,
     one family (every op of a dtype and count) at a time."""
 
-    def __init__(self, be: "MPIBackend", init: Init) -> None:
-        self.be, self.init = be, init  # (the slots live in MPIBackend._fast: dtype, op, count)
+    def __init__(self, fp: "FastPath", init: Init) -> None:
+        self.fp, self.init = fp, init  # (the slots live in FastPath.table: dtype, op, count)
         #: families in creation order, for retiring: each the (table, count) of its ops
         self.order: list[list[tuple[dict[int, Slot], int]]] = []
         self.retired: list[Slot] = []  # retired while a call still ran on them
@@ -163,18 +174,18 @@ class Slots:
     def first(self, send: Any, recv: np.ndarray, op: ReduceOp, index: int) -> "FirstCall":
         """The first call of a shape (the miss path, the same call on every rank): make the
         shape's family, and run this call as a checked ``Iallreduce`` (see the module)."""
-        be, MPI = self.be, _rq._MPI
+        fp, MPI = self.fp, _rq._MPI
         dtype, n = recv.dtype, recv.size
-        t, ops = be._fast[dtype]
+        t, ops = fp.table[dtype]
         # (an op MPI does not define on the dtype makes nothing: its Iallreduce fails)
         family = [] if op in _UNDEFINED.get(dtype.kind, ()) else self.make(ops, n, dtype, t)
-        mine = np.array([_OP_LIST.index(op), list(be._types).index(dtype), n], np.int64)
-        every = np.zeros((be.size, 3), np.int64)
+        mine = np.array([_OP_LIST.index(op), list(fp.types).index(dtype), n], np.int64)
+        every = np.zeros((fp.notices.size, 3), np.int64)
         s = MPI.IN_PLACE if send is recv else [send, t]
-        reqs = [be._iallreduce(s, [recv, t], ops[op][0], recv.nbytes)]
+        reqs = [_tuning.post(fp.tuner, fp.comm, s, [recv, t], ops[op][0], recv.nbytes)]
         # (the internal communicator: its collectives never take one of ``comm``'s tags)
-        reqs.append(be._p2p.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]))
-        return FirstCall(be, reqs, index, (mine, every, family))
+        reqs.append(fp.internal.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]))
+        return FirstCall(fp, reqs, index, (mine, every, family))
 
     def make(self, ops: dict[Any, tuple[Any, dict[int, Slot]]], n: int, dtype: np.dtype,
              t: Any) -> list[Slot]:
@@ -185,7 +196,7 @@ class Slots:
         made: dict[int, Slot] = {}
         entries: list[tuple[dict[int, Slot], int]] = []
         undefined = _UNDEFINED.get(dtype.kind, ())
-        be, nb = self.be, self.be._nbc
+        fp, nb = self.fp, self.fp.tuner
         if nb is not None:  # libnbc reads the algorithm variable while it builds a schedule
             nb.lock.acquire()
         try:
@@ -197,7 +208,7 @@ class Slots:
                 slot = made.get(id(mop))
                 if slot is None:
                     sbuf, rbuf = np.zeros(n, dtype), np.zeros(n, dtype)
-                    req = self.init(be.comm, sbuf, rbuf, t, mop)
+                    req = self.init(fp.comm, sbuf, rbuf, t, mop)
                     slot = made[id(mop)] = Slot(req, sbuf, rbuf)
                 table[n] = slot
                 entries.append((table, n))
@@ -256,22 +267,22 @@ class SmallRequest(_rq.MPIRequest):
 
     __slots__ = ("slot", "send", "recv", "started", "prev", "next")
 
-    def __init__(self, be: "MPIBackend", slot: Slot, send: Any, recv: Any, index: int,
+    def __init__(self, fp: "FastPath", slot: Slot, send: Any, recv: Any, index: int,
                  started: bool = False) -> None:
         # (set before registering: registering may reap, which polls this request)
         self.slot, self.send, self.recv = slot, send, recv
         self.started = started
         self.prev: SmallRequest | None = None
         self.next: SmallRequest | None = None
-        super().__init__(be, [slot.req], "allreduce", index)
+        super().__init__(fp.owner, [slot.req], "allreduce", index)
 
     @classmethod
-    def post(cls, be: "MPIBackend", slot: Slot, send: Any, recv: Any, index: int
+    def post(cls, fp: "FastPath", slot: Slot, send: Any, recv: Any, index: int
              ) -> "SmallRequest":
         with _rq._LOCK:
             if slot.broken:
                 raise HpcdpError(f"allreduce #{index}: {slot.broken}")
-            r = cls(be, slot, send, recv, index)
+            r = cls(fp, slot, send, recv, index)
             prev = slot.tail
             slot.tail = r
             if prev is None or prev.done:
@@ -285,7 +296,7 @@ class SmallRequest(_rq.MPIRequest):
                     raise
             else:
                 r.prev, prev.next = prev, r
-                be._small.waiting.add(slot)
+                fp.slots.waiting.add(slot)  # type: ignore[union-attr]
         return r
 
     def _launch(self) -> None:
@@ -298,7 +309,7 @@ class SmallRequest(_rq.MPIRequest):
     def _fail(self, exc: BaseException) -> None:
         """Starting failed: this call and those queued behind it end with an error."""
         if isinstance(exc, _rq._MPI.Exception):
-            self.error = self.be.mpi_error(exc, self.what, self.index)
+            self.error = self.be.notices.mpi_error(exc, self.what, self.index)
         else:
             self.error = HpcdpError(f"allreduce #{self.index}: could not start "
                                     f"({type(exc).__name__}: {exc})")
@@ -319,7 +330,7 @@ class SmallRequest(_rq.MPIRequest):
             ok = self.reqs[0].Test()
         except _rq._MPI.Exception as exc:
             if self.error is None:
-                self.error = self.be.mpi_error(exc, self.what, self.index)
+                self.error = self.be.notices.mpi_error(exc, self.what, self.index)
             ok = True
         if not ok:
             return
@@ -376,12 +387,13 @@ class FirstCall(_rq.MPIRequest):
     (op, dtype, count); completes with ``CollectiveMismatchError`` on every rank when they
     differ (the result is then undefined: MPI leaves mixed ops so)."""
 
-    __slots__ = ("check",)
+    __slots__ = ("check", "types")
 
-    def __init__(self, be: "MPIBackend", reqs: list[Any], index: int,
+    def __init__(self, fp: "FastPath", reqs: list[Any], index: int,
                  check: tuple[np.ndarray, np.ndarray, list[Slot]]) -> None:
         self.check = check  # before registering: registering may reap, which polls this
-        super().__init__(be, reqs, "allreduce", index)
+        self.types = list(fp.types)
+        super().__init__(fp.owner, reqs, "allreduce", index)
 
     def _poll(self) -> None:
         """Under ``_LOCK``: test both; once settled, compare the calls, then say done."""
@@ -389,7 +401,7 @@ class FirstCall(_rq.MPIRequest):
             ok = _rq._MPI.Request.Testall(self.reqs)
         except _rq._MPI.Exception as exc:
             if self.error is None:
-                self.error = self.be.mpi_error(exc, self.what, self.index)
+                self.error = self.be.notices.mpi_error(exc, self.what, self.index)
             ok = all(_rq._settled(r) for r in self.reqs)
         if not ok:
             return
@@ -403,8 +415,8 @@ class FirstCall(_rq.MPIRequest):
         mine, every, family = self.check
         if (every == mine).all():
             return None
-        be = self.be
-        kinds = list(be._types)
+        ranks = self.be.ranks
+        kinds = self.types
 
         def call(row: np.ndarray) -> str:
             op, dt, n = (int(v) for v in row)
@@ -412,7 +424,7 @@ class FirstCall(_rq.MPIRequest):
             dtn = kinds[dt].name if 0 <= dt < len(kinds) else f"dtype code {dt}"
             return f"op={name}, {n} x {dtn}"
 
-        calls = "; ".join(f"rank {be.ranks[r]} {call(row)}" for r, row in enumerate(every))
+        calls = "; ".join(f"rank {ranks[r]} {call(row)}" for r, row in enumerate(every))
         if not (every[:, 1:] == mine[1:]).all():
             # another shape on some rank: its tables may now differ from this rank's, so the
             # family made for this call is not used again (later calls fail naming this one)
@@ -420,5 +432,152 @@ class FirstCall(_rq.MPIRequest):
                 slot.broken = (f"allreduce #{self.index} on this group was called with "
                                f"different sizes or dtypes ({calls})")
         return CollectiveMismatchError(
-            f"allreduce #{self.index} on rank {be.ranks[be.rank]}: the ranks passed different "
+            f"allreduce #{self.index} on rank {ranks[self.be.rank]}: the ranks passed different "
             f"arguments ({calls}); the result is undefined, and every rank raises this")
+
+
+#: The quick lane Tests ``_SPIN`` times between clock reads, for up to ``_SPIN_S`` seconds,
+#: before it hands the call to the slower deadline-checked wait: a peer that leaves the barrier
+#: a few microseconds later (the usual skew) costs no more than that skew (with 64 Tests and no
+#: second spin the early rank fell into the slower wait every few calls). Bounded by the clock,
+#: not by a count: an oversubscribed Open MPI yields the CPU in every idle Test, and 1024 Tests
+#: took seconds on 4 ranks of a loaded 2-core machine, so a call outlived its deadline (and
+#: then succeeded, where the caller had to see a timeout).
+_SPIN, _SPIN_S = 16, 1e-4
+_monotonic = time.monotonic
+
+
+def fast_path(owner: "MPIBackend", comm: Any, internal: Any, types: dict[np.dtype, Any],
+              mpi_op: Callable[[ReduceOp, np.dtype], Any], notices: Notices,
+              tuner: "_tuning.Tuner | None", limit: list[int]) -> "FastPath | None":
+    """The group's small-message path, or None where the switch (``HPCDP_MPI_FASTPATH``, alike
+    on every rank) turns it off."""
+    if not setting("HPCDP_MPI_FASTPATH"):
+        return None
+    return FastPath(owner, comm, internal, types, mpi_op, notices, tuner, limit,
+                    initializer(_rq._MPI))
+
+
+class FastPath:
+    """One group's small allreduces: the persistent requests (``slots``, None where MPI has
+    none) and the quick lane of blocking calls (``allreduce``).
+
+    Args:
+        owner: the backend; requests are registered under it and fail through its notices.
+        comm, internal: the group's communicator, and its internal one (first-call checks).
+        types: numpy dtype -> MPI datatype; ``mpi_op(op, dtype)``: the MPI op.
+        limit: a one-element list, the backend's largest element count per message.
+    """
+
+    def __init__(self, owner: "MPIBackend", comm: Any, internal: Any,
+                 types: dict[np.dtype, Any], mpi_op: Callable[[ReduceOp, np.dtype], Any],
+                 notices: Notices, tuner: "_tuning.Tuner | None", limit: list[int],
+                 init: Init | None) -> None:
+        self.owner, self.comm, self.internal = owner, comm, internal
+        self.types, self.notices, self.tuner, self.limit = types, notices, tuner, limit
+        self._view = notices.view
+        #: dtype -> (MPI datatype, op -> (MPI op, count -> persistent request)); float16 is
+        #: absent (the backend reduces it as float32)
+        self.table = {dt: (t, {op: (mpi_op(op, dt), {}) for op in _OPS})
+                      for dt, t in types.items() if dt != np.float16}
+        self.slots = None if init is None else Slots(self, init)
+
+    def post(self, send: Any, recv: np.ndarray, op: ReduceOp, index: int) -> Request | None:
+        """Collective ``index`` on a persistent request when it is small (every small
+        allreduce, blocking or not: the choice must be the same on all ranks), else None."""
+        n = recv.size
+        if self.slots is None or not 0 < n <= self.limit[0] or recv.nbytes >= _tuning.RING_MIN_BYTES:
+            return None
+        slot = self.table[recv.dtype][1][op][1].get(n)
+        if slot is None:  # the shape's first call: checked
+            return self.slots.first(send, recv, op, index)
+        return SmallRequest.post(self, slot, send, recv, index)
+
+    def queued(self) -> bool:
+        return self.slots is not None and bool(self.slots.waiting)
+
+    def advance(self) -> None:
+        if self.slots is not None:
+            self.slots.advance()
+
+    def close(self) -> list[Slot]:
+        """Free the idle persistent requests; those still running, for the caller to keep."""
+        return [] if self.slots is None else self.slots.close()
+
+    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
+                  timeout: float) -> Request | None:
+        """The quick lane (the backend's ``quick_allreduce``): a blocking allreduce of host
+        arrays, None once complete, else the request still pending at the deadline. Under
+        ``RING_MIN_BYTES`` a persistent request started, else one ``Iallreduce``; then a
+        short ``Test`` spin. What it does not handle (float16, messages over the element
+        limit) goes to the backend's ``allreduce`` and waits there."""
+        fast = self.table.get(recv.dtype)
+        n = recv.size
+        if fast is None or n > self.limit[0]:
+            req = self.owner.allreduce(send, recv, op)
+            return None if req.wait(timeout) else req
+        mop, table = fast[1][op]
+        notices = self.notices
+        notices.index = index = notices.index + 1
+        if notices.left is not None:  # a peer already left this group: fail before posting
+            notices.check(index)
+        small, nbytes, view = self.slots, recv.nbytes, self._view
+        out = None  # the persistent request's result buffer, once started
+        try:
+            if small is not None and n and nbytes < _tuning.RING_MIN_BYTES:
+                slot = table.get(n)
+                if slot is None:  # the shape's first call: checked
+                    first = small.first(send, recv, op, index)
+                    first.keep = (send, recv)
+                    return None if first.wait(timeout) else first
+                if slot.tail is not None or slot.broken:  # an async call runs on it: queue
+                    slow = SmallRequest.post(self, slot, send, recv, index)
+                    slow.keep = (send, recv)
+                    return None if slow.wait(timeout) else slow
+                slot.sbuf[...] = send
+                req = slot.req
+                req.Start()
+                out = slot.rbuf
+            else:
+                t = fast[0]
+                s = _rq._MPI.IN_PLACE if send is recv else [send, t]
+                req = _tuning.post(self.tuner, self.comm, s, [recv, t], mop, nbytes)
+            # Spins of _SPIN Tests until done, a notice lands, or _SPIN_S passed. The deadline
+            # counts from the first spin's end: its Tests took microseconds (tens of
+            # milliseconds at worst, when every Test yields the CPU).
+            stop = None
+            while True:
+                k = _SPIN  # (a while loop on req.Test() measured faster than for/range)
+                while not req.Test():
+                    k -= 1
+                    if not k:
+                        break
+                else:
+                    if out is not None:
+                        recv[...] = out
+                    if view[0]:  # a notice landed: answer it, or fail if a peer left
+                        notices.check(index)
+                    return None
+                now = _monotonic()
+                if stop is None:
+                    deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
+                elif now >= stop:
+                    break
+                if view[0]:  # a notice goes to the slow path, which handles it
+                    break
+        except _rq._MPI.Exception as exc:
+            raise notices.mpi_error(exc, "allreduce", index) from None
+        except BaseException:  # KeyboardInterrupt in the spin: the request may still run
+            if out is not None and slot.tail is None:
+                slot.tail = SmallRequest(self, slot, None, None, index, started=True)
+            raise
+        if out is None:
+            slow = _rq.MPIRequest(self.owner, [req], "allreduce", index)
+        else:
+            slow = slot.tail = SmallRequest(self, slot, None, recv, index, started=True)
+        slow.keep = (send, recv)  # MPI owns them until the request completes
+        return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
+
+
+#: ops a family has requests for, in the order they are made (the same on every rank)
+_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN)
