@@ -20,16 +20,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._atomic import open_append
+import hpcdp
 
+from .._atomic import open_append
+from ..launch import free_port, spawn_processes
 from ._plot import add_plot_argument, maybe_plot
 
 __all__ = ["main", "main_tcp", "parser", "run_b1", "run_b2"]
 
 
 def _raw_pair(rank: int) -> socket.socket:
-    import hpcdp
-
     if rank == 1:
         lst = socket.socket()
         lst.bind(("127.0.0.1", 0))
@@ -55,8 +55,6 @@ def _raw_recv(s: socket.socket, view: memoryview) -> None:
 
 def _pingpong(rank: int, buf: np.ndarray, iters: int, raw: socket.socket | None) -> float:
     """Seconds per one-way trip (half a round trip)."""
-    import hpcdp
-
     g = hpcdp.get_default_group()
     view = memoryview(buf).cast("B")
     t0 = time.perf_counter()
@@ -79,8 +77,6 @@ def _pingpong(rank: int, buf: np.ndarray, iters: int, raw: socket.socket | None)
 
 
 def _b1_body(rank: int, sizes: list[int], trials: int) -> list[dict[str, Any]]:
-    import hpcdp
-
     raw = _raw_pair(rank)
     rows = []
     for size in sizes:
@@ -108,8 +104,6 @@ def _b1_body(rank: int, sizes: list[int], trials: int) -> list[dict[str, Any]]:
 
 
 def _b2_body(rank: int, sizes: list[int], trials: int, port: int) -> list[dict[str, Any]]:
-    import hpcdp
-
     n = hpcdp.world_size()
     try:
         import torch
@@ -167,19 +161,15 @@ def _b2_body(rank: int, sizes: list[int], trials: int, port: int) -> list[dict[s
 
 
 def _slowest(t: float) -> float:
-    import hpcdp
-
     return float(hpcdp.allreduce(np.array([t]), op="max")[0])
 
 
 def run_b1(sizes: Sequence[int] = (8, 1 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..launch import spawn_processes
 
     return spawn_processes(_b1_body, 2, args=(list(sizes), trials), timeout=600)[0]
 
 
 def run_b2(ranks: int, sizes: Sequence[int] = (4 << 20, 16 << 20), trials: int = 5) -> list[dict[str, Any]]:
-    from ..launch import free_port, spawn_processes
 
     return spawn_processes(_b2_body, ranks, args=(list(sizes), trials, free_port()), timeout=600)[0]
 

@@ -9,6 +9,8 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import hpcdp
+from ..backends import spawnable_backends
+from ..comm import world as _world
 from ..errors import HpcdpError
 
 __all__ = ["run_ranks", "run_mpi", "check", "spawn_backends", "shared_dir", "remove_shared_dir"]
@@ -45,8 +47,6 @@ def run_mpi(fn: Callable[..., Any], *args: Any, timeout: float = MPI_BODY_TIMEOU
     Args:
         timeout: the fresh group's timeout (a call's own ``timeout=`` still wins).
     """
-    from ..comm import world as _world
-
     parent = hpcdp.get_default_group()
     if parent.size == 1:  # nothing to keep in step
         return [fn(parent.rank, *args)]
@@ -95,8 +95,6 @@ def check(per_rank: Sequence[Any], limit: int = 20) -> None:
 
 def spawn_backends() -> list[str]:
     """Registered backends that ``hpcdp.spawn`` can start in a test (the test matrix)."""
-    from ..backends import spawnable_backends
-
     return spawnable_backends()
 
 

@@ -275,3 +275,38 @@ def test_debug_digest_is_rank_independent(monkeypatch: pytest.MonkeyPatch) -> No
         return str(hpcdp.allreduce(x, op="sum").sum())
 
     assert run_ranks("sim", 3, body) == ["3.0"] * 3
+
+
+def body_receives_match_in_posting_order(rank: int) -> list[str]:
+    """Two receives on one (source, tag): the first posted gets the first message, even when
+    the first message arrives between the two posts (MPI's rule; the ring algorithms post
+    step s+1's receive before step s's message is in)."""
+    g = hpcdp.get_default_group()
+    fails: list[str] = []
+    first, second = np.arange(4.0), np.arange(4.0) + 100
+    if g.rank == 0:
+        g.barrier()  # rank 1 has posted its first receive
+        g.send(first, dst=1, tag=5)
+        g.barrier()  # the first message is out (small: sent eagerly)
+        g.barrier()  # rank 1 has posted its second receive
+        g.send(second, dst=1, tag=5)
+    elif g.rank == 1:
+        a, b = np.zeros(4), np.zeros(4)
+        wa = g.irecv(a, src=0, tag=5)
+        g.barrier()
+        g.barrier()
+        wb = g.irecv(b, src=0, tag=5)  # the first message is here, the first receive waits
+        g.barrier()
+        wb.wait()  # waited for out of order: the order of posting still decides
+        wa.wait()
+        if not (np.array_equal(a, first) and np.array_equal(b, second)):
+            fails.append(f"first receive got {a}, second got {b}: not in posting order")
+    else:
+        for _ in range(3):
+            g.barrier()
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds(*grid([2]), "sim-3", "mpi"), indirect=True)
+def test_receives_match_in_posting_order(world: World) -> None:
+    check(world.run(body_receives_match_in_posting_order))
