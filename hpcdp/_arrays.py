@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_cupy", "xp_of", "split_sizes", "shard_bounds", "to_host", "SUPPORTED_DTYPES", "is_array", "cupy_or_none",
+__all__ = ["is_cupy", "xp_of", "split_sizes", "shard_bounds", "to_host", "SUPPORTED_DTYPES", "SUPPORTED_SET", "is_array", "cupy_or_none",
            "contiguous", "overlaps"]
 
 # Dtypes every collective accepts. float16 travels as raw bits and is reduced in float32 where the
@@ -19,7 +19,8 @@ SUPPORTED_DTYPES: tuple[np.dtype, ...] = tuple(
         "float16", "float32", "float64", "complex64", "complex128",
     )
 )
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+#: the same, as a set: membership tests on the hot paths
+SUPPORTED_SET: frozenset[np.dtype] = frozenset(SUPPORTED_DTYPES)
 
 
 def cupy_or_none() -> ModuleType | None:
@@ -70,7 +71,7 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def is_supported_dtype(dt: np.dtype) -> bool:
-    return (dt if isinstance(dt, np.dtype) else np.dtype(dt)) in _SUPPORTED
+    return (dt if isinstance(dt, np.dtype) else np.dtype(dt)) in SUPPORTED_SET
 
 
 def contiguous(x: Any) -> Any:

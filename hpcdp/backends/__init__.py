@@ -13,13 +13,13 @@ import importlib.util
 
 from .base import (
     ANY_SOURCE, ANY_TAG, Backend, BackendEntry, Request, available_backends, backend_entry,
-    backend_factory, backend_spawner, register_backend, spawnable_backends,
+    backend_factory, register_backend, spawnable_backends,
 )
 from . import sim as _sim  # registers "sim"
 from ._staging import HostStaged
 
 __all__ = ["Backend", "Request", "register_backend", "available_backends", "backend_factory",
-           "backend_spawner", "backend_entry", "BackendEntry", "spawnable_backends", "ANY_SOURCE",
+           "backend_entry", "BackendEntry", "spawnable_backends", "ANY_SOURCE",
            "ANY_TAG", "HostStaged"]
 
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..errors import HpcdpError
 from ..ops import ReduceOp
 
 __all__ = [
@@ -16,7 +17,6 @@ __all__ = [
     "register_backend",
     "available_backends",
     "backend_factory",
-    "backend_spawner",
     "backend_entry",
     "BackendEntry",
     "spawnable_backends",
@@ -184,8 +184,6 @@ class Backend(abc.ABC):
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """``(source, tag, nbytes)`` of a message ``recv(src, tag)`` would take now, or None."""
-        from ..errors import HpcdpError
-
         raise HpcdpError(f"probe (rank {self.rank}): the {self.name} backend cannot probe")
 
     @abc.abstractmethod
@@ -241,23 +239,33 @@ class Backend(abc.ABC):
         one. ``shutdown()`` of the duplicate releases only what it owns; shutting this backend
         down ends its duplicates too.
         """
-        from ..errors import HpcdpError
-
         raise HpcdpError(f"dup (rank {self.rank}): the {self.name} backend cannot duplicate "
                          "its communication context")
 
     def take(self, src: int, tag: int) -> Any:
-        """The message ``probe(src, tag)`` reported, received now as the transport's own
-        buffer (a uint8 array, no copy) where it holds the whole message already (simulated
-        ranks' mailboxes); None where it cannot: ``recv`` it into a buffer instead."""
+        """The oldest message from ``src`` with ``tag`` that arrived before any receive was
+        posted for it, received now as the transport's own buffer (a writable uint8 array of
+        the message's size, no copy, memory nobody else uses) where it holds the whole message
+        already (a simulated rank's eager copy, the buffer TCP's reader filled); None where it
+        cannot or nothing is there: ``recv`` it into a buffer instead. The caller checks the
+        size it gets; a message dropped under ``cap_unposted`` is never handed over."""
         return None
 
-    def cap_unposted(self, nbytes: int) -> None:
+    def cap_unposted(self, nbytes: int, tag: int | None = None) -> None:
         """Let the transport drop point-to-point messages of more than ``nbytes`` that arrive
         before a receive is posted for them, rather than store them (``probe`` never reports
-        a dropped one). For a duplicate whose user checks sizes before receiving (RPC's
-        limits): a peer's oversized message then costs this rank no memory. Transports that
+        a dropped one). ``tag``: the cap of messages with that tag, winning over the one set
+        without a tag (every other tag). For a duplicate whose user checks sizes before
+        receiving (RPC's limits: small heads on one tag, large data on others): a peer's
+        oversized message then costs this rank no more memory than its cap. Transports that
         leave unreceived messages with their sender (MPI) or in shared memory ignore it."""
+
+    def bound_sends(self, seconds: float) -> None:
+        """Let a ``send`` that has to wait for its peer to read (a transport that writes on the
+        caller's thread, TCP) wait at most ``seconds`` while the peer takes no byte; then the
+        peer is treated as failed (the send, and later ones, raise ``PeerFailureError`` naming
+        it). For a duplicate whose callers must never block for good on a stopped peer (RPC).
+        Transports whose ``send`` returns at once (MPI, simulated ranks) ignore it."""
 
     def shutdown(self) -> None:
         """Release transport resources; called once by ``finalize``."""
@@ -328,12 +336,6 @@ def _is_available(e: BackendEntry) -> bool:
 def available_backends() -> list[str]:
     """Names of the registered backends whose libraries import here."""
     return [n for n, e in _REGISTRY.items() if _is_available(e)]
-
-
-def backend_spawner(name: str) -> Callable[..., list[Any]] | None:
-    """The ``spawn`` registered for ``name`` (None: none, or not registered)."""
-    e = _REGISTRY.get(name)
-    return e.spawn if e is not None else None
 
 
 def spawnable_backends() -> list[str]:

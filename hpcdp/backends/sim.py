@@ -58,6 +58,8 @@ class _Comm:
         #: sender can bound what it has in flight (a ``dup`` for RPC); ``taken`` holds them
         self.sync_from: int | None = None
         self.taken: dict[int, "_SyncSend"] = {}
+        #: receives posted and not yet matched, per (source, dest, tag), oldest first
+        self.posted: dict[tuple[int, int, int], collections.deque[_RecvRequest]] = {}
 
 
 class _Slot:
@@ -171,31 +173,40 @@ class _SlotRequest(Request):
 
 
 class _RecvRequest(Request):
+    """A posted receive. Receives on one (source, tag) match messages in the order they were
+    posted, as MPI's do: ``_deliver_locked`` hands each message to the oldest waiting one, at
+    the send, at the post, or at any test, whichever comes first."""
+
     def __init__(self, be: SimBackend, buf: np.ndarray, src: int, tag: int) -> None:
         self.be, self.buf, self.src, self.tag = be, buf, src, tag
         self.key = (src, be.rank, tag)
         self.done = False
         self.error: Exception | None = None
 
-    def _try_locked(self) -> bool:
-        mail = self.be.comm.mail
-        box = mail.get(self.key)
-        if box:
-            msg = box.popleft()
-            if not box:  # keys come and go (RPC's data tags are unique per message)
-                del mail[self.key]
-            if self.be.comm.taken:
-                sent = self.be.comm.taken.pop(id(msg), None)
-                if sent is not None:  # (its waiters wake within a second, see _wait_locked)
-                    sent.done = True
+    def deliver_locked(self, msg: np.ndarray) -> None:
+        comm = self.be.comm
+        sent = comm.taken.pop(id(msg), None) if comm.taken else None
+        try:
             if msg.nbytes != self.buf.nbytes:  # (HPCDP_DEBUG names both calls)
-                raise CollectiveMismatchError(
+                self.error = CollectiveMismatchError(
                     f"recv on rank {self.be.ranks[self.be.rank]}: message from rank "
                     f"{self.be.ranks[self.src]} (tag {self.tag}) has {msg.nbytes} bytes, "
                     f"buffer has {self.buf.nbytes}"
                 )
-            np.copyto(self.buf.reshape(-1).view(np.uint8), msg)
+            else:
+                np.copyto(self.buf.reshape(-1).view(np.uint8), msg)
+        finally:
+            # only once received (a synchronous send completes at receipt)
+            if sent is not None:  # (its waiters wake within a second, see _wait_locked)
+                sent.done = True
             self.done = True
+
+    def _try_locked(self) -> bool:
+        if not self.done:
+            _deliver_locked(self.be.comm, self.key)
+        if self.done:
+            if self.error is not None:
+                raise self.error
             return True
         glob = self.be.ranks[self.src]
         if glob in self.be.comm.world.dead:
@@ -203,13 +214,6 @@ class _RecvRequest(Request):
                 f"rank {glob} died before sending (tag {self.tag})", peers=[glob]
             )
         return False
-
-    def test_posted(self) -> None:
-        """Match at posting; an error (size, dead sender) is raised by ``test``/``wait``."""
-        try:
-            self.test()
-        except Exception as exc:  # noqa: BLE001 - raised where the caller waits
-            self.error = exc
 
     def test(self) -> bool:
         if self.error is not None:
@@ -226,6 +230,31 @@ class _RecvRequest(Request):
 
     def pending(self) -> str:
         return f"no message from rank {self.be.ranks[self.src]} with tag {self.tag}"
+
+    def abandon(self) -> bool:
+        """Given up on after a timeout: unposted, so a later message goes to a later receive
+        (True when it had completed after all)."""
+        comm = self.be.comm
+        with comm.world.cond:
+            if self.done:
+                return self.error is None
+            queue = comm.posted.get(self.key)
+            if queue is not None and self in queue:
+                queue.remove(self)
+                if not queue:
+                    del comm.posted[self.key]
+        return False
+
+
+def _deliver_locked(comm: _Comm, key: tuple[int, int, int]) -> None:
+    """Hand queued messages for ``key`` to its posted receives, oldest to oldest."""
+    queue, box = comm.posted.get(key), comm.mail.get(key)
+    while queue and box:
+        queue.popleft().deliver_locked(box.popleft())
+    if queue is not None and not queue:
+        del comm.posted[key]
+    if box is not None and not box:  # keys come and go (RPC's data tags are unique per message)
+        del comm.mail[key]
 
 
 class _SyncSend(Request):
@@ -429,25 +458,36 @@ class SimBackend(Backend):
 
     # -- point to point: eager and buffered, like MPI's small-message protocol ---------------
     def send(self, buf, dst, tag):
+        # copied here, on the sender's thread and outside the world's lock (numpy lets go of
+        # the interpreter for it), so the receiver may take the copy as it is (``take``); a
+        # copy made by the receive instead would hold that lock, and every sender, meanwhile
         msg = np.ascontiguousarray(buf).reshape(-1).view(np.uint8).copy()
         comm = self.comm
         req: Request = _Done()
+        sync = comm.sync_from is not None and msg.nbytes >= comm.sync_from
         with comm.world.cond:
-            if comm.sync_from is not None and msg.nbytes >= comm.sync_from:
+            if sync:
                 req = comm.taken[id(msg)] = _SyncSend(self, dst)
-            comm.mail[(self.rank, dst, tag)].append(msg)
+            key = (self.rank, dst, tag)
+            comm.mail[key].append(msg)
+            if key in comm.posted:  # a receive waits: it gets the message now
+                _deliver_locked(comm, key)
             comm.world.cond.notify_all()
         return req
 
     def recv(self, buf, src, tag):
         req = _RecvRequest(self, buf, src, tag)
-        # a message already here is taken now, as MPI matches at posting: a later probe must
-        # not report it again (``hpcdp.rpc`` probes, then receives, chunk after chunk)
-        req.test_posted()
+        # matched at posting when its message is here, as MPI's are: a later probe must not
+        # report that message again (``hpcdp.rpc`` probes, then receives, chunk after chunk)
+        comm = self.comm
+        with comm.world.cond:
+            comm.posted.setdefault(req.key, collections.deque()).append(req)
+            _deliver_locked(comm, req.key)
         return req
 
     def take(self, src: int, tag: int) -> np.ndarray | None:
-        """The oldest message from ``src`` with ``tag``, as the mailbox's own copy, or None."""
+        """The oldest message from ``src`` with ``tag``, as the copy ``send`` made (the
+        receiver's alone from here on), or None."""
         req = _RecvRequest(self, np.empty(0, np.uint8), src, tag)
         comm = self.comm
         with comm.world.cond:

@@ -8,7 +8,10 @@ machine is shared and noisy), each trial a fixed number of steps (its median ste
 * ``recorder off``: what ``HPCDP_FLIGHT_RECORDER=0`` gives (the group's recorder detached);
 * ``ring``: the default flight-recorder ring;
 * ``traced``: ``HPCDP_TRACE=1`` (ring + Chrome-trace timeline with source lines), the events
-  written to a temporary directory, flushing and closing the files included in the time.
+  written to a temporary directory, formatting and writing them included in the time. Opening
+  the file and closing it are not: a job does each once, however many steps it runs, while a
+  trial of a few dozen steps would charge them to every step (printed apart;
+  ``--file-in-trial`` counts them, as this benchmark did before).
 
 Prints the median per-trial ratios: T1 = traced / ring (target <= 1.05) and ring / off, the
 recorder's cost per recorded operation, and (first, ``--calls``) the ring's cost on the tuned
@@ -66,45 +69,64 @@ class _Trainer:
         self.opt.zero_grad()
 
 
-def _trial(tr: _Trainer, mode: str, steps: int, directory: str) -> tuple[float, int]:
-    """(seconds per step on the slowest rank, operations recorded per step) in ``mode``.
+def _trial(tr: _Trainer, mode: str, steps: int, directory: str,
+           file_in_trial: bool = False) -> tuple[float, int, float]:
+    """(seconds per step on the slowest rank, operations recorded per step, seconds the slowest
+    rank took to open and close its timeline file) in ``mode``.
 
     A trial's figure is its median step plus, when traced, all the time spent writing the
-    timeline (the chunks flushed during the trial and the final flush and close) spread over the
-    steps: medians shrug off the steps another process preempted (this machine is shared), and
-    would also drop the few steps that flushed a chunk, so that time is added back explicitly.
+    timeline (the chunks flushed during the trial and the last one) spread over the steps:
+    medians shrug off the steps another process preempted (this machine is shared), and would
+    also drop the few steps that flushed a chunk, so that time is added back explicitly. The
+    file is opened (created, its header written) before the steps and closed after the last
+    chunk, outside the figure, unless ``file_in_trial``.
     """
     g = tr.group
     rec = g._rec  # the recorder the collective layer writes to
     per_step = [0.0] * steps
     clock = time.perf_counter
+    once = 0.0  # opening and closing the file
+    tl = None
     if mode == "recorder off":
         g._rec = None
     elif mode == "traced":
         # a directory of its own, as a job's first trace: not the truncation of the previous
-        # trial's file, a per-trial cost that a job pays once
+        # trial's file
         trace.enable(tempfile.mkdtemp(dir=directory))
+        tl = trace.timeline()
+        if tl is not None and not file_in_trial:
+            t0 = clock()
+            tl.flush()  # no events yet: creates the file and writes its header
+            once = clock() - t0
     try:
         g.barrier()
         before = rec.total() if rec is not None else 0
+        base = tl.flush_ns if tl is not None else 0  # the opening, when done above
         for i in range(steps):
             t0 = clock()
             tr.step()
             per_step[i] = clock() - t0
-        tl = trace.timeline() if mode == "traced" else None
-        flushed = tl.flush_ns / 1e9 if tl is not None else 0.0  # chunks written during the steps
-        t0 = clock()
-        if mode == "traced":
-            trace.disable()  # flushes and closes the timeline: part of tracing's cost
-        tail = clock() - t0 + flushed
+        tail = 0.0
+        if tl is not None:
+            tail = (tl.flush_ns - base) / 1e9  # the chunks written during the steps
+            t0 = clock()
+            if not file_in_trial:
+                tl.flush()  # the last chunk: part of tracing's cost
+            tail += clock() - t0
+            t0 = clock()
+            trace.disable()  # closes the file (and, ``file_in_trial``, writes the last chunk)
+            if file_in_trial:
+                tail += clock() - t0
+            else:
+                once += clock() - t0
         ops = (rec.total() - before) if rec is not None and mode != "recorder off" else 0
     finally:
         g._rec = rec
         if trace.enabled():
             trace.disable()
     mine = statistics.median(per_step) + tail / steps
-    worst = g.allreduce(np.array([mine]), "max")
-    return float(worst[0]), ops // steps
+    worst = g.allreduce(np.array([mine, once]), "max")
+    return float(worst[0]), ops // steps, float(worst[1])
 
 
 def _latency_trial(g: Any, on: bool, calls: int) -> float:
@@ -137,25 +159,31 @@ def latency(group: Any, *, trials: int, calls: int) -> dict[str, Any]:
 
 
 def measure(group: Any, *, trials: int, steps: int, hidden: int, batch: int,
-            directory: str) -> dict[str, Any]:
+            directory: str, file_in_trial: bool = False) -> dict[str, Any]:
     """Per-mode step times (lists, seconds) and the median ratios of the same trials."""
     if trace.enabled():
         raise RuntimeError("python -m hpcdp.bench trace: unset HPCDP_TRACE (the benchmark switches it)")
     tr = _Trainer(group, hidden, batch)
     for _ in range(5):  # warm-up: the first synced backward learns the bucket order
         tr.step()
+    for m in MODES:  # and one untimed trial per mode (what each formats once, a job formats once)
+        _trial(tr, m, min(steps, 10), directory, file_in_trial)
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    opens: list[float] = []
     ops = 0
     for i in range(trials):
         order = MODES[i % 3:] + MODES[:i % 3]
         for m in order:
-            t, n = _trial(tr, m, steps, directory)
+            t, n, o = _trial(tr, m, steps, directory, file_in_trial)
             times[m].append(t)
             ops = max(ops, n)
+            if m == "traced" and not file_in_trial:
+                opens.append(o)
     t1 = [b / a for a, b in zip(times["ring"], times["traced"])]
     ring = [b / a for a, b in zip(times["recorder off"], times["ring"])]
     per_op = [(b - a) / max(ops, 1) for a, b in zip(times["recorder off"], times["ring"])]
     return {"times": times, "ops_per_step": ops, "t1": statistics.median(t1), "t1_trials": t1,
+            "file": statistics.median(opens) if opens else None,
             "ring": statistics.median(ring), "ring_trials": ring,
             "ring_ns_per_op": statistics.median(per_op) * 1e9}
 
@@ -173,6 +201,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16, help="rows per rank")
     p.add_argument("--calls", type=int, default=2000,
                    help="8 B allreduces per latency trial (0: skip the latency comparison)")
+    p.add_argument("--file-in-trial", action="store_true",
+                   help="count opening and closing the timeline file (once per job) in each traced trial")
     p.add_argument("--json", default=None, help="append JSON lines here")
     add_plot_argument(p)
     return p
@@ -190,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lat = latency(g, trials=args.trials, calls=args.calls) if args.calls > 0 else None
         res = measure(g, trials=args.trials, steps=args.steps, hidden=args.hidden, batch=args.batch,
-                      directory=directory)
+                      directory=directory, file_in_trial=args.file_in_trial)
     finally:
         g.barrier()
         if g.rank == 0:
@@ -211,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {name}: {v:.3f} (target {target}; trials " + " ".join(f"{r:.3f}" for r in per) + ")")
             sink.write({"bench": "summary", "name": name, "value": v, "target": target, "ranks": g.size,
                         "trials": per})
+        if res["file"] is not None:
+            print(f"# opening and closing the timeline file (once per job, not in T1; --file-in-trial "
+                  f"counts it): {res['file'] * 1e6:.0f} us (median, slowest rank)")
         print(f"# ring cost per recorded operation: {res['ring_ns_per_op']:+.0f} ns (median of trials; "
               "noise of a step time spread over its operations)")
         if lat is not None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..trace.hooks import on_error
-from .._arrays import _SUPPORTED, contiguous, xp_of
+from .._arrays import SUPPORTED_SET, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
 from ._buffers import finish_into
 from .validation import check_array, check_rank, check_tag
@@ -206,7 +206,7 @@ class PointToPoint:
         for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
         return (self._g._fast and type(x) is np.ndarray and type(peer) is int and type(tag) is int
                 and 0 <= peer < self._g.size and peer != self._g.rank and 0 <= tag <= self._g._max_tag
-                and x.dtype in _SUPPORTED and x.flags.c_contiguous)
+                and x.dtype in SUPPORTED_SET and x.flags.c_contiguous)
 
     def _p2p_blocking(self, op: str, key: str, post: Any, x: np.ndarray, peer: int, tag: int,
                       timeout: float | None) -> None:

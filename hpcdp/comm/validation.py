@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import _SUPPORTED, is_cupy, is_supported_dtype, xp_of
+from .._arrays import SUPPORTED_SET, is_cupy, is_supported_dtype, xp_of
 # one timeout rule for every layer, transports included: it lives with the settings it bounds
 from .._config import TIMEOUT_MAX, check_timeout
 
@@ -18,7 +18,7 @@ __all__ = ["check_array", "check_out", "check_rank", "check_tag", "check_divisib
 
 def check_array(where: str, x: Any, xp: ModuleType | None = None) -> Any:
     """``x`` must be a numpy (or cupy) array of a supported dtype, of the same module as ``xp``."""
-    if type(x) is np.ndarray and x.dtype in _SUPPORTED and (xp is None or xp is np):
+    if type(x) is np.ndarray and x.dtype in SUPPORTED_SET and (xp is None or xp is np):
         return x  # the common case in one test
     if not isinstance(x, np.ndarray) and not is_cupy(x):
         if isinstance(x, (numbers.Number, np.generic)):

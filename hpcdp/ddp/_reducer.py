@@ -34,7 +34,7 @@ class _Progress:
 
     MPI advances nonblocking collectives only inside MPI calls, and numpy's matmuls (which release
     the GIL) give no such calls, so without this a bucket launched early would mostly move only
-    when backward ends. The thread tests the oldest in-flight bucket every ~50 us; ``lock``
+    when backward ends. The thread tests the oldest in-flight bucket at a short interval; ``lock``
     keeps it and the training thread from touching the same request at once.
     """
 

@@ -10,6 +10,13 @@ Threads and what they may do:
 * the control thread sends protocol messages and small replies, in order; the timer expires
   deadlines and watches inline callees (``_housekeeping``). ``RRef.__del__`` only queues work.
 * a caller waiting for a reply reads it itself where the transport allows (``Future``).
+
+The agent keeps what every side shares: names, the table of pending calls and their deadlines,
+message counts, the queue budget, sending and dispatch. It holds one component per concern,
+each given the agent in its constructor and listing what it uses of it: ``calls``
+(``_calls.Calls``: the caller's side), ``serving`` (``_serve.Serving``: the request handlers),
+``house`` (``_housekeeping.Housekeeping``: the control thread, the timer, inline callees),
+``rrefs`` (``_rref.RRefManager``) and ``coord`` (``_shutdown.Coordinator``).
 """
 from __future__ import annotations
 
@@ -24,13 +31,14 @@ from typing import Any, Callable, NamedTuple, Sequence
 import msgpack
 import numpy as np
 
-from ..errors import HpcdpError, PeerFailureError, ProtocolError
+from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError
 from .._config import SETTINGS, setting
 from ..comm.validation import check_timeout
 from . import _protocol as P
 from ._calls import Calls
 from ._channel import Channel
 from ._codec import Limits, decode, encode
+from ._duty import Lent
 from ._errors import remote_error
 from ._future import Future
 from ._housekeeping import Housekeeping
@@ -64,8 +72,8 @@ class _Pending:
         self.fut, self.dst, self.what, self.timeout, self.control = fut, dst, what, timeout, control
 
 
-class Agent(Serving, Calls, Housekeeping):
-    """One worker's RPC endpoint; see the module docstring for its threads."""
+class Agent:
+    """One worker's RPC endpoint; see the module docstring for its threads and components."""
 
     def __init__(self, name: str, group: Any, *, timeout: float, num_worker_threads: int,
                  limits: Limits, init_timeout: float) -> None:
@@ -101,29 +109,30 @@ class Agent(Serving, Calls, Housekeeping):
         self.rrefs = RRefManager(self)
         self._enc_hooks = [self.rrefs.encode_hook(r) for r in range(self.size)]
         self._dec_hooks = [self.rrefs.decode_hook(r) for r in range(self.size)]
+        self.house = Housekeeping(self)  # before the transport: its threads may queue work
+        self.serving = Serving(self)
+        self.calls = Calls(self)
+        srv = self.serving
         self._handlers: dict[int, Callable[[int, int, list, Frame, bool], Any]] = {
             P.RESULT: self._on_reply, P.ERROR: self._on_reply, P.CRESULT: self._on_reply,
-            P.CALL: self._on_call, P.REMOTE: self._on_remote, P.RCALL: self._on_rcall,
-            P.FETCH: self._on_fetch, P.FORK: self._on_fork, P.ACCEPT: self._on_accept,
+            P.CALL: srv.on_call, P.REMOTE: srv.on_remote, P.RCALL: srv.on_rcall,
+            P.FETCH: srv.on_fetch, P.FORK: self._on_fork, P.ACCEPT: self._on_accept,
             P.DELETE: self._on_delete, P.READY: self._on_coord, P.PROBE: self._on_coord,
             P.GO: self._on_coord,
         }
         self.coord = Coordinator(self)  # graceful shutdown
-        self._start_housekeeping()
-        self.transport = Channel(group, self.limits, self._deliver, self._lost)
+        self.transport = Channel(group, self.limits, self._deliver, self._lost, timeout)
         try:
             group.barrier(timeout=init_timeout)  # every peer's channel exists before traffic
         except BaseException:
             self.transport.close(False, 0.0)
             raise
-        self._polled = self.transport
         # how a caller waiting for a reply from each peer reads it itself
         self._directs = [None if r == self.rank else self.transport.direct(r)
                          for r in range(self.size)]
         self.pool = Pool(f"hpcdp-rpc{self.rank}-pool", num_worker_threads,
                          max(1024, 64 * num_worker_threads), self, progress=self.transport)
-        self._control_thread.start()
-        self._timer_thread.start()
+        self.house.start(polled=self.transport)
 
     # -- naming -----------------------------------------------------------------------------
     def worker_info(self, rank: int) -> WorkerInfo:
@@ -183,7 +192,7 @@ class Agent(Serving, Calls, Housekeeping):
         if enc.rrefs:
             self.rrefs.commit(enc.rrefs)
         try:
-            self._send(dst, kind, env, enc.body, enc.buffers)
+            self._send(dst, kind, env, enc.body, enc.buffers, deadline)
         except BaseException as exc:  # noqa: BLE001 - delivered through the future
             with self._lock:
                 self._pending.pop(mid, None)
@@ -212,7 +221,7 @@ class Agent(Serving, Calls, Housekeeping):
         return fut
 
     def _send(self, dst: int, kind: int, env: bytes, body: bytes,
-              buffers: Sequence[memoryview]) -> None:
+              buffers: Sequence[memoryview], deadline: float | None = None) -> None:
         counted = kind in P.COUNTED
         if dst == self.rank:  # loopback: copied like any message, delivered on this thread
             frame = Frame(env, bytes(body), [np.frombuffer(b, np.uint8).copy() for b in buffers])
@@ -221,7 +230,7 @@ class Agent(Serving, Calls, Housekeeping):
                     self.sent[dst] += 1
             self._deliver(dst, frame, False)
             return
-        self.transport.send(dst, env, body, buffers)
+        self.transport.send(dst, env, body, buffers, deadline)
         if counted:
             with self._lock:
                 self.sent[dst] += 1
@@ -264,6 +273,22 @@ class Agent(Serving, Calls, Housekeeping):
     def error_from(self, err: tuple[str, str, str], what: str) -> BaseException:
         name, msg, tb = err
         return remote_error(f"{what}: remote {name}: {msg}", name, tb)
+
+    # -- the control thread and inline callees (``Housekeeping``) ---------------------------
+    # ``Pool`` and ``Lent`` (``_duty``) call these on the agent they were given
+    def control(self, fn: Callable[[], None], quiet: bool = False) -> None:
+        """Run ``fn`` on the control thread (lock-free: safe from ``__del__``)."""
+        self.house.control(fn, quiet)
+
+    def lent_started(self, lent: Lent) -> None:
+        self.house.lent_started(lent)
+
+    def lent_ended(self, lent: Lent, seconds: float) -> None:
+        self.house.lent_ended(lent, seconds)
+
+    def requeue(self, lent: Lent) -> None:
+        """An inline task its serving thread will not run after all: to the pool."""
+        self.house.requeue(lent)
 
     # -- receiving --------------------------------------------------------------------------
     def _deliver(self, src: int, frame: Frame, may_inline: bool = False) -> Any:
@@ -342,12 +367,16 @@ class Agent(Serving, Calls, Housekeeping):
             n, frame.queued = frame.queued, 0
             self.queued_bytes -= n
 
+    def decode(self, src: int, frame: Frame) -> Any:
+        """The value of a message from ``src``: within our limits, its RRefs taken in."""
+        return decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
+
     def discard(self, src: int, frame: Frame) -> None:
         """A message that will not be used: its RRefs are still taken in and let go, so their
         owners can free what they refer to."""
         if frame.body is not None and len(frame.body):
             try:
-                decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
+                self.decode(src, frame)
             except Exception:  # noqa: BLE001 - whatever could be salvaged was
                 pass
 
@@ -374,7 +403,7 @@ class Agent(Serving, Calls, Housekeeping):
                                               f"{frame.refused}"))
             return
         try:
-            value = decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
+            value = self.decode(src, frame)
             if fields[0] == P.ERROR:
                 if type(value) is not tuple or len(value) != 3 or \
                         any(type(v) is not str for v in value):
@@ -428,6 +457,36 @@ class Agent(Serving, Calls, Housekeeping):
         with self._lock:
             return sum(1 for p in self._pending.values() if p.control == control)
 
+    # -- deadlines (the timer and waiting callers) -------------------------------------------
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a pending call (monotonic), if any."""
+        with self._lock:
+            return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> None:
+        """Fail the calls whose deadline is past ``now`` (the timer calls this)."""
+        expired = []
+        with self._lock:
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                p = self._pending.pop(heapq.heappop(heap)[1], None)
+                if p is not None:
+                    expired.append(p)
+            if len(heap) > 2 * len(self._pending) + 4096:  # drop entries of answered requests
+                self._deadlines = [(d, m) for d, m in heap if m in self._pending]
+                heapq.heapify(self._deadlines)
+        for p in expired:
+            p.fut.set_exception(CommTimeoutError(
+                f"{p.what} did not complete within {p.timeout:g} s"))
+
+    def expire_call(self, mid: int) -> None:
+        """A caller waited until its call's deadline: fail the call now (the timer may be late)."""
+        with self._lock:
+            p = self._pending.pop(mid, None)
+        if p is not None:
+            p.fut.set_exception(CommTimeoutError(
+                f"{p.what} did not complete within {p.timeout:g} s"))
+
     def close(self, graceful: bool, why: str) -> None:
         """Tear down (after the coordination, or at once when not graceful)."""
         with self._lock:
@@ -442,7 +501,7 @@ class Agent(Serving, Calls, Housekeeping):
                                            f"({why}) before the reply came"))
         self.rrefs.fail_all(f"RPC was shut down on rank {self.rank}")
         self.pool.close(0.0)
-        self._stop_housekeeping()
+        self.house.stop()
 
 
 def _log_failure(fut: Future) -> None:

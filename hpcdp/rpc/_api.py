@@ -106,13 +106,13 @@ def rpc_sync(to: Any, func: Any, args: Any = None, kwargs: Any = None,
         func: a function or class registered with ``@rpc.register``, or its registered name.
         timeout: seconds before ``CommTimeoutError`` (default: the agent's RPC timeout).
     """
-    return _context.current("rpc_sync").call("rpc_sync", to, func, args, kwargs, timeout)
+    return _context.current("rpc_sync").calls.call("rpc_sync", to, func, args, kwargs, timeout)
 
 
 def rpc_async(to: Any, func: Any, args: Any = None, kwargs: Any = None,
               timeout: float | None = None) -> Future:
     """Like ``rpc_sync`` but return a ``Future`` at once (``wait``, ``done``, ``then``)."""
-    return _context.current("rpc_async").call("rpc_async", to, func, args, kwargs, timeout)
+    return _context.current("rpc_async").calls.call("rpc_async", to, func, args, kwargs, timeout)
 
 
 def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None,
@@ -121,7 +121,7 @@ def remote(to: Any, func: Any, args: Any = None, kwargs: Any = None,
 
     The call returns at once; errors of ``func`` surface on ``to_here()`` or method calls.
     """
-    return _context.current("remote").remote(to, func, args, kwargs, timeout)
+    return _context.current("remote").calls.remote(to, func, args, kwargs, timeout)
 
 
 def get_worker_info(name: str | None = None) -> WorkerInfo:

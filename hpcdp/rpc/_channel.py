@@ -13,7 +13,10 @@ against the announced one and only then takes a buffer of that size (``RECV_BUFF
 received array has let go of, already mapped, where there is one) and receives into it: never a
 receive into a smaller buffer (Open MPI 4 does not survive a truncated large message), and a
 head whose data never comes reserves nothing. Data that breaks its announcement is left
-unreceived with the backend (on MPI with its sender). One poll receives a few MiB of data at most
+unreceived with the backend (on MPI with its sender). Where a wrong-sized receive fails cleanly
+(``Backend.recv_size_checked``: TCP) the data receives are posted as soon as the head is read, so
+the bytes land in place; a chunk the transport had read before that is taken as its own buffer
+(``Backend.take``), never copied a second time. One poll receives a few MiB of data at most
 (``_POLL_BYTES``) before delivering what it completed, so each callee frees its buffer for the
 next message.
 
@@ -21,11 +24,15 @@ Contract with the agent (one channel per agent, over the ranks of one group):
 
 1. ``__init__`` is collective over the group (it dups the backend); it delivers nothing until a
    thread polls.
-2. ``send(dst, env, body, buffers)`` may be called from any thread, never waits for the peer's
-   agent, and keeps each message whole and in order per (sender, receiver) (the backend's
-   non-overtaking order per source and tag). It raises ``PeerFailureError`` when ``dst`` is known
-   to be gone. Arrays are sent from the given views; the caller must not change them until the
-   call's reply arrives.
+2. ``send(dst, env, body, buffers, deadline)`` may be called from any thread, never waits for
+   the peer's agent, and keeps each message whole and in order per (sender, receiver) (the
+   backend's non-overtaking order per source and tag). It raises ``PeerFailureError`` when
+   ``dst`` is known to be gone (or its send failed at once), and ``CommTimeoutError`` when a
+   large message would wait for its window (``WINDOW``) past the call's ``deadline``. No lock
+   is held while the backend sends (TCP writes on the caller's thread): a peer that stops
+   reading blocks only the thread writing to it, for the duplicate's ``bound_sends`` at most.
+   Arrays are sent from the given views; the caller must not change them until the call's
+   reply arrives.
 3. ``deliver(src, frame, may_inline)`` is called in order per source and must not block. A
    thread that holds the serving duty (the pool's leader) passes ``may_inline=True`` and may get
    back a ``Lent`` task to run once the progress token is released. Frames over this rank's
@@ -58,7 +65,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..backends.base import ANY_SOURCE
-from ..errors import BackendUnavailableError, HpcdpError, PeerFailureError, ProtocolError
+from ..errors import (BackendUnavailableError, CommTimeoutError, HpcdpError, PeerFailureError,
+                      ProtocolError)
 from ._codec import Limits
 from ._duty import before_blocking
 from ._pool import idle_pause
@@ -104,6 +112,19 @@ WINDOW = 128 << 20
 #: lands in place as it arrives (no unexpected-message copy); beyond this, data is probed first,
 #: so heads whose data never comes reserve no more than this
 _PREPOST_MAX = 64 << 20
+#: seconds an idle leader polls back to back after the last activity (a ping-pong's next call
+#: comes sooner); then it sleeps between polls, leaving the processor to the ranks that work
+_SPIN = 3e-4
+#: seconds the receive of a message ``probe`` reported may take (it has arrived: only a
+#: transport that moves large messages when their sender polls needs it); past it the receive
+#: is abandoned and its sender treated as failed
+_RECV_WAIT = 5.0
+#: least bound (seconds) on a send whose peer takes no byte (``Backend.bound_sends``): a live
+#: rank's transport reads its sockets all the time, so this long means stopped or hung
+_MIN_SEND_BOUND = 30.0
+#: longest wait (seconds) of an idle leader on the data of a message whose head it has read,
+#: reading it as it arrives rather than polling for it (``Channel.idle_pause``)
+_DATA_WAIT = 1e-3
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -161,8 +182,13 @@ _BODY = object()
 class Channel:
     """One worker's RPC channel over a duplicate of its group's backend."""
 
-    def __init__(self, group: Any, limits: Limits, deliver: Deliver, lost: Lost) -> None:
+    def __init__(self, group: Any, limits: Limits, deliver: Deliver, lost: Lost,
+                 timeout: float = 60.0) -> None:
+        """``timeout``: the worker's default call timeout: how long a send without a deadline
+        of its own (a reply) may wait for its window, and (at least ``_MIN_SEND_BOUND``) how long
+        a send may wait on a peer that takes no byte before that peer counts as failed."""
         self.rank, self.size, self.limits = group.rank, group.size, limits
+        self.timeout = timeout
         self.deliver, self.lost = deliver, lost
         parent = group.backend
         if parent.thread_level != "multiple":
@@ -171,15 +197,21 @@ class Channel:
                 f"at once; the {parent.name} backend has thread level {parent.thread_level!r} "
                 "(for MPI: an MPI library with MPI_THREAD_MULTIPLE, initialised through hpcdp)")
         self.be = be = parent.dup()  # collective: RPC traffic never meets anything else
-        # no valid message of ours is larger: a bigger one is refused, so never stored
-        be.cap_unposted(max(self._max_head_of(limits), min(_CHUNK, limits.max_message_bytes)))
+        # no valid message of ours is larger: a bigger one is refused, so never stored (a
+        # head, on its own tag, no larger than a head can be; data chunks up to a chunk)
+        be.cap_unposted(min(_CHUNK, limits.max_message_bytes))
+        be.cap_unposted(self._max_head_of(limits), tag=HEAD_TAG)
+        # a send (TCP: written on the caller's thread) never blocks for good on a stopped peer
+        be.bound_sends(max(_MIN_SEND_BOUND, timeout))
         self.tag_span = int(be.max_tag) - DATA_TAG0
         self._yield = bool(be.shares_process)  # idle polls must let the peers' threads run
         self._early = bool(be.recv_size_checked)
+        self._polled = bool(be.needs_progress_thread)  # transfers advance only while polled
         self._preposted = 0
         self._tags = itertools.count()
         self._lock = threading.Lock()
         self._sends: list[tuple[list, Any, int, int]] = []  # (requests, kept, dst, bytes)
+        self._writers = 0  # threads inside ``be.send`` (never under ``_lock``)
         self._inflight = [0] * self.size  # bytes of ``_sends`` per destination
         self._incoming: dict[int, collections.deque[_Incoming]] = {}
         self._discards: list[tuple[int, int, int]] = []  # (src, tag, messages left)
@@ -194,6 +226,7 @@ class Channel:
         self._polls = 0
         self._gone_at = 0.0
         self._delivered = 0  # frames delivered (a pump that saw more than its reply kicks)
+        self._sender, self._sent_at = 0, 0.0  # the thread that sent last, and when
         self.gone: dict[int, str] = {}
         self._small_body = min(_INLINE, limits.max_body_bytes, limits.max_message_bytes)
         self._max_head = self._max_head_of(limits)
@@ -206,18 +239,16 @@ class Channel:
         return self._pump
 
     # -- sending ---------------------------------------------------------------------------
-    def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview]) -> None:
-        if dst in self.gone:
-            raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: "
-                                   f"{self.gone[dst]}", peers=[dst])
-        be = self.be
+    def send(self, dst: int, env: bytes, body: bytes, buffers: Sequence[memoryview],
+             deadline: float | None = None) -> None:
+        """``deadline`` (``time.monotonic()``): that of the call the message belongs to (None:
+        ``timeout`` from now); a large message that would wait past it for its window raises
+        ``CommTimeoutError``."""
+        self._check_peer(dst)
+        self._sender, self._sent_at = threading.get_ident(), time.monotonic()
         if not buffers and len(body) <= _INLINE:  # the common small message: one head
             head = pack_prefix(env, body, ()) + _NO_TAG + env + body
-            with self._lock:
-                self._check_open()
-                req = be.send(_u8(head), dst, HEAD_TAG)
-                if not self._done([req], dst):  # a small message usually leaves at once
-                    self._sends.append(([req], head, dst, 0))
+            self._post(dst, [(_u8(head), HEAD_TAG)], head, 0)
             return
         lens = [b.nbytes for b in buffers]
         tag = DATA_TAG0 + next(self._tags) % self.tag_span
@@ -227,23 +258,66 @@ class Channel:
             buffers = [memoryview(body), *buffers]
         n = sum(lens) + (0 if inline else len(body))
         if self._inflight[dst] and self._inflight[dst] + n > WINDOW:
-            self._wait_window(dst, n)
+            self._wait_window(dst, n, time.monotonic() + self.timeout if deadline is None
+                              else deadline)
+            self._check_peer(dst)  # it may have gone while we waited
+        parts = [(_u8(head), HEAD_TAG)]
+        for b in buffers:
+            parts.extend((_u8(b[lo:hi]), tag) for lo, hi in _chunks(b.nbytes))
+        self._post(dst, parts, (head, buffers), n)
+
+    def _check_peer(self, dst: int) -> None:
+        if dst in self.gone:
+            raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: "
+                                   f"{self.gone[dst]}", peers=[dst])
+
+    def _post(self, dst: int, parts: list[tuple[np.ndarray, int]], kept: Any, n: int) -> None:
+        """Send ``parts`` (buffer, tag) to ``dst`` in order, holding no lock while the backend
+        sends: TCP writes on this thread, and a peer that stops reading then blocks this caller
+        alone (for the backend's ``bound_sends`` at most), never the progress of the others
+        nor ``close``. ``n``: bytes counted against ``dst``'s window until the sends complete.
+        A send that failed at once (the peer is gone) raises ``PeerFailureError``."""
         with self._lock:
             self._check_open()
-            reqs = [be.send(_u8(head), dst, HEAD_TAG)]
-            for b in buffers:
-                for lo, hi in _chunks(b.nbytes):
-                    reqs.append(be.send(_u8(b[lo:hi]), dst, tag))
-            self._sends.append((reqs, (head, buffers), dst, n))
+            self._writers += 1
             self._inflight[dst] += n
+        reqs: list[Any] = []
+        failed: BaseException | None = None
+        try:
+            for buf, tag in parts:
+                reqs.append(self.be.send(buf, dst, tag))
+        finally:
+            with self._lock:
+                self._writers -= 1
+                try:  # a small message usually leaves at once
+                    done = len(reqs) == len(parts) and all(r.test() for r in reqs)
+                except HpcdpError as exc:
+                    done, failed = False, exc
+                if dst in self.gone:  # ``_gone`` ran meanwhile: its sends are dropped
+                    _GRAVEYARD.append((reqs, kept, dst, n))
+                elif done:
+                    self._inflight[dst] -= n
+                else:
+                    self._sends.append((reqs, kept, dst, n))
+        if failed is not None:
+            raise PeerFailureError(f"rpc send from rank {self.rank} to rank {dst}: {failed}",
+                                   peers=[dst]) from None
 
-    def _wait_window(self, dst: int, n: int) -> None:
+    def _wait_window(self, dst: int, n: int, deadline: float) -> None:
         """Wait (polling: MPI moves sends only while polled) until ``n`` more bytes to ``dst``
-        fit its window, the peer is gone, or this channel closes."""
+        fit its window, the peer is gone, or this channel closes; ``CommTimeoutError`` at
+        ``deadline`` (a callee that receives slower than we send, or not at all: on MPI and
+        simulated ranks a large send completes only when received)."""
         before_blocking()  # a serving duty this thread holds goes to another thread first
         last = time.monotonic()
         while self._inflight[dst] and self._inflight[dst] + n > WINDOW and \
                 dst not in self.gone and not self._closed and not self._stop:
+            if time.monotonic() >= deadline:
+                raise CommTimeoutError(
+                    f"rpc send from rank {self.rank} to rank {dst}: a {n}-byte message waited "
+                    f"for its window until the call's deadline: rank {dst} has not received "
+                    f"{self._inflight[dst]} bytes sent to it before (at most {WINDOW >> 20} MiB "
+                    "may be in flight to one peer)")
             busy = self.poll()
             if busy is None:
                 time.sleep(1e-4)
@@ -330,12 +404,57 @@ class Channel:
         return False
 
     def idle_pause(self, idle: float, others: bool) -> None:
-        """The pool leader's wait between polls that found nothing (see ``_pool.idle_pause``)."""
-        idle_pause(idle, others=others or self._yield)
+        """The pool leader's wait between polls that found nothing (see ``_pool.idle_pause``).
+
+        Where the backend moves bytes on threads of its own (TCP; not MPI, whose transfers
+        advance only while polled, ``Backend.needs_progress_thread``), an idle leader spends
+        as little of the processor as it can, which on a shared node belongs to the ranks
+        that work:
+
+        - waiting for the data of a message whose head it has read, it reads that data as it
+          comes (waits on its receive, ``_DATA_WAIT`` at most) rather than polling for it;
+        - while another thread of ours sends (inside ``send``, or it sent within ``LINGER``: a
+          caller issuing a burst of calls) it sleeps between polls: that thread needs the
+          interpreter back each time a socket write of its returns, and a leader polling back
+          to back would keep it through its short system calls until the interpreter forces
+          a switch. The leader's own sends (replies of the callees it ran) do not count;
+        - otherwise it polls back to back only for ``_SPIN`` after the last activity (a
+          ping-pong's next call comes sooner), then sleeps between polls.
+        """
+        if self._polled:
+            idle_pause(idle, others=others or self._yield)
+            return
+        if self._early and self._incoming and not others:
+            req = self._awaited()
+            if req is not None:
+                try:
+                    req.wait(_DATA_WAIT)
+                except Exception:  # noqa: BLE001 - the next poll reports it (``_received``)
+                    pass
+                return
+        sending = self._writers or (
+            self._sender != threading.get_ident() and time.monotonic() - self._sent_at < LINGER)
+        idle_pause(idle, others=others or self._yield or sending or bool(self._incoming)
+                   or idle >= _SPIN)
+
+    def _awaited(self) -> Any:
+        """A posted data receive of the oldest message still arriving, or None. Read without
+        the token (the leader between polls): a message delivered meanwhile only makes the
+        wait return at once."""
+        try:
+            for q in list(self._incoming.values()):
+                if q and q[0].reqs:
+                    return q[0].reqs[-1]
+        except (RuntimeError, IndexError):  # changed under us: poll again instead
+            pass
+        return None
 
     def _poll(self, tasks: list | None) -> bool:
         busy = False
-        while True:
+        posted = self._preposted + _POLL_BYTES
+        # heads whose data receives this poll posted reach ``_POLL_BYTES``: deliver those first
+        # (their callees let go of their buffers for the next ones, ``RECV_BUFFERS``)
+        while self._preposted < posted:
             found = self._probe(ANY_SOURCE, HEAD_TAG)
             if found is None:
                 break
@@ -456,13 +575,16 @@ class Channel:
         return busy
 
     def _head(self, src: int, n: int, tasks: list | None) -> None:
-        raw = np.empty(n, np.uint8)
         # a head is received even when refused: left unreceived it would block every later one
-        if not self.be.recv(raw, src, HEAD_TAG).wait(5.0):
-            LOG.warning("hpcdp.rpc: rank %d: a probed head from rank %d did not arrive", self.rank,
-                        src)
+        if n > self._max_head:  # refused before memory of its announced size is taken
+            LOG.warning("hpcdp.rpc: rank %d refused a %d-byte head from rank %d (at most %d)",
+                        self.rank, n, src, self._max_head)
+            self._drop(src, HEAD_TAG, n, "a head")
             return
-        if n > self._max_head or n < PREFIX.size + TAG.size:
+        raw = np.empty(n, np.uint8)
+        if not self._receive(raw, src, HEAD_TAG, "a head"):
+            return
+        if n < PREFIX.size + TAG.size:
             LOG.warning("hpcdp.rpc: rank %d refused a %d-byte head from rank %d", self.rank, n,
                         src)
             return
@@ -509,14 +631,35 @@ class Channel:
             m = _Incoming(env, None, tag, [body_len, *lens], big_body=True)
         if refused is None and self._early and m.plan and \
                 self._preposted + sum(m.sizes) <= _PREPOST_MAX:
-            m.preposted = sum(m.sizes)
-            self._preposted += m.preposted
-            while m.next < len(m.plan):
-                m.reqs.append(self.be.recv(m.view(), src, tag))
-                m.next += 1
+            self._prepost(src, m)
         if q is None:
             q = self._incoming[src] = collections.deque()
         q.append(m)
+
+    def _prepost(self, src: int, m: _Incoming) -> None:
+        """Post the receives of every chunk of ``m`` now, so its data lands in place as it
+        arrives. A chunk that has arrived already (a thread of the transport read ahead) is
+        taken as the transport's buffer where it can hand it over (``Backend.take``: no copy
+        into ``view()``), once its size is checked against the announced one."""
+        be, tag = self.be, m.tag
+        m.preposted = sum(m.sizes)
+        self._preposted += m.preposted
+        taking = True
+        while m.next < len(m.plan):
+            i, lo, hi = m.plan[m.next]
+            got = be.take(src, tag) if taking and lo == 0 and hi == m.sizes[i] else None
+            if got is None:
+                taking = False  # a peer's chunks come in order: the later ones are not here
+                m.reqs.append(be.recv(m.view(), src, tag))
+            elif got.nbytes != hi - lo:  # taken, so not left with the backend: dropped
+                LOG.warning("hpcdp.rpc: rank %d: rank %d sent an array chunk of %d bytes where "
+                            "%d were announced", self.rank, src, got.nbytes, hi - lo)
+                m.refused = f"an array chunk of {got.nbytes} bytes where {hi - lo} were announced"
+                m.body, m.parts, m.next = None, [], len(m.plan)
+                return
+            else:
+                m.parts[i] = got
+            m.next += 1
 
     def _bye(self, src: int, graceful: bool) -> None:
         if src not in self.gone:
@@ -543,39 +686,86 @@ class Channel:
     def _discard(self) -> bool:
         """Drop the arrays of refused messages: small chunks are received into a scratch
         buffer, larger ones are left unreceived (with the sender, on MPI)."""
-        be, busy, left = self.be, False, []
+        busy, left = False, []
         for src, tag, count in self._discards:
-            while count:
+            while count and src not in self.gone:
                 found = self._probe(src, tag)
                 if found is None or found[2] > self._scratch.size:
                     break
-                be.recv(self._scratch[:found[2]], src, tag).wait(5.0)
+                if not self._receive(self._scratch[:found[2]], src, tag, "refused data"):
+                    self._scratch = np.empty_like(self._scratch)  # the old one may be written
+                    break
                 count -= 1
                 busy = True
-            if count and found is None:
+            if count and found is None and src not in self.gone:
                 left.append((src, tag, count))
         self._discards = left
         return busy
 
+    def _receive(self, buf: np.ndarray, src: int, tag: int, what: str) -> bool:
+        """Receive a message ``probe`` reported into ``buf``; False where it fails. It has
+        arrived, so this is quick; a receive still open after ``_RECV_WAIT`` is abandoned
+        (left posted, it would take the next message of ``src`` with ``tag`` in its place)
+        and ``src`` is treated as failed: its stream can no longer be read in order."""
+        req = self.be.recv(buf, src, tag)
+        try:
+            if req.wait(_RECV_WAIT):
+                return True
+        except HpcdpError as exc:  # the peer went (the next look at ``peers_gone`` says so)
+            LOG.warning("hpcdp.rpc: rank %d: receiving %s from rank %d failed: %s", self.rank,
+                        what, src, exc)
+            self._gone_at = 0.0
+            return False
+        try:
+            if req.abandon():
+                return True  # its last bytes came as we gave up
+        except HpcdpError:
+            pass
+        _GRAVEYARD.append((req, buf))  # the backend may still write into it
+        why = (f"{what} it sent ({buf.nbytes} bytes, reported by probe) was not received "
+               f"within {_RECV_WAIT:g} s; its later messages cannot be read in order")
+        LOG.error("hpcdp.rpc: rank %d: rank %d: %s", self.rank, src, why)
+        if src not in self.gone:
+            self._gone(src, why, False)
+        return False
+
+    def _drop(self, src: int, tag: int, n: int, what: str) -> None:
+        """Take a refused message of ``n`` bytes off the backend, allocating for it only
+        where the backend cannot hand over its own copy nor the scratch buffer holds it."""
+        if self.be.take(src, tag) is not None:
+            return
+        buf = self._scratch[:n] if n <= self._scratch.size else np.empty(n, np.uint8)
+        if not self._receive(buf, src, tag, what) and buf.base is self._scratch:
+            self._scratch = np.empty_like(self._scratch)
+
     # -- closing ---------------------------------------------------------------------------
+    def _writers_out(self, deadline: float) -> bool:
+        """Wait until no thread is inside ``be.send`` (or ``deadline``); True if none is."""
+        while self._writers and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        return not self._writers
+
     def close(self, graceful: bool, timeout: float) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            # leaving alone: tell the peers, so their calls to us fail now rather than at their
-            # deadline (after a graceful shutdown's coordination every worker leaves: a goodbye
-            # nobody receives would be left on the duplicate, and MPI may hand a message of a
-            # freed communicator to the next one)
-            bye = _BYE_ENVS[0]
-            head = _u8(pack_prefix(bye, b"", []) + _NO_TAG + bye)
-            for r in range(self.size) if not graceful else ():
-                if r != self.rank and r not in self.gone:
-                    try:
-                        self._sends.append(([self.be.send(head, r, HEAD_TAG)], head, r, 0))
-                    except HpcdpError:
-                        pass
+            self._closed = True  # no send starts from here on
         deadline = time.monotonic() + (timeout if graceful else min(timeout, 2.0))
+        self._writers_out(deadline)  # a goodbye goes after the messages before it
+        # leaving alone: tell the peers, so their calls to us fail now rather than at their
+        # deadline (after a graceful shutdown's coordination every worker leaves: a goodbye
+        # nobody receives would be left on the duplicate, and MPI may hand a message of a
+        # freed communicator to the next one). Sent with no lock held, like any send.
+        bye = _BYE_ENVS[0]
+        head = _u8(pack_prefix(bye, b"", []) + _NO_TAG + bye)
+        for r in range(self.size) if not graceful else ():
+            if r != self.rank and r not in self.gone:
+                try:
+                    req = self.be.send(head, r, HEAD_TAG)
+                except HpcdpError:
+                    continue
+                with self._lock:
+                    self._sends.append(([req], head, r, 0))
         # let our last sends (replies, acknowledgements, goodbyes) complete; a poll on the way
         # also takes the small data of refused messages off the duplicate
         self.poll()
@@ -596,6 +786,10 @@ class Channel:
             self._stop = True  # from here on poll() does nothing
         finally:
             self._token.release()
+        if not self._writers_out(deadline):
+            LOG.warning("hpcdp.rpc: rank %d: a send is still blocked on its peer; the RPC "
+                        "channel is left open", self.rank)
+            return
         for q in self._incoming.values():
             _GRAVEYARD.extend(q)  # receives posted for a message may still be written to
         _GRAVEYARD.extend(self._sends)

@@ -2,7 +2,7 @@
 
 A *duty* is a role one thread holds: reading one TCP peer's socket, leading the MPI progress, or
 dispatching a simulated rank's inbox. Handing each request to a pool thread costs a wake-up and
-a pass of the GIL (tens of microseconds on a loaded machine: most of a small call's cost), so
+a pass of the GIL (most of a small call's cost on a loaded machine), so
 the holder runs the callee itself ("inline", a ``Lent`` task). While it does, nobody serves the
 duty, which is safe only because the duty moves to another thread whenever the callee could
 hold it up:
@@ -73,7 +73,11 @@ class InlinePolicy:
 
 
 class Lent:
-    """A callee run by the holder of a duty; ``run`` says whether the duty was handed off."""
+    """A callee run by the holder of a duty; ``run`` says whether the duty was handed off.
+
+    Of its agent it uses ``rank``, ``pool`` (``try_inline``), ``lent_started``,
+    ``lent_ended`` and ``requeue`` (the agent's ``Housekeeping`` does the bookkeeping), and
+    makes the agent the current one while the callee runs."""
 
     __slots__ = ("agent", "fn", "key", "start", "_handoff", "handed", "_lock")
 

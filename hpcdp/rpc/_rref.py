@@ -106,7 +106,7 @@ class RRef:
 
     def to_here(self, timeout: float | None = None) -> Any:
         """The value, copied to this worker (on the owner: the value itself)."""
-        return self._agent.fetch(self, timeout)
+        return self._agent.calls.fetch(self, timeout)
 
     def rpc_sync(self, timeout: float | None = None) -> "_Proxy":
         """``rref.rpc_sync().method(*args)``: call a method of the value on its owner, wait."""
@@ -155,7 +155,7 @@ class _Proxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return rref._agent.method_call(rref, method, args, kwargs, mode, timeout)
+            return rref._agent.calls.method_call(rref, method, args, kwargs, mode, timeout)
 
         call.__name__ = method
         return call

@@ -5,28 +5,48 @@ RRef state, and either returns the callee as a task for a serving thread to run 
 (``_duty``) or queues it on the pool; small replies go to the control thread. A malformed
 request raises ``ProtocolError``; the agent answers it with an error and serves on. Arguments
 are decoded before anything else can fail, so RRefs in them are always taken in (and let go).
+
+The agent holds one ``Serving`` (``agent.serving``) and routes the request kinds to its
+``on_*`` handlers; the caller's side (``_calls``) uses ``compute_into`` for RRefs it owns.
 """
 from __future__ import annotations
 
 import inspect
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 from ..errors import HpcdpError, ProtocolError
 from . import _protocol as P
 from . import _registry
+from ._duty import Lent
 from ._errors import remote_error
-from ._codec import decode
 from ._wire import Frame
+
+if TYPE_CHECKING:
+    from ._agent import Agent
 
 __all__ = ["Serving"]
 
 
 class Serving:
-    """Mixin of ``Agent``: the request handlers."""
+    """The request handlers of one ``Agent``.
+
+    Of the agent it uses: its name and rank (in messages), ``decode``, ``reply``,
+    ``reply_error``, ``error_from``, ``control``, ``unqueue`` and ``discard`` (answers and the
+    queue budget), ``rrefs``, ``pool`` (read when used), and ``house`` (which callees may run
+    inline, and their timing on the pool)."""
+
+    __slots__ = ("_agent", "_rank", "_name", "_rrefs", "_house")
+
+    def __init__(self, agent: "Agent") -> None:
+        self._agent = agent
+        self._rank = agent.rank
+        self._name = agent.names[agent.rank]
+        self._rrefs = agent.rrefs
+        self._house = agent.house
 
     def args_of(self, src: int, frame: Frame) -> tuple[tuple, dict]:
-        value = decode(frame.body, frame.buffers, self.limits, self._dec_hooks[src])
+        value = self._agent.decode(src, frame)
         if type(value) is not tuple or len(value) != 2 or type(value[0]) is not tuple or \
                 type(value[1]) is not dict or any(type(k) is not str for k in value[1]):
             raise ProtocolError("malformed arguments (expected (tuple, dict of str))")
@@ -34,15 +54,23 @@ class Serving:
 
     def submit(self, src: int, mid: int, task: Callable[[], None], *, force: bool = False,
                frame: Frame | None = None) -> None:
-        if not self.pool.submit(task, force=force):
+        if not self._agent.pool.submit(task, force=force):
             if frame is not None:
-                self.unqueue(frame)
-                self.discard(src, frame)
-            self.control(lambda: self.reply_error(src, mid, HpcdpError(
-                f"{self.names[self.rank]} (rank {self.rank}) is overloaded or shutting down: "
+                self._agent.unqueue(frame)
+                self._agent.discard(src, frame)
+            self._agent.control(lambda: self._agent.reply_error(src, mid, HpcdpError(
+                f"{self._name} (rank {self._rank}) is overloaded or shutting down: "
                 f"its RPC queue is full"), ""))
 
-    def _on_call(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
+    def inline_or_pool(self, src: int, mid: int, job: Callable[[], None], key: Hashable,
+                       may_inline: bool, force: bool = False, frame: Any = None) -> Lent | None:
+        """A ``Lent`` task for the serving thread when ``job`` may run there, else queue it."""
+        if may_inline and self._house.policy.allows(key):
+            return Lent(self._agent, job, key)
+        self.submit(src, mid, self._house.timed(job, key), force=force, frame=frame)
+        return None
+
+    def on_call(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 3 or type(fields[2]) is not str:
             raise ProtocolError("malformed CALL")
         name = fields[2]
@@ -53,7 +81,7 @@ class Serving:
     def target(self, name: str) -> Callable[..., Any]:
         entry = _registry.lookup(name)
         if entry is None:
-            raise LookupError(f"{self.names[self.rank]} (rank {self.rank}) has no function or "
+            raise LookupError(f"{self._name} (rank {self._rank}) has no function or "
                               f"class registered as {name[:200]!r} (use @hpcdp.rpc.register)")
         return entry.obj
 
@@ -64,20 +92,20 @@ class Serving:
                 fn = get()
                 result = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - goes back to the caller
-                self.reply_error(src, mid, exc)
+                self._agent.reply_error(src, mid, exc)
                 return
-            self.reply(src, mid, result)
+            self._agent.reply(src, mid, result)
         finally:
-            self.unqueue(frame)
+            self._agent.unqueue(frame)
 
-    def _on_remote(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
+    def on_remote(self, src: int, mid: int, fields: list, frame: Frame, _inline: bool) -> None:
         if len(fields) != 7 or type(fields[2]) is not str or \
                 (fields[5] is not None and type(fields[6]) is not str):
             raise ProtocolError("malformed REMOTE")
         if fields[5] is not None:
-            self.rrefs.check_use(src, fields[5])  # before anything is recorded for it
-        rec = self.rrefs.remote_created(src, fields[3], fields[4])
-        self.control(lambda: self.reply(src, mid, None))
+            self._rrefs.check_use(src, fields[5])  # before anything is recorded for it
+        rec = self._rrefs.remote_created(src, fields[3], fields[4])
+        self._agent.control(lambda: self._agent.reply(src, mid, None))
         self.compute_into(rec, src, fields[2], fields[5], fields[6],
                           lambda: self.args_of(src, frame), frame)
 
@@ -97,13 +125,13 @@ class Serving:
                        str(exc)[:P.MAX_ERROR_TEXT],
                        "".join(traceback.format_exception(exc))[-P.MAX_ERROR_TEXT:])
             finally:
-                self.unqueue(frame)
-            self.rrefs.set_value(rec, value, err)
+                self._agent.unqueue(frame)
+            self._rrefs.set_value(rec, value, err)
 
         def start(get: Callable[[], Callable]) -> None:
-            if not self.pool.submit(lambda: compute(get), force=True):
-                self.unqueue(frame)
-                self.rrefs.set_value(rec, None, ("HpcdpError", "the owner is shutting down", ""))
+            if not self._agent.pool.submit(lambda: compute(get), force=True):
+                self._agent.unqueue(frame)
+                self._rrefs.set_value(rec, None, ("HpcdpError", "the owner is shutting down", ""))
 
         if target is None:
             start(lambda: self.target(name))
@@ -113,27 +141,27 @@ class Serving:
             start(lambda: self.bound_method(trec, str(method)))
 
         try:
-            trec = self.rrefs.when_ready(src, target, start_method)
+            trec = self._rrefs.when_ready(src, target, start_method)
         except ProtocolError as exc:  # the target went away since the REMOTE was checked
-            self.unqueue(frame)
-            self.rrefs.set_value(rec, None, ("ProtocolError", str(exc), ""))
+            self._agent.unqueue(frame)
+            self._rrefs.set_value(rec, None, ("ProtocolError", str(exc), ""))
             return
         if trec is not None:
             start_method(trec)
 
     def bound_method(self, rec: Any, method: str) -> Callable[..., Any]:
         if rec.error is not None:
-            raise self.error_from(rec.error, "the RRef's value")
+            raise self._agent.error_from(rec.error, "the RRef's value")
         value = rec.value
         cls = type(value)
         if method.startswith("_") or not _registry.is_registered_class(cls):
-            raise PermissionError(f"{self.names[self.rank]}: method {method[:200]!r} of "
+            raise PermissionError(f"{self._name}: method {method[:200]!r} of "
                                   f"{cls.__qualname__} cannot be called remotely (only public "
                                   "methods of @rpc.register-ed classes can)")
         # the class's own definition, never the instance's attributes or __getattr__: a peer
         # can call what the class declares, not a callable the object happens to hold
         if method in getattr(value, "__dict__", ()):
-            raise PermissionError(f"{self.names[self.rank]}: an attribute of the "
+            raise PermissionError(f"{self._name}: an attribute of the "
                                   f"{cls.__qualname__} object shadows its method "
                                   f"{method[:200]!r}; refusing to call either")
         try:
@@ -145,7 +173,7 @@ class Serving:
         get = getattr(type(raw), "__get__", None)  # functions and other method descriptors
         return get(raw, value, cls) if get is not None else raw
 
-    def _on_rcall(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
+    def on_rcall(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 4 or type(fields[3]) is not str:
             raise ProtocolError("malformed RCALL")
         method = fields[3]
@@ -153,14 +181,14 @@ class Serving:
         def job(rec: Any) -> Callable[[], None]:
             return lambda: self._serve(src, mid, frame, lambda: self.bound_method(rec, method))
 
-        rec = self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+        rec = self._rrefs.when_ready(src, fields[2], lambda rec: self.submit(
             src, mid, job(rec), force=True, frame=frame))
         if rec is None:
             return None  # runs once the value is computed
         return self.inline_or_pool(src, mid, job(rec), (type(rec.value), method), may_inline,
                                    force=True, frame=frame)
 
-    def _on_fetch(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
+    def on_fetch(self, src: int, mid: int, fields: list, frame: Frame, may_inline: bool) -> Any:
         if len(fields) != 3:
             raise ProtocolError("malformed FETCH")
 
@@ -168,13 +196,13 @@ class Serving:
             try:
                 if rec.error is not None:
                     name, msg, tb = rec.error
-                    self.reply_error(src, mid, remote_error(msg, name, ""), tb)
+                    self._agent.reply_error(src, mid, remote_error(msg, name, ""), tb)
                 else:
-                    self.reply(src, mid, rec.value)
+                    self._agent.reply(src, mid, rec.value)
             finally:
-                self.unqueue(frame)
+                self._agent.unqueue(frame)
 
-        rec = self.rrefs.when_ready(src, fields[2], lambda rec: self.submit(
+        rec = self._rrefs.when_ready(src, fields[2], lambda rec: self.submit(
             src, mid, lambda: answer(rec), force=True, frame=frame))
         if rec is None:
             return None

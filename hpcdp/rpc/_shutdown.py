@@ -59,7 +59,7 @@ class Coordinator:
 
     def snapshot(self, on_control: bool = False) -> list:
         a = self.agent
-        quiet = a._control_q.empty() if on_control else a.control_idle()
+        quiet = a.house.control_queue_empty() if on_control else a.house.control_idle()
         idle = quiet and a.pending_count() == 0 and a.pool.idle() and callbacks_idle()
         with a._lock:
             return [idle, list(a.sent), list(a.recv)]

@@ -122,7 +122,7 @@ class pinned_line:
     __slots__ = ("_prev", "_set")
 
     def __enter__(self) -> "pinned_line":
-        self._set = _setting("lines")
+        self._set = _settings["lines"] if "lines" in _settings else _setting("lines")
         if self._set:
             self._prev = _tls.line
             if self._prev is None:
@@ -230,11 +230,13 @@ class Recorder:
 
         if self.lines or tl is not None:
             def begin(op: str, group: Any, seq: int = 0, shape: Any = None, dtype: Any = None,
-                      peer: int = -1) -> int:
+                      peer: int = -1, _n: Any = nxt, _c: Any = clock, _i: Any = ident,
+                      _t: Any = _tls) -> int:
                 """Record the start of ``op``; returns the token ``end`` takes."""
-                token = nxt()
-                rows[token % cap] = (token, op, group, seq, shape, dtype, peer, clock(), ident(),
-                                     _caller(1))
+                token = _n()
+                where = _t.line  # ``_caller``'s pinned case inlined (DDP's bucket allreduces)
+                rows[token % cap] = (token, op, group, seq, shape, dtype, peer, _c(), _i(),
+                                     _caller(1) if where is None else where)
                 return token
         else:
             def begin(op: str, group: Any, seq: int = 0, shape: Any = None, dtype: Any = None,

@@ -369,3 +369,86 @@ def test_span_and_mark_args_round_trip(tmp_path) -> None:
                 assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True), (got, args)
     assert [e["args"] for e in evs if e["ph"] == "C"] == [{"n": i, "x": 0.5} for i in range(len(cases))]
     assert "args" not in next(e for e in evs if e["name"] == "no args")
+
+
+def _reference(tl, ev) -> dict:
+    """What an event of ``tl``'s buffer must read as in the file: its fields, times in microseconds
+    rounded to three places (the writer's text, however it is made, must parse to this)."""
+    ph, name, cat, t, dur, tid, args = ev
+    out = {"name": name, "ph": ph, "pid": tl.rank, "cat": cat, "tid": tid,
+           "ts": round((t - tl.epoch_ns) / 1e3, 3)}
+    if ph == "X":
+        out["dur"] = round(dur / 1e3, 3)
+    if ph == "i":
+        out["s"] = "t"
+    if isinstance(args, tuple):  # a recorder row
+        row, st = args
+        out["args"] = {"group": "world", "group_ranks": [0, 1], "state": st, "seq": row[3]}
+        if row[4] is not None:
+            out["args"]["shape"] = list(row[4])
+        if row[5] is not None:
+            out["args"]["dtype"] = str(row[5])
+        if row[6] >= 0:
+            out["args"]["peer"] = row[6]
+    elif args:
+        out["args"] = json.loads(json.dumps(args, default=str).replace("NaN", '"nan"')
+                                 .replace("Infinity", '"inf"'))
+    return out
+
+
+def test_timeline_text_matches_the_events_whatever_repeats(tmp_path) -> None:
+    # The writer keeps the parts of events that repeat; values equal across types (True == 1,
+    # 0.0 == -0.0, 1 == np.int64(1)), names with '%', times before the epoch and times whose
+    # nanoseconds have leading zeros must still each come out as themselves.
+    tl = _chrome.Timeline(0, str(tmp_path))
+    e0 = tl.epoch_ns
+    g = G()
+    rec = trace.Recorder(0, 64)
+    rec.attach_timeline(tl)
+    values = [True, 1, False, 0, 1.0, 0.0, -0.0, float("nan"), float("inf"), None, "a%db", "1",
+              np.int64(1), np.float64(-0.0), 2 ** 70]
+    for rnd in range(2):  # the second round reads what the first kept
+        for i, v in enumerate(values):
+            tl.complete("span%d", "c%s", e0 + 1_000_007 * i, e0 + 1_000_007 * i + 5 + i * 1000,
+                        {"v": v})
+            tl.instant("mark", "m", {"v": v})
+        tl.complete("early", "c", e0 - 2_500_001, e0 + 1_000)      # begun before the epoch
+        tl.complete("zeros", "c", e0 + 1_000_001, e0 + 1_000_001 + 1_000_009)
+        tl.counter("ctr", "counter", {"x": 1.5 * rnd, "y": 7})
+        tl.instant("plain", "m")
+        for shape, dtype, peer in [((4, 2), np.dtype(np.float32), -1), ([3], np.dtype(np.int64), 1),
+                                   (None, None, 0)]:
+            tok = rec.begin("allreduce" if peer < 0 else "send", g, rnd + 1 if peer < 0 else 0,
+                            shape, dtype, peer)
+            rec.end(tok, trace.COMPLETED if peer else trace.FAILED)
+    events = [e for e in map(_chrome._event, tl._buf) if e[0] != "M"]
+    tl.close()
+    got = [e for e in _load(tl.path)["traceEvents"] if e["ph"] != "M"]
+    want = [_reference(tl, e) for e in events]
+    assert len(got) == len(want) == 2 * (2 * len(values) + 4 + 3)
+    for g_, w in zip(got, want):
+        w_args, g_args = w.pop("args", None), g_.pop("args", None)
+        if g_args is not None:
+            g_args.pop("line", None)                 # where the op was called (checked elsewhere)
+            g_args.pop("group_ranks", None), (w_args or {}).pop("group_ranks", None)
+            if w_args is not None and "group" in w_args and "group" in g_args:
+                g_args["group"] = w_args["group"]    # the group's name (describe_group's)
+        assert g_ == w
+        assert g_args == w_args, (g_, w_args)
+    text = open(tl.path).read()
+    assert '"v":true}' in text and '"v":1}' in text and '"v":-0.0' in text and '"v":0.0' in text
+    assert '"ts":-2500.001' in text and '"dur":1000.009' in text and "a%db" in text
+
+
+def test_timeline_replaces_an_earlier_jobs_file(tmp_path) -> None:
+    old = tmp_path / "trace-rank0.json"
+    old.write_text('{"traceEvents":[' + '{"name":"old"},' * 1000 + "{}]}")
+    tl = _chrome.Timeline(0, str(tmp_path))
+    tl.instant("new", "m")
+    tl.close()
+    names = [e["name"] for e in _load(old)["traceEvents"]]
+    assert "new" in names and "old" not in names
+    fresh = tmp_path / "sub" / "dir"                  # a directory that does not exist yet
+    tl = _chrome.Timeline(1, str(fresh))
+    tl.close()
+    assert _load(fresh / "trace-rank1.json")["traceEvents"][0]["name"] == "process_name"

@@ -200,10 +200,26 @@ class TCPBackend(P2PBackend):
             return None
         return TCPBackend(self.world, tuple(self.ranks[r] for r in ranks), channel)
 
-    def cap_unposted(self, nbytes: int) -> None:
-        """Drop p2p messages of more than ``nbytes`` that arrive before their receive is posted
-        (drained off the socket, nothing allocated for them); ``probe`` never reports them."""
-        self.transport.unposted_caps[self.channel] = int(nbytes)
+    def take(self, src: int, tag: int) -> np.ndarray | None:
+        """The message ``probe(src, tag)`` reported, if it arrived before any receive was posted
+        for it: the buffer the frame reader filled, handed over (no second copy)."""
+        return self.transport.take(self.ranks[src], self.channel, tag)
+
+    def cap_unposted(self, nbytes: int, tag: int | None = None) -> None:
+        """Drop p2p messages of more than ``nbytes`` (with ``tag``; None: every tag without a
+        cap of its own) that arrive before their receive is posted: drained off the socket, no
+        more than the cap allocated for them; ``probe`` never reports them."""
+        t = self.transport
+        with t.lock:
+            if tag is None:
+                t.unposted_caps[self.channel] = int(nbytes)
+            else:
+                t.unposted_tag_caps[(self.channel, int(tag))] = int(nbytes)
+
+    def bound_sends(self, seconds: float) -> None:
+        """A send on this group whose peer takes no byte for ``seconds`` fails that peer
+        (``PeerFailureError``: "stopped reading") instead of blocking on (``Transport._put``)."""
+        self.transport.bound_sends(self.channel, seconds)
 
     def shutdown(self) -> None:
         self._runner.stop()

@@ -18,6 +18,8 @@ import socket
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from ...errors import CollectiveMismatchError, PeerFailureError, ProtocolError
 from ..base import FINALIZED
 from . import _wire as wire
@@ -37,6 +39,8 @@ MORE = 1
 #: and gets control back this often to check its deadline
 RECV_TICK = 0.1
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+#: unexpected payloads from this size on are read into uninitialised memory (``np.empty``)
+_UNZEROED = 64 * 1024
 _HDR = wire.HEADER.size
 _unpack = wire.unpack_frame_from
 _monotonic = time.monotonic
@@ -64,6 +68,8 @@ class FrameReader:
     on_mismatch_note: Callable[[int, int, bytes], None]
     #: channel -> most bytes of a p2p message kept for a receive not yet posted (``cap_unposted``)
     unposted_caps: dict[int, int]
+    #: (channel, tag) -> the same for one tag, winning over the channel's (set with it)
+    unposted_tag_caps: dict[tuple[int, int], int]
 
     def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
@@ -137,7 +143,8 @@ class FrameReader:
         elif chunks is None or req is None and self._past_cap(cur, n):
             dest = None  # drained as it comes: nothing is allocated for it
         else:
-            buf = bytearray(n)
+            # a large payload's memory is written by the socket read alone (not zeroed first)
+            buf = bytearray(n) if n < _UNZEROED else np.empty(n, np.uint8)
             chunks.append(buf)
             dest = memoryview(buf)
         take = min(n, peer.send - pos)  # read-ahead bytes first
@@ -153,17 +160,23 @@ class FrameReader:
         return True
 
     def _past_cap(self, cur: list[Any], n: int) -> bool:
-        """Whether an unexpected message grows past its channel's ``unposted_caps``: then it
-        is dropped (``cur``'s chunks become None) and the rest of it drained."""
-        caps = self.unposted_caps
-        if not caps:
+        """Whether an unexpected message grows past its cap (its tag's in
+        ``unposted_tag_caps``, else its channel's in ``unposted_caps``): then it is dropped
+        (``cur``'s chunks become None) and the rest of it drained. Checked before each frame's
+        payload gets memory, so an oversized message never has more than its cap allocated."""
+        caps, tag_caps = self.unposted_caps, self.unposted_tag_caps
+        if not caps and not tag_caps:
             return False
         key = cur[0]
-        cap = caps.get(key[2]) if key[1] == P2P else None
+        if key[1] != P2P:
+            return False
+        cap = tag_caps.get((key[2], key[3])) if tag_caps else None
+        if cap is None:
+            cap = caps.get(key[2])
         if cap is None or cur[2] + n <= cap:
             return False
         wire.LOG.warning("rank %d dropped a message from rank %d (channel %d, tag %d): no "
-                         "receive was posted for it and it passes the channel's cap of %d bytes",
+                         "receive was posted for it and it passes its cap of %d bytes",
                          self.rank, key[0], key[2], key[3], cap)
         cur[3] = None
         return True
@@ -233,7 +246,8 @@ class FrameReader:
             return
         if chunks is None:
             return  # dropped (``_past_cap``)
-        self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4])
+        if self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4]):
+            peer.queued = key
 
     def _take_posted(self, key: tuple) -> _Req | None:
         """The oldest receive posted for ``key``, unposted; the caller holds ``self.lock``."""
@@ -245,23 +259,27 @@ class FrameReader:
             del self.posted[key]
         return req
 
-    def _arrived(self, key: tuple, data: bytes | bytearray, sig: tuple = wire.NOSIG) -> None:
-        """A whole message: into the oldest receive posted for it, else the unexpected queue."""
+    def _arrived(self, key: tuple, data: bytes | bytearray | np.ndarray,
+                 sig: tuple = wire.NOSIG) -> bool:
+        """A whole message: into the oldest receive posted for it, else the unexpected queue
+        (then True)."""
         kind = key[1]
         if kind != P2P:
             if kind == MISMATCH:
                 self.on_mismatch_note(key[0], key[2], bytes(data))
-                return
+                return False
             if key[2] in self.mismatched:
-                return  # a failed group's message: nobody will receive it
+                return False  # a failed group's message: nobody will receive it
         with self.lock:
             req = self._take_posted(key)
             if req is None:
                 self.unexpected.setdefault(key, collections.deque()).append((data, sig))
             else:
                 req.claimed = True  # too late to give it up (see Transport._unpost)
-        if req is not None:
-            self._deliver(req, data, sig)
+        if req is None:
+            return True
+        self._deliver(req, data, sig)
+        return False
 
     def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
         if got != req.nbytes or chunks:

@@ -66,8 +66,11 @@ class _Req(Request):
     def test(self) -> bool:
         if not self.done and self.reader is not None:
             t, peer = self.reader
-            t._poll_once(peer)
+            t._poll_once(peer, self._is_done)
         return self._check()
+
+    def _is_done(self) -> bool:
+        return self.done
 
     def wait(self, timeout: float | None) -> bool:
         if not self.done:
@@ -133,6 +136,9 @@ class _Peer:
         self.drain = memoryview(bytearray(_STAGE))  # where a dropped message's bytes go
         self.spos = self.send = 0
         self.cur: list[Any] | None = None  # message in progress: [key, req or None, offset, chunks, sig]
+        #: key of the last message this stream put in the unexpected queue (a probe that reads
+        #: stops at the one it looks for, see ``Transport.probe``)
+        self.queued: tuple | None = None
         #: frame payload in progress: [destination view, bytes in, frame bytes, frame flags]
         self.fill: list[Any] | None = None
         self.stopped = False  # the stream ended (EOF, error or malformed frame): nothing more to read

@@ -9,6 +9,12 @@ two ranks sending large messages to each other never block. The background threa
 while a waiter reads directly (and for a short linger after, so a ping-pong does not wake it on
 every message). Small sends go out inline on the calling thread (latency); large ones through a
 per-peer sender thread, so ``isend`` returns at once and the caller can reduce while the bytes move.
+A channel may bound how long its writes wait on a peer that takes no byte (``bound_sends``: RPC's
+duplicate); past it the peer is failed, as a stream cut in the middle of a frame cannot go on.
+A thread that tests a receive or probes reads only up to the message it looks for: what follows
+stays on the socket a while longer, so a receive its caller posts next (``hpcdp.rpc`` reads a
+head, then posts receives for the data behind it) still gets its bytes in place. A message that
+did arrive before its receive is handed over as the buffer it was read into (``take``).
 No frame is larger than the cap (``HPCDP_MAX_FRAME``), whatever the message size.
 Matching is per (source, kind, channel, tag), in order, so messages never overtake. The frame
 parser itself (resumable at any byte) is ``_frames.FrameReader``; the collective signature
@@ -21,7 +27,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +45,8 @@ INLINE_BYTES = 64 * 1024
 DIRECT_BYTES = 256 * 1024
 #: after a direct read the background receiver stays parked this long (seconds) unless kicked
 LINGER = 0.002
+#: how long (seconds) a probe waits for a peer's socket that another thread is reading
+PROBE_WAIT = 2e-4
 _EMPTY = memoryview(bytearray(0))
 _pack = wire.HEADER.pack
 _monotonic = time.monotonic
@@ -65,6 +73,11 @@ class Transport(FrameReader, CollChecks):
         self.crashed: set[int] = set()
         self.aborted: dict[tuple[int, int], str] = {}  # (kind, channel) -> why
         self.unposted_caps: dict[int, int] = {}
+        #: (channel, tag) -> cap that wins over the channel's (``cap_unposted(nbytes, tag)``)
+        self.unposted_tag_caps: dict[tuple[int, int], int] = {}
+        #: channel -> seconds a write of its frames may go without the peer taking a byte
+        #: (``bound_sends``); channels not listed wait as long as it takes
+        self.send_limits: dict[int, float] = {}
         self.closing = False
         self._init_checks()
 
@@ -77,6 +90,7 @@ class Transport(FrameReader, CollChecks):
         sec = int(RECV_TICK)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                         struct.pack("ll", sec, int((RECV_TICK - sec) * 1e6)))
+        _set_send_tick(sock, min(self.send_limits.values(), default=0.0))
         peer = _Peer(rank, sock)
         self.peers[rank] = peer
         threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
@@ -221,14 +235,27 @@ class Transport(FrameReader, CollChecks):
             if req._lock.acquire(timeout=left):
                 req._lock.release()
 
-    def _poll_once(self, peer: _Peer) -> None:
-        """``test()``: read what has already arrived, without blocking, if the socket is free."""
-        if not peer.rlock.acquire(False):
+    def _poll_once(self, peer: _Peer, until: Callable[[], bool], busy_wait: float = 0.0) -> None:
+        """``test()``, ``probe()``: read what has already arrived, without blocking, if the
+        socket is free, and stop as soon as ``until()`` holds (the caller's message is in):
+        the frames after it stay on the socket for whoever needs them next, so a receive
+        posted meanwhile gets its message straight into its buffer (``probe``).
+
+        ``busy_wait``: while another thread reads the socket, wait this long for it (asleep)
+        rather than return at once: a caller that polls in a loop would otherwise hold the
+        interpreter between polls that never sleep, and the reading thread, back from each
+        socket read, would wait for the interpreter's forced switch (milliseconds).
+        """
+        if not peer.rlock.acquire(False) and not (
+                busy_wait and peer.rlock.acquire(timeout=busy_wait)):
             return
         try:
             poll = peer.direct_poll.poll
+            peer.queued = None
             while not peer.stopped and (peer.send > peer.spos or poll(0)):
                 if not self._read_frame(peer, _monotonic()):  # a frame still arriving: later
+                    break
+                if until():
                     break
         except (ProtocolError, OSError, ConnectionError) as exc:
             self._reader_failed(peer, exc)
@@ -273,25 +300,67 @@ class Transport(FrameReader, CollChecks):
 
     def probe(self, srcs: Sequence[int], channel: int, tag: int) -> tuple[int, int, int] | None:
         """(source, tag, nbytes) of a whole p2p message on ``channel`` from one of ``srcs`` that
-        no receive has taken yet (``tag`` -1: any), else None. Reads what has arrived first."""
+        no receive has taken yet (``tag`` -1: any), else None.
+
+        Reads from the sockets only when no queued message matches, and then only up to the
+        first one that does: a prober that posts receives for what follows (``hpcdp.rpc``
+        reads a head, then posts the receives its data messages will match) finds the data
+        still on the socket, and it lands in the posted buffer, not in the unexpected queue.
+        """
+        found = self._queued(srcs, channel, tag)
+        if found is not None:
+            return found
+
+        def matched(peer: _Peer) -> Callable[[], bool]:
+            def until() -> bool:
+                q = peer.queued
+                return q is not None and q[1] == P2P and q[2] == channel and tag in (ANY_TAG, q[3])
+            return until
+
         for s in srcs:
             peer = self.peers.get(s)
             if peer is not None:
-                self._poll_once(peer)
-        with self.lock:
-            for (s, kind, ch, t), box in self.unexpected.items():
-                if box and kind == P2P and ch == channel and s in srcs and tag in (ANY_TAG, t):
-                    return s, t, len(box[0][0])
-            dead = [s for s in srcs if s in self.dead]
+                self._poll_once(peer, matched(peer), PROBE_WAIT)
+                if peer.queued is not None and matched(peer)():
+                    break
+        found = self._queued(srcs, channel, tag)
+        if found is not None:
+            return found
+        dead = [s for s in srcs if s in self.dead]
         if dead and len(dead) == len(srcs):
             raise PeerFailureError(f"probe on rank {self.rank}: rank {dead[0]} {self.dead[dead[0]]}",
                                    peers=dead)
         return None
 
+    def _queued(self, srcs: Sequence[int], channel: int, tag: int) -> tuple[int, int, int] | None:
+        with self.lock:
+            for (s, kind, ch, t), box in self.unexpected.items():
+                if box and kind == P2P and ch == channel and s in srcs and tag in (ANY_TAG, t):
+                    return s, t, len(box[0][0])
+        return None
+
+    def take(self, src: int, channel: int, tag: int) -> np.ndarray | None:
+        """The oldest queued p2p message from ``src`` with ``tag`` on ``channel``, handed over
+        as the buffer the reader filled (no copy), or None where none is queued or it is not
+        one writable buffer (a loopback message, one joined from several frames)."""
+        key = (src, P2P, channel, tag)
+        with self.lock:
+            box = self.unexpected.get(key)
+            if not box or type(box[0][0]) not in (bytearray, np.ndarray):
+                return None
+            data = box.popleft()[0]
+            if not box:
+                del self.unexpected[key]
+        return data if type(data) is np.ndarray else np.frombuffer(data, np.uint8)
+
     def close_channel(self, channel: int) -> None:
         """Forget a channel's cap and the p2p messages no receive took (``TCPBackend.shutdown``)."""
+        if channel in self.send_limits:
+            self.bound_sends(channel, None)
         with self.lock:
             self.unposted_caps.pop(channel, None)
+            for k in [k for k in self.unposted_tag_caps if k[0] == channel]:
+                del self.unposted_tag_caps[k]
             for key in [k for k in self.unexpected if k[1] == P2P and k[2] == channel]:
                 del self.unexpected[key]
 
@@ -348,13 +417,13 @@ class Transport(FrameReader, CollChecks):
                     inline = not peer.sendq and peer.send_lock.acquire(False)
                 if inline:
                     try:
-                        peer.sock.sendall(_pack(kind, 0, *sig, channel, tag, n) + memoryview(buf))
+                        self._put(peer, _pack(kind, 0, *sig, channel, tag, n) + memoryview(buf),
+                                  channel)
                     except OSError as exc:
                         peer.send_lock.release()
-                        self.mark_dead(dst, f"connection lost while sending ({exc})")
+                        why = self._send_failed(peer, exc)
                         req = _Req(None, desc)
-                        req.finish(PeerFailureError(
-                            f"{_text(desc)}: rank {dst} connection lost ({exc})", peers=[dst]))
+                        req.finish(PeerFailureError(f"{_text(desc)}: rank {dst} {why}", peers=[dst]))
                         return req
                     peer.send_lock.release()
                     return _Sent(desc)
@@ -391,29 +460,93 @@ class Transport(FrameReader, CollChecks):
                     peer.sender.start()
                 peer.qcv.notify()
         if inline:
+            failed: OSError | None = None
             try:
                 self._write(peer, hdr, view)
             except OSError as exc:
-                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {dst} connection lost ({exc})",
-                                            peers=[dst]))
-                self.mark_dead(dst, f"connection lost while sending ({exc})")
-                return
+                failed = exc
             finally:
+                # released before the peer is failed: a sender thread waits for it holding
+                # ``qcv``, which ``mark_dead`` takes
                 peer.send_lock.release()
+            if failed is not None:
+                why = self._send_failed(peer, failed)
+                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {dst} {why}", peers=[dst]))
+                return
             req.finish()
 
     def _write(self, peer: _Peer, hdr: tuple, view: memoryview) -> None:
         kind, channel, tag, sig = hdr
         n = view.nbytes
-        sock = peer.sock
+        put = self._put
         if n <= self.inline:
-            sock.sendall(_pack(kind, 0, *sig, channel, tag, n) + view.tobytes())
+            put(peer, _pack(kind, 0, *sig, channel, tag, n) + view.tobytes(), channel)
             return
         step = self.cap
         for a in range(0, n, step):
             b = min(n, a + step)
-            sock.sendall(_pack(kind, MORE if b < n else 0, *sig, channel, tag, b - a))
-            sock.sendall(view[a:b])
+            put(peer, _pack(kind, MORE if b < n else 0, *sig, channel, tag, b - a), channel)
+            put(peer, view[a:b], channel)
+
+    def _put(self, peer: _Peer, data: Any, channel: int) -> None:
+        """``sock.sendall(data)``, bounded where ``channel`` has a send limit (``bound_sends``):
+        a peer that takes no byte of it for that long (stopped, hung: a live rank's receiver
+        threads always drain its sockets) raises ``SendStalled``. The socket's ``SO_SNDTIMEO``
+        (the smallest limit of any channel) makes a blocked ``send`` return, so a write on a
+        channel without a limit just goes on; the fast path is the one ``send`` call."""
+        sock = peer.sock
+        try:
+            done = sock.send(data)
+        except BlockingIOError:  # a whole SO_SNDTIMEO without a byte taken
+            done = -1
+        n = len(data)  # bytes, or a flat view of bytes (``_as_bytes``)
+        if done == n:
+            return
+        quiet = _monotonic()  # since when the peer has taken no byte (about)
+        if done < 0:
+            done, quiet = 0, quiet - min(self.send_limits.values(), default=0.0)
+        view = memoryview(data)
+        while done < n:
+            try:
+                k = sock.send(view[done:])
+            except BlockingIOError:  # SO_SNDTIMEO passed without a byte taken
+                limit = self.send_limits.get(channel)
+                waited = _monotonic() - quiet
+                if limit is not None and waited >= limit:
+                    raise SendStalled(f"stopped reading: it took no byte of a frame for "
+                                      f"{waited:.1f} s (send limit {limit:g} s)") from None
+                continue
+            done += k
+            quiet = _monotonic()
+
+    def _send_failed(self, peer: _Peer, exc: OSError) -> str:
+        """A write to ``peer`` failed: mark it dead, and why (for the errors that name it).
+        A stalled peer's stream holds part of a frame, so its connection is shut as well: the
+        peer, if it wakes, reads the cut and fails too, and threads blocked on it return."""
+        if isinstance(exc, SendStalled):
+            self.mark_dead(peer.rank, str(exc))
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        else:
+            self.mark_dead(peer.rank, f"connection lost while sending ({exc})")
+        return self.dead.get(peer.rank, str(exc))  # the first failure's: why it is gone
+
+    def bound_sends(self, channel: int, seconds: float | None) -> None:
+        """Let writes of ``channel``'s frames wait at most ``seconds`` for a peer that takes no
+        byte (then the peer is failed, ``SendStalled``); None: no bound. Sets every peer
+        socket's ``SO_SNDTIMEO`` to the smallest bound of any channel."""
+        if seconds is None:
+            self.send_limits.pop(channel, None)
+        else:
+            self.send_limits[channel] = float(seconds)
+        tick = min(self.send_limits.values(), default=0.0)
+        for peer in list(self.peers.values()):
+            try:
+                _set_send_tick(peer.sock, tick)
+            except OSError:
+                pass
 
     def _send_loop(self, peer: _Peer) -> None:
         while True:
@@ -429,10 +562,10 @@ class Transport(FrameReader, CollChecks):
                 self._write(peer, hdr, view)
                 req.finish()
             except OSError as exc:
-                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {peer.rank} connection lost ({exc})",
-                                            peers=[peer.rank]))
                 peer.send_lock.release()
-                self.mark_dead(peer.rank, f"connection lost while sending ({exc})")
+                why = self._send_failed(peer, exc)
+                req.finish(PeerFailureError(f"{_text(req.desc)}: rank {peer.rank} {why}",
+                                            peers=[peer.rank]))
                 continue
             finally:
                 # the frame is out: let go of the sender's buffer now, not when the next frame
@@ -471,6 +604,17 @@ class Transport(FrameReader, CollChecks):
                 peer.sock.close()
             except OSError:
                 pass
+
+
+class SendStalled(TimeoutError):
+    """A peer took no byte of a frame for its channel's send limit (``Transport.bound_sends``)."""
+
+
+def _set_send_tick(sock: socket.socket, seconds: float) -> None:
+    """``SO_SNDTIMEO``: a blocked ``send`` returns after ``seconds`` without progress (0: never)."""
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
 
 def _addr(sock: socket.socket) -> object:
