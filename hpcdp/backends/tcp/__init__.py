@@ -3,7 +3,8 @@
 Layers, bottom up: ``_wire`` (frame header, secret, handshake), ``_accept`` (the listener gate
 shared by the store and the mesh), ``_store`` (rank 0's key-value rendezvous), ``_peer`` and
 ``_frames`` (per-socket state and the resumable frame parser), ``_coll`` (collective signatures
-in every frame), ``_transport`` (the mesh: one reader thread, tag-matched queues) and
+in every frame), ``_transport`` (the mesh: one reader thread, tag-matched queues; it holds a parser and the
+checks, built over its queues, rather than inheriting them) and
 ``_backend`` (``TCPBackend`` over ``_runner.P2PBackend``, and ``create_world``).
 """
 from __future__ import annotations

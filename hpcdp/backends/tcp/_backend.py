@@ -70,19 +70,20 @@ class _GroupP2P:
     def __init__(self, be: "TCPBackend") -> None:
         self.be = be
         self.t = be.transport
+        self.checks = be.transport.checks
         self.rank, self.size = be.rank, be.size
         self.ranks = be.ranks
         self.channel = be.channel
-        self.state = self.t.open_channel(be.channel, be.ranks)
+        self.state = self.checks.open_channel(be.channel, be.ranks)
         self.sig = wire.NOSIG
         self._waiting: Any = None
 
     def begin(self, seq: int, call: tuple) -> None:
         self.sig = sig = coll.make_sig(*call, seq)
-        self.t.coll_begin(self.state, sig)
+        self.checks.coll_begin(self.state, sig)
 
     def end(self, ok: bool) -> None:
-        self.t.coll_end(self.state, self.channel, ok)
+        self.checks.coll_end(self.state, self.channel, ok)
 
     def isend(self, buf: np.ndarray, dst: int, tag: int) -> Any:
         g = self.ranks[dst]
@@ -118,7 +119,7 @@ class _GroupP2P:
         while not rq.wait(0.2):
             self.check_usable("collective")
             if src is not None and time.monotonic() >= probe_at:
-                self.t.send_probe(src, self.channel, self.sig)
+                self.checks.send_probe(src, self.channel, self.sig)
                 probe_at = time.monotonic() + coll.PROBE_EVERY
 
     def check_usable(self, what: str) -> None:
@@ -127,8 +128,9 @@ class _GroupP2P:
         if dead:
             raise PeerFailureError(f"{what} on rank {t.rank}: rank {dead[0]} {t.dead[dead[0]]}",
                                    peers=dead)
-        if t.mismatched:
-            text = t.mismatched.get(self.channel)
+        mismatched = self.checks.mismatched
+        if mismatched:
+            text = mismatched.get(self.channel)
             if text:
                 raise CollectiveMismatchError(f"{what} on rank {t.rank}: {text}")
         why = t.aborted.get((COLL, self.be.channel))

@@ -111,19 +111,29 @@ class ChannelState:
 
 
 class CollChecks:
-    """The mismatch half of ``Transport``: needs ``rank``, ``lock``, ``unexpected``, ``dead``,
-    ``aborted``, ``cap``, ``abort_channel`` and ``_send_frame``."""
+    """The collective mismatch checks of the mesh: ``Transport`` holds one (``transport.checks``),
+    the runner's side (``_backend._GroupP2P``) opens channels and brackets each call, and the
+    frame reader (``_frames.FrameReader``) reports what arrives.
 
-    rank: int
-    cap: int
-    lock: Any
-    unexpected: dict[tuple, collections.deque]
-    dead: dict[int, str]
-    aborted: dict[tuple[int, int], str]
-    abort_channel: Callable[..., None]
-    _send_frame: Callable[..., None]
+    It is given, and shares with the transport: ``rank``, ``cap`` (largest frame), ``lock``
+    guarding ``unexpected`` (queued messages: a collective's leftovers are found and dropped
+    there), ``dead`` and ``aborted`` (peers and channels already failed: nothing to send them,
+    nothing to report twice), and the transport's ``abort_channel`` and ``send_frame`` (to fail
+    a channel here and tell its other members). It owns ``channels`` (what this rank runs on
+    each group) and ``mismatched`` (channel -> the first mismatch seen on it).
+    """
 
-    def _init_checks(self) -> None:
+    __slots__ = ("rank", "cap", "lock", "unexpected", "dead", "aborted", "_abort_channel",
+                 "_send_frame", "channels", "mismatched")
+
+    def __init__(self, *, rank: int, cap: int, lock: Any,
+                 unexpected: dict[tuple, collections.deque], dead: dict[int, str],
+                 aborted: dict[tuple[int, int], str], abort_channel: Callable[..., None],
+                 send_frame: Callable[..., None]) -> None:
+        self.rank, self.cap, self.lock = rank, cap, lock
+        self.unexpected, self.dead, self.aborted = unexpected, dead, aborted
+        self._abort_channel = abort_channel
+        self._send_frame = send_frame
         self.channels: dict[int, ChannelState] = {}
         #: channel -> description of the first mismatch seen on it
         self.mismatched: dict[int, str] = {}
@@ -239,7 +249,7 @@ class CollChecks:
                 del self.unexpected[key]  # never delivered now
         st = self.channels.get(channel)
         members = st.members if st is not None else ()
-        self.abort_channel(COLL, channel, text, members, False, CollectiveMismatchError)
+        self._abort_channel(COLL, channel, text, members, False, CollectiveMismatchError)
         if notify:
             note = text.encode()[:min(NOTE_BYTES, self.cap)]
             for r in members:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import socket
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from ...errors import CollectiveMismatchError, PeerFailureError, ProtocolError
 from ..base import FINALIZED
 from . import _wire as wire
 from ._peer import _STAGE, _Peer, _Req, _text
+
+if TYPE_CHECKING:
+    from ._coll import CollChecks
 
 __all__ = ["P2P", "COLL", "BYE", "ABORT", "PROBE", "MISMATCH", "MORE", "RECV_TICK", "FrameReader"]
 
@@ -47,31 +50,42 @@ _monotonic = time.monotonic
 
 
 class FrameReader:
-    """The receiving half of ``Transport``: parse, match and deliver frames.
+    """The receiving half of the mesh: parse, match and deliver frames. ``Transport`` holds one
+    (``transport.frames``) and every thread that reads a peer's socket comes here.
 
-    Needs from the transport: ``cap`` (largest frame), ``lock`` guarding ``posted`` and
-    ``unexpected`` (per (source, kind, channel, tag) queues of (payload, signature)),
-    ``abort_channel`` and the signature checks of ``_coll.CollChecks``.
-    Every method here runs with ``peer.rlock`` held.
+    It is given, and shares with the transport: ``rank`` (in messages), ``cap`` (largest frame),
+    ``lock`` guarding ``posted`` and ``unexpected`` (per (source, kind, channel, tag) queues of
+    receives, and of (payload, signature)), the caps on messages no receive was posted for
+    (``unposted_caps``, ``unposted_tag_caps``, see ``_past_cap``), the transport's
+    ``abort_channel``, and ``checks`` (``_coll.CollChecks``: the signature checks and its
+    ``mismatched`` channels). Every method here runs with ``peer.rlock`` held.
     """
 
-    rank: int
-    cap: int
-    lock: Any
-    posted: dict[tuple, collections.deque[_Req]]
-    unexpected: dict[tuple, collections.deque[tuple[Any, tuple]]]
-    mismatched: dict[int, str]
-    abort_channel: Callable[..., None]
-    check_arrival: Callable[[int, int, tuple], None]
-    sig_differs: Callable[[int, int, tuple, tuple], CollectiveMismatchError]
-    on_probe: Callable[[int, int, tuple], None]
-    on_mismatch_note: Callable[[int, int, bytes], None]
-    #: channel -> most bytes of a p2p message kept for a receive not yet posted (``cap_unposted``)
-    unposted_caps: dict[int, int]
-    #: (channel, tag) -> the same for one tag, winning over the channel's (set with it)
-    unposted_tag_caps: dict[tuple[int, int], int]
+    __slots__ = ("rank", "cap", "lock", "posted", "unexpected", "unposted_caps",
+                 "unposted_tag_caps", "_abort_channel", "_mismatched", "_check_arrival",
+                 "_sig_differs", "_on_probe", "_on_mismatch_note")
 
-    def _read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
+    def __init__(self, *, rank: int, cap: int, lock: Any,
+                 posted: dict[tuple, collections.deque[_Req]],
+                 unexpected: dict[tuple, collections.deque[tuple[Any, tuple]]],
+                 unposted_caps: dict[int, int], unposted_tag_caps: dict[tuple[int, int], int],
+                 abort_channel: Callable[..., None], checks: CollChecks) -> None:
+        self.rank, self.cap, self.lock = rank, cap, lock
+        self.posted, self.unexpected = posted, unexpected
+        #: channel -> most bytes of a p2p message kept for a receive not yet posted
+        #: (``cap_unposted``)
+        self.unposted_caps = unposted_caps
+        #: (channel, tag) -> the same for one tag, winning over the channel's (set with it)
+        self.unposted_tag_caps = unposted_tag_caps
+        self._abort_channel = abort_channel
+        # the checks' bound methods and dict, held directly: no second hop per frame
+        self._mismatched: dict[int, str] = checks.mismatched
+        self._check_arrival = checks.check_arrival
+        self._sig_differs = checks.sig_differs
+        self._on_probe = checks.on_probe
+        self._on_mismatch_note = checks.on_mismatch_note
+
+    def read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
 
         Returns False when nothing (more) arrived within ``RECV_TICK`` or, for a thread waiting
@@ -114,12 +128,12 @@ class FrameReader:
                 return True
             if kind == ABORT:
                 peer.spos = pos
-                self.abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
+                self._abort_channel(tag, channel, f"rank {src} abandoned a collective on this "
                                    "group after a timeout", (), notify=False)
                 return True
             if kind == PROBE:
                 peer.spos = pos
-                self.on_probe(src, channel, sig)
+                self._on_probe(src, channel, sig)
                 return True
             if n > NOTE_CAP or flags:  # MISMATCH: one short frame, read like a message
                 raise ProtocolError(f"mismatch note of {n} bytes (cap {NOTE_CAP}, one frame)")
@@ -130,13 +144,13 @@ class FrameReader:
                 req = self._take_posted(key)
             if kind == COLL:
                 if req is None:
-                    self.check_arrival(src, channel, sig)
+                    self._check_arrival(src, channel, sig)
                 elif req.sig != sig:  # another call's message: never into this buffer
-                    req.finish(self.sig_differs(src, channel, req.sig, sig))
+                    req.finish(self._sig_differs(src, channel, req.sig, sig))
                     req = None
             cur = peer.cur = [key, req, 0, [], sig]
         elif cur[1] is not None and cur[1].abandoned:
-            self._redirect(peer)
+            self.redirect(peer)
         req, off, chunks = cur[1], cur[2], cur[3]
         if req is not None and req.error is None and off + n <= req.nbytes:
             dest = req.view[off:off + n] if off or n != req.nbytes else req.view
@@ -189,7 +203,7 @@ class FrameReader:
         n = fill[2]
         while fill[1] < n:
             if cur is not None and cur[1] is not None and cur[1].abandoned:
-                self._redirect(peer)  # its owner gave up on it: keep the message ourselves
+                self.redirect(peer)  # its owner gave up on it: keep the message ourselves
             got = fill[1]
             try:
                 if fill[0] is None:  # a dropped message: drained through a small buffer
@@ -207,7 +221,7 @@ class FrameReader:
                 return False
         return True
 
-    def _redirect(self, peer: _Peer) -> None:
+    def redirect(self, peer: _Peer) -> None:
         """The receive the arriving message matched was abandoned (timeout): move what arrived,
         and the rest, into buffers of our own, so the message waits for a later receive and
         nothing more is written into the abandoned buffer. The caller holds ``peer.rlock``."""
@@ -233,7 +247,7 @@ class FrameReader:
                 given_up = req.abandoned
                 req.claimed = not given_up
             if given_up:
-                self._redirect(peer)
+                self.redirect(peer)
         n = peer.fill[2]
         peer.fill = None
         key, req, off, chunks, _sig = cur
@@ -246,7 +260,7 @@ class FrameReader:
             return
         if chunks is None:
             return  # dropped (``_past_cap``)
-        if self._arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4]):
+        if self.arrived(key, chunks[0] if len(chunks) == 1 else b"".join(chunks), cur[4]):
             peer.queued = key
 
     def _take_posted(self, key: tuple) -> _Req | None:
@@ -259,26 +273,26 @@ class FrameReader:
             del self.posted[key]
         return req
 
-    def _arrived(self, key: tuple, data: bytes | bytearray | np.ndarray,
+    def arrived(self, key: tuple, data: bytes | bytearray | np.ndarray,
                  sig: tuple = wire.NOSIG) -> bool:
         """A whole message: into the oldest receive posted for it, else the unexpected queue
         (then True)."""
         kind = key[1]
         if kind != P2P:
             if kind == MISMATCH:
-                self.on_mismatch_note(key[0], key[2], bytes(data))
+                self._on_mismatch_note(key[0], key[2], bytes(data))
                 return False
-            if key[2] in self.mismatched:
+            if key[2] in self._mismatched:
                 return False  # a failed group's message: nobody will receive it
         with self.lock:
             req = self._take_posted(key)
             if req is None:
                 self.unexpected.setdefault(key, collections.deque()).append((data, sig))
             else:
-                req.claimed = True  # too late to give it up (see Transport._unpost)
+                req.claimed = True  # too late to give it up (see ``Transport._unpost``)
         if req is None:
             return True
-        self._deliver(req, data, sig)
+        self.deliver(req, data, sig)
         return False
 
     def _finish_recv(self, req: _Req, got: int, chunks: list[bytes]) -> None:
@@ -287,11 +301,11 @@ class FrameReader:
         else:
             req.finish()
 
-    def _deliver(self, req: _Req, data: bytes, sig: tuple) -> None:
+    def deliver(self, req: _Req, data: bytes, sig: tuple) -> None:
         """A queued or loopback message into ``req``, if it belongs to the same call."""
         if req.sig != sig and req.key[1] == COLL:
             src, _kind, channel, _tag = req.key
-            req.finish(self.sig_differs(src, channel, req.sig, sig))
+            req.finish(self._sig_differs(src, channel, req.sig, sig))
         elif len(data) != req.nbytes:
             req.finish(_size_error(req, len(data)))
         else:

@@ -17,8 +17,9 @@ head, then posts receives for the data behind it) still gets its bytes in place.
 did arrive before its receive is handed over as the buffer it was read into (``take``).
 No frame is larger than the cap (``HPCDP_MAX_FRAME``), whatever the message size.
 Matching is per (source, kind, channel, tag), in order, so messages never overtake. The frame
-parser itself (resumable at any byte) is ``_frames.FrameReader``; the collective signature
-checks are ``_coll.CollChecks``.
+parser itself (resumable at any byte) is ``_frames.FrameReader`` and the collective signature
+checks are ``_coll.CollChecks``: parts the transport holds (``frames``, ``checks``), each given
+the shared queues and locks it uses when it is built.
 """
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ def _as_bytes(buf: np.ndarray) -> memoryview:
     return memoryview(buf).cast("B") if buf.nbytes else memoryview(bytearray(0))
 
 
-class Transport(FrameReader, CollChecks):
-    """This process's half of the full mesh; shared by every group (channel) of the job."""
+class Transport:
+    """This process's half of the full mesh; shared by every group (channel) of the job.
+
+    It holds the sockets, the posted and unexpected queues (under ``lock``) and the failure
+    state, and two parts built over them: ``checks`` (``CollChecks``, the collective signature
+    checks; the groups' runners call it) and ``frames`` (``FrameReader``, the frame parser
+    every reading thread runs)."""
 
     def __init__(self, rank: int, size: int, cap: int) -> None:
         self.rank, self.size, self.cap = rank, size, cap
@@ -79,7 +85,13 @@ class Transport(FrameReader, CollChecks):
         #: (``bound_sends``); channels not listed wait as long as it takes
         self.send_limits: dict[int, float] = {}
         self.closing = False
-        self._init_checks()
+        self.checks = CollChecks(rank=rank, cap=cap, lock=self.lock, unexpected=self.unexpected,
+                                 dead=self.dead, aborted=self.aborted,
+                                 abort_channel=self.abort_channel, send_frame=self._send_frame)
+        self.frames = FrameReader(rank=rank, cap=cap, lock=self.lock, posted=self.posted,
+                                  unexpected=self.unexpected, unposted_caps=self.unposted_caps,
+                                  unposted_tag_caps=self.unposted_tag_caps,
+                                  abort_channel=self.abort_channel, checks=self.checks)
 
     # -- setup ------------------------------------------------------------------------------
     def add_peer(self, rank: int, sock: socket.socket) -> None:
@@ -137,7 +149,7 @@ class Transport(FrameReader, CollChecks):
                 if r != self.rank and r not in self.dead:
                     self._send_frame(r, ABORT, channel, kind, memoryview(b""), _Req(None, "abort"))
 
-    # -- receiving (frames are parsed by FrameReader) ---------------------------------------
+    # -- receiving (frames are parsed by ``frames``) ----------------------------------------
     def _reader_failed(self, peer: _Peer, exc: BaseException) -> None:
         """The stream from ``peer`` ended (the caller holds ``peer.rlock``)."""
         if peer.stopped:
@@ -165,6 +177,7 @@ class Transport(FrameReader, CollChecks):
     def _recv_loop(self, peer: _Peer) -> None:
         """Background progress: read whatever arrives while no waiter reads the socket itself."""
         rlock, bgcv, poll = peer.rlock, peer.bgcv, peer.bg_poll.poll
+        read_frame = self.frames.read_frame
         backoff = LINGER
         try:
             while not peer.stopped:
@@ -184,7 +197,7 @@ class Transport(FrameReader, CollChecks):
                     # one burst: what has arrived, while no waiter wants the socket
                     while (not peer.stopped and peer.linger_until <= _monotonic()
                            and (peer.send > peer.spos or peer.direct_poll.poll(0))):
-                        self._read_frame(peer)
+                        read_frame(peer)
                 except (ProtocolError, OSError, ConnectionError) as exc:
                     self._reader_failed(peer, exc)
                 finally:
@@ -196,6 +209,7 @@ class Transport(FrameReader, CollChecks):
         """Wait for ``req`` by reading ``peer``'s socket on this thread when nobody else does."""
         deadline = None if timeout is None else _monotonic() + max(0.0, timeout)
         rlock, poll = peer.rlock, peer.direct_poll.poll
+        read_frame = self.frames.read_frame
         while not req.done:
             if rlock.acquire(False):
                 t0 = peer.linger_until = _monotonic()
@@ -209,7 +223,7 @@ class Transport(FrameReader, CollChecks):
                             if (left < RECV_TICK and peer.send <= peer.spos
                                     and not poll(max(1, int(left * 1000 + 0.999)))):
                                 break
-                        self._read_frame(peer, deadline)
+                        read_frame(peer, deadline)
                 except (ProtocolError, OSError, ConnectionError) as exc:
                     self._reader_failed(peer, exc)
                 finally:
@@ -250,10 +264,10 @@ class Transport(FrameReader, CollChecks):
                 busy_wait and peer.rlock.acquire(timeout=busy_wait)):
             return
         try:
-            poll = peer.direct_poll.poll
+            poll, read_frame = peer.direct_poll.poll, self.frames.read_frame
             peer.queued = None
             while not peer.stopped and (peer.send > peer.spos or poll(0)):
-                if not self._read_frame(peer, _monotonic()):  # a frame still arriving: later
+                if not read_frame(peer, _monotonic()):  # a frame still arriving: later
                     break
                 if until():
                     break
@@ -292,7 +306,7 @@ class Transport(FrameReader, CollChecks):
                             self._kick(peer)
                     return req
         if data is not None:
-            self._deliver(req, data, msig)
+            self.frames.deliver(req, data, msig)
         else:
             req.finish(PeerFailureError(f"{_text(desc)}: {why}",
                                         peers=[src] if src in self.dead else []))
@@ -397,7 +411,7 @@ class Transport(FrameReader, CollChecks):
             if peer.rlock.acquire(timeout=0.01):
                 try:
                     if peer.cur is not None and peer.cur[1] is req:
-                        self._redirect(peer)
+                        self.frames.redirect(peer)
                 finally:
                     peer.rlock.release()
                 break
@@ -430,7 +444,7 @@ class Transport(FrameReader, CollChecks):
         view = _as_bytes(buf)
         req = _Req(view, desc)
         if dst == self.rank:  # loopback: match locally, copying (the sender may reuse buf)
-            self._arrived((dst, kind, channel, tag), bytes(view), sig)
+            self.frames.arrived((dst, kind, channel, tag), bytes(view), sig)
             req.finish()
             return req
         if dst in self.dead:
@@ -576,8 +590,6 @@ class Transport(FrameReader, CollChecks):
     # -- shutdown ---------------------------------------------------------------------------
     def close(self, flush_timeout: float = 5.0) -> None:
         """Flush queued sends, say goodbye, and close once peers have closed too (bounded)."""
-        import time
-
         deadline = time.monotonic() + flush_timeout
         for peer in self.peers.values():
             with peer.qcv:
