@@ -40,8 +40,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _make_encode() -> Callable[[Any], str]:
     """Compact JSON with ``default=str``, through one C encoder built once.
 
-    ``JSONEncoder.encode`` builds a new C encoder on every call (about 3 us here, more than
-    the rest of recording an event); the timeline encodes one small dict per span or mark.
+    ``JSONEncoder.encode`` builds a new C encoder on every call (more than the rest of
+    recording an event costs); the timeline encodes one small dict per span or mark.
     """
     enc = json.JSONEncoder(default=str, separators=(",", ":"))
     make = getattr(json.encoder, "c_make_encoder", None)

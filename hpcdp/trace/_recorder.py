@@ -2,14 +2,14 @@
 
 Contract for the collective layer (the only caller on the hot path)::
 
-    self._rec = trace.active_recorder(global_rank)    # once per group; None when switched off
+    self._rec = hooks.active_recorder(global_rank)    # once per group; None when switched off
     ...
     rec = self._rec
     tok = rec.begin("allreduce", self, seq, x.shape, x.dtype, -1) if rec is not None else 0
     try:
         ... run the operation ...
     except Exception as exc:
-        trace.on_error(rec, tok, exc)                  # timed out / failed; dumps on a timeout
+        hooks.on_error(rec, tok, exc)                  # timed out / failed; dumps on a timeout
         raise
     if rec is not None:
         rec.end(tok)
@@ -59,7 +59,7 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _inside: dict[str, bool] = {}
 #: ids of the code objects ``hide_frames`` names, kept alive in ``_hidden_codes`` (so no id is
 #: reused). By id, not by value: hashing a code object hashes its constants, nested functions'
-#: code included, every time (3 us for a short script's ``<module>``, on every line capture).
+#: code included, every time (on every line capture).
 _hidden: set[int] = set()
 _hidden_codes: list[Any] = []
 

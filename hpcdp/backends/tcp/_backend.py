@@ -29,8 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..._config import setting
-from ..._config import check_timeout
+from ..._config import check_timeout, setting
 from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
 from .._runner import P2PBackend, Runner
