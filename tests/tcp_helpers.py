@@ -1,4 +1,5 @@
-"""Pieces the TCP tests share: a log collector, a "closed by the server" probe, a job in a thread."""
+"""Pieces the TCP tests share: a log collector, a "closed by the server" probe, a job in a thread,
+a transport whose one peer is a raw socket."""
 from __future__ import annotations
 
 import logging
@@ -6,11 +7,13 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 import hpcdp
+from hpcdp.backends.tcp._transport import Transport
 from hpcdp.launch._processes import spawn_processes
 
 
@@ -97,3 +100,26 @@ def published_port(info: str, rank: int, job: threading.Thread, out: dict[str, A
         time.sleep(0.02)
     time.sleep(0.05)  # written, not just created
     return int(path.read_text())
+
+
+@contextlib.contextmanager
+def raw_peer_transport(*, park_receiver: bool = False,
+                       flush_timeout: float = 1.0) -> Iterator[tuple[Transport, socket.socket]]:
+    """A transport of rank 0 whose peer 1 is the raw socket yielded beside it (the test writes
+    frames to it and reads what rank 0 sends). ``park_receiver``: the background receiver leaves
+    the peer alone, so only the calls under test read it."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    raw = socket.create_connection(lsock.getsockname())
+    conn, _ = lsock.accept()
+    lsock.close()
+    t = Transport(0, 2, 1 << 20)
+    try:
+        t.add_peer(1, conn)
+        if park_receiver:
+            t.peers[1].linger_until = time.monotonic() + 600
+        yield t, raw
+    finally:
+        if park_receiver:
+            t.peers[1].linger_until = 0.0
+        raw.close()
+        t.close(flush_timeout=flush_timeout)

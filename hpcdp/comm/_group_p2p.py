@@ -232,13 +232,7 @@ class PointToPoint:
 
     def recv(self, buf: Any = None, src: int | None = -1, tag: int = 0, *, dtype: Any = None,
              return_status: bool = False, timeout: float | None = None) -> Any:
-        """Receive into ``buf`` from ``src``; returns ``buf`` (torch's returns the sender's rank:
-        ``return_status=True`` gives it as ``Status.source``).
-
-        ``src=ANY_SOURCE`` (-1, the default) takes the next message from any rank, ``tag=ANY_TAG``
-        any tag; ``buf=None`` allocates a 1-D array of ``dtype`` (default uint8) at the size the
-        sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
-        """
+        """``ProcessGroup.recv`` (its docstring is the contract)."""
         try:  # free on success; an HpcdpError is raised from here (errors.public)
             if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
                 self._p2p_blocking("recv", "src", self._g.backend.recv, buf, src, tag, timeout)

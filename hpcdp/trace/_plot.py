@@ -266,8 +266,15 @@ def plot(source: str, out: str | None = None, *, title: str | None = None) -> st
     fig.suptitle(title or f"hpcdp trace: {os.path.basename(os.path.abspath(source))}: where each step's time went")
     if out is None:
         out = os.path.join(source, "phases.png") if os.path.isdir(source) else os.path.splitext(source)[0] + ".png"
+    return save_png(fig, out)
+
+
+def save_png(fig: Any, out: str) -> str:
+    """Write ``fig`` to ``out`` as a PNG, never through a link planted there, and close it."""
+    import matplotlib.pyplot as plt
+
     try:
-        with atomic_write(out, "wb") as fh:  # never through a link planted at ``out``
+        with atomic_write(out, "wb") as fh:
             fig.savefig(fh, format="png", dpi=100)
     finally:
         plt.close(fig)

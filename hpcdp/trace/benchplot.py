@@ -22,7 +22,7 @@ from collections import defaultdict
 from dataclasses import asdict, is_dataclass
 from typing import Any, Iterable, Sequence
 
-from .._atomic import atomic_write
+from ._plot import save_png
 
 __all__ = ["load_rows", "plot_rows", "plot_files", "BW_TARGETS"]
 
@@ -264,12 +264,7 @@ def plot_rows(rows: Iterable[Any], out: str, *, title: str | None = None) -> str
     fig.suptitle(title or "hpcdp benchmarks: hpcdp beside its baseline")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    try:
-        with atomic_write(out, "wb") as fh:  # never through a link planted at ``out``
-            fig.savefig(fh, format="png", dpi=100)
-    finally:
-        plt.close(fig)
-    return out
+    return save_png(fig, out)
 
 
 def plot_files(paths: Sequence[str], out: str, *, title: str | None = None) -> str:

@@ -22,6 +22,7 @@ from hpcdp.backends.base import ANY_TAG
 from hpcdp.backends.tcp import _wire as wire
 from hpcdp.backends.tcp._frames import P2P
 from hpcdp.backends.tcp._transport import Transport
+from tcp_helpers import raw_peer_transport
 
 CH = 5
 
@@ -29,19 +30,8 @@ CH = 5
 @pytest.fixture
 def pair() -> Iterator[tuple[Transport, socket.socket]]:
     """A transport of rank 0 whose peer 1 is ``raw``, the background receiver parked."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    raw = socket.create_connection(lsock.getsockname())
-    conn, _ = lsock.accept()
-    lsock.close()
-    t = Transport(0, 2, 1 << 20)
-    try:
-        t.add_peer(1, conn)
-        t.peers[1].linger_until = time.monotonic() + 600  # only the calls under test read
-        yield t, raw
-    finally:
-        t.peers[1].linger_until = 0.0
-        raw.close()
-        t.close(flush_timeout=1.0)
+    with raw_peer_transport(park_receiver=True, flush_timeout=1.0) as got:
+        yield got
 
 
 def _send(raw: socket.socket, tag: int, payload: bytes) -> None:

@@ -24,6 +24,7 @@ from hpcdp.backends.tcp import _wire as wire
 from hpcdp.backends.tcp._backend import TCPBackend
 from hpcdp.backends.tcp._frames import P2P
 from hpcdp.backends.tcp._transport import Transport
+from tcp_helpers import raw_peer_transport
 from hpcdp.errors import PeerFailureError
 
 CH, OTHER = 5, 6
@@ -32,17 +33,8 @@ CH, OTHER = 5, 6
 @pytest.fixture
 def pair() -> Iterator[tuple[Transport, socket.socket]]:
     """A transport of rank 0 whose peer 1 is ``raw`` (read only where a test does)."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    raw = socket.create_connection(lsock.getsockname())
-    conn, _ = lsock.accept()
-    lsock.close()
-    t = Transport(0, 2, 1 << 20)
-    try:
-        t.add_peer(1, conn)
-        yield t, raw
-    finally:
-        raw.close()
-        t.close(flush_timeout=0.5)
+    with raw_peer_transport(park_receiver=False, flush_timeout=0.5) as got:
+        yield got
 
 
 class _Group:
