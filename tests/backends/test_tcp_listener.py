@@ -15,9 +15,10 @@ from hpcdp.backends.tcp import _accept as accept
 from hpcdp.backends.tcp import _wire as wire
 from hpcdp.launch._processes import free_port
 from hpcdp.backends.tcp._store import StoreClient
-from hpcdp.backends.tcp._transport import COLL, Transport
+from hpcdp.backends.tcp._transport import COLL
 from hpcdp.backends.tcp import TCPBackend, _World
-from tcp_helpers import checked_allreduce_job, closed_by_server, published_port, start_job
+from tcp_helpers import (checked_allreduce_job, closed_by_server, published_port, raw_peer_transport,
+                         start_job)
 
 SECRET = "listener-test-secret"
 #: more than one address may hold: the oldest are evicted as the newest come in
@@ -108,13 +109,7 @@ def test_rendezvous_survives_a_flood_on_a_listener(monkeypatch, log) -> None:
 def test_authenticated_peer_announcing_a_huge_frame_is_dropped(log) -> None:
     """Past the handshake, a frame header claiming 2**40 bytes fails that peer (nothing is
     allocated) and is logged once; the receive waiting on it raises ``PeerFailureError``."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    evil = socket.create_connection(lsock.getsockname())
-    conn, _ = lsock.accept()
-    lsock.close()
-    t = Transport(0, 2, 1 << 20)
-    try:
-        t.add_peer(1, conn)
+    with raw_peer_transport() as (t, evil):
         buf = np.zeros(16)
         rq = t.irecv(buf, 1, COLL, 0, 3, "no collective message from rank 1")
         evil.sendall(wire.pack_header(COLL, 0, 0, 3, 2**40))
@@ -125,6 +120,3 @@ def test_authenticated_peer_announcing_a_huge_frame_is_dropped(log) -> None:
         assert 1 in t.crashed
         frames = [m for m in log if "exceeds the cap" in m]
         assert len(frames) == 1, log
-    finally:
-        t.close(flush_timeout=1.0)
-        evil.close()
