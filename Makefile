@@ -38,6 +38,8 @@ PINS := \
   pytest==9.2.0 \
   pytest-mpi==0.6 \
   pytest-timeout==2.4.0 \
+  pytest-xdist==3.8.0 \
+  execnet==2.1.2 \
   scikit-learn==1.9.1 \
   scipy==1.17.1 \
   tqdm==4.70.1 \
@@ -81,6 +83,10 @@ MPI_TIMEOUT ?= 900
 MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
+# Stage [1/4] of `make test` runs on this many pytest-xdist workers: its tests spend much of
+# their time waiting (timeouts, spawned ranks, launched jobs), so two overlap well even on two
+# cores.  PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline \
         bench-deps bench info clean distclean
@@ -244,8 +250,8 @@ export SUMMARY_PY
 
 test: install
 	@mkdir -p .pytest-mpi; rm -f .pytest-mpi/*.out; start=$$(date +%s); \
-	echo "== [1/4] pytest (single process: sim + TCP backends, fault tests)"; \
-	rc1=0; $(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
+	echo "== [1/4] pytest (no mpirun: sim + TCP backends, fault tests; $(PYTEST_WORKERS) workers)"; \
+	rc1=0; $(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
 	echo "== [2/4] mpirun -n 2 pytest --with-mpi -m mpi"; \
 	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py --min-tests 165 $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
 	echo "== [3/4] mpirun -n 4 pytest --with-mpi -m mpi"; \

@@ -15,7 +15,7 @@ from .comm.collectives import (
     all_gather, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all,
     all_to_all_single, allgather, allreduce, alltoall, barrier, broadcast, broadcast_object,
     broadcast_object_list, gather, gather_object, get_rank, get_world_size, irecv, isend, recv,
-    reduce, reduce_scatter, reduce_scatter_tensor, scatter, send,
+    reduce, reduce_scatter, reduce_scatter_tensor, scatter, send, sendrecv,
 )
 from .comm.p2p import (
     ANY_SOURCE, ANY_TAG, P2POp, Status, batch_isend_irecv, iprobe, probe, recv_any, wait_all,
@@ -25,6 +25,7 @@ from .errors import (
     CommTimeoutError, HpcdpError, PeerFailureError, ProtocolError,
 )
 from .comm.group import ProcessGroup
+from .comm.topology import PROC_NULL, UNDEFINED, CartGroup, dims_create
 from .ops import ReduceOp
 # eager, not lazy: importing the submodule hpcdp.progress (get_logger, "from hpcdp.progress
 # import ...") would bind the module over the lazily loaded function of the same name
@@ -68,7 +69,7 @@ __all__ = [
     "get_default_group", "spawn", "available_backends", "register_backend", "ProcessGroup",
     "ReduceOp", "Work", "allreduce", "all_reduce", "broadcast", "reduce", "all_gather",
     "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",
-    "send", "recv", "isend", "irecv", "ANY_SOURCE", "ANY_TAG", "Status", "P2POp",
+    "send", "recv", "sendrecv", "isend", "irecv", "ANY_SOURCE", "ANY_TAG", "Status", "P2POp",
     "batch_isend_irecv", "wait_all", "probe", "iprobe", "recv_any", "broadcast_object", "all_gather_object", "gather_object",
     "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
     "broadcast_object_list", "get_rank", "get_world_size",
@@ -76,4 +77,5 @@ __all__ = [
     "PeerFailureError", "AuthError", "ProtocolError", "CheckpointError", "DDP",
     "DistributedDataParallel", "progress", "get_logger", "nn", "optim", "data", "checkpoint",
     "FSDP", "FullyShardedDataParallel", "fsdp", "pipeline", "rpc", "trace", "report_stragglers",
+    "CartGroup", "dims_create", "PROC_NULL", "UNDEFINED",
 ]

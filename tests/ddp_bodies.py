@@ -446,6 +446,7 @@ def body_join_no_sync(rank: int, divide_initial: bool) -> list[str]:
     """``join`` with ``no_sync`` accumulation and a buffer: rank r runs r + 1 steps of two
     micro-batches (the first under ``no_sync``); equals a single-process replay."""
     g = hpcdp.get_default_group()
+    level = g.debug  # restored after the replay's first part
     g.debug = "detail"   # a collective sequence that differs across ranks raises, not hangs
     n = g.size
     counts = [r + 1 for r in range(n)]
@@ -474,7 +475,7 @@ def body_join_no_sync(rank: int, divide_initial: bool) -> list[str]:
             ddp.backward(loss.backward())
             opt.step()
             opt.zero_grad()
-    g.debug = "off"
+    g.debug = level
     ref = make_mlp(41)
     ref_opt = optim.SGD(ref.parameters(), lr=0.1)
     for t in range(max(counts)):

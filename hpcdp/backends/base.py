@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -22,12 +22,16 @@ __all__ = [
     "spawnable_backends",
     "ANY_SOURCE",
     "ANY_TAG",
+    "PROC_NULL",
     "FINALIZED",
 ]
 
 #: ``probe``'s ``src`` and ``tag`` that match any source / any tag (``hpcdp.ANY_SOURCE``)
 ANY_SOURCE = -1
 ANY_TAG = -1
+#: the null neighbour (``hpcdp.PROC_NULL``, MPI's value): what a cartesian ``shift`` returns
+#: past a non-periodic edge; point-to-point with it completes at once and moves nothing
+PROC_NULL = -2
 
 #: What a peer's error says of a rank that called ``hpcdp.finalize`` ("rank 1 has shut down
 #: (finalize)"), on transports that tell their peers (TCP); ``python -m hpcdp.trace analyze``
@@ -106,8 +110,9 @@ class Backend(abc.ABC):
 
     Contract:
 
-    1. Every collective method (``allreduce`` to ``barrier`` and ``new_group``) must be called by
-       all ranks of the group, in the same order, with matching dtypes, shapes, ops and roots.
+    1. Every collective method (``allreduce`` to ``barrier``, ``new_group``, ``split``) must be
+       called by all ranks of the group, in the same order, with matching dtypes, shapes, ops
+       and roots.
        The API layer validates each rank's arguments before calling; with ``HPCDP_DEBUG=detail``
        it also checks them across ranks first.
     2. Buffers handed in are C-contiguous arrays of one array module (numpy, or cupy where the
@@ -147,6 +152,9 @@ class Backend(abc.ABC):
       reach every peer.
     - ``peers_gone()``: group ranks known to have died or left, with why (this rank included
       where a rank can end while the process lives on); empty where the transport cannot tell.
+    - ``broken_advice``: the way on once a group refuses collectives for good (error text).
+    - ``tell_waiting(peers, note)``/``waiting_notes()``: a side channel on which a blocked
+      rank says what it waits for, so its peers can name a deadlock (no-ops by default).
 
     ``hpcdp.rpc`` sends over a ``dup()`` of the group's backend, whatever its ``name``: its
     point-to-point with ``probe``, ``peers_gone()`` for failures, and ``shares_process`` to yield
@@ -167,12 +175,31 @@ class Backend(abc.ABC):
     accepts_cupy: bool = False
     shares_process: bool = False
     recv_size_checked: bool = False
+    #: what works once a group of this backend refuses collectives for good (a collective on
+    #: it timed out or mismatched): the end of that error, so it names a way on that works here
+    broken_advice: str = ("this group cannot run collectives any more (new_group on it is one "
+                          "too): make new groups from a group that still works (hpcdp.new_group "
+                          "on the default group, if this is not it), or call hpcdp.finalize() "
+                          "then hpcdp.init() on every rank to start a new world")
     #: ``quick_allreduce(send, recv, op, timeout) -> Request | None``: a blocking allreduce of
     #: small host arrays, None once complete, else the request still pending at the deadline
     #: (the caller reports the timeout). None: the caller posts ``allreduce`` and waits on it.
     #: A transport sets it where skipping the request bookkeeping that only asynchronous
     #: callers need pays (MPI's small-message path, ``backends/mpi/_fastpath.py``).
     quick_allreduce: Callable[..., Request | None] | None = None
+    #: the quick lane of point-to-point (``backends/mpi/_quick_p2p.Lane``): ``send``/``recv``
+    #: ``(buf, peer, tag, timeout)`` and ``sendrecv(sbuf, dst, stag, rbuf, src, rtag,
+    #: timeout)``, blocking, returning as ``quick_allreduce`` does; ``post(send, buf, peer,
+    #: tag)``, nonblocking. None: the caller posts ``send``/``recv`` and waits on them.
+    quick_p2p: Any = None
+
+    def check_all_gather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> Request:
+        """The all_gather of the sampled call checks (``comm.debug``, ``HPCDP_DEBUG=sample``).
+        Here the group's own ``all_gather``: a transport that tells a mismatched collective
+        apart (simulated ranks, TCP) reports a check met by another call. MPI cannot (a
+        mismatched collective is undefined behaviour there), so it runs checks on a
+        communicator of their own."""
+        return self.all_gather(sendbuf, recvbuf)
 
     def native_comm(self) -> Any:
         """The mpi4py communicator of this group, or None (not an MPI transport)."""
@@ -180,6 +207,17 @@ class Backend(abc.ABC):
 
     def peers_gone(self) -> dict[int, str]:
         """Group ranks known to be dead or gone, with why; never blocks."""
+        return {}
+
+    def tell_waiting(self, peers: Sequence[int], note: str) -> None:
+        """Tell group ranks ``peers`` what this rank is blocked in (``note``: a short text the
+        collectives layer's watchdog writes and reads, ``comm._watchdog``), on a side channel
+        that never mixes with messages; best effort, never blocks. Transports without one
+        ignore it: their ranks then only say what they wait for, not what their peers do."""
+
+    def waiting_notes(self) -> dict[int, tuple[float, str]]:
+        """The newest ``tell_waiting`` note each world rank sent to this process, with when it
+        arrived (``time.monotonic()``); never blocks."""
         return {}
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
@@ -224,6 +262,26 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def new_group(self, ranks: Sequence[int]) -> "Backend | None":
         """Collective over this group: a backend for ``ranks`` (group ranks), None on non-members."""
+
+    def split(self, color: int | None, key: int,
+              layout: Mapping[int, Sequence[int]]) -> "Backend | None":
+        """Collective over this group: disjoint sub-groups at once, as MPI's ``Comm.Split``.
+
+        The caller has already exchanged every rank's ``(color, key)`` and checked them, so
+        ``layout`` (the same on every rank) maps each color to the group ranks of its sub-group,
+        in new-rank order (by key, then rank); ``color`` is this rank's, None for no sub-group
+        (then the result is None). ``key`` is this rank's key, for transports that order the
+        members themselves (MPI). This default makes one ``new_group`` per color in color order,
+        so any transport with ``new_group`` can split; the built-in ones override it with one
+        collective step (MPI: one ``Comm.Split``) or none (TCP: channel ids agreed from
+        ``layout``).
+        """
+        mine = None
+        for c in sorted(layout):
+            sub = self.new_group(layout[c])
+            if c == color:
+                mine = sub
+        return mine
 
     def dup(self) -> "Backend":
         """Collective over this group: the same ranks on a communication context of their own.

@@ -11,7 +11,7 @@ import collections
 import itertools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +33,9 @@ class SimWorld:
         self.size = size
         self.cond = threading.Condition()
         self.dead: dict[int, str] = {}  # global rank -> why
+        #: global rank -> what it said it is blocked in (``tell_waiting``): the ranks are
+        #: threads of this process, so the note is shared, not sent
+        self.notes: dict[int, tuple[float, str]] = {}
         self._ids = itertools.count()
 
     def mark_dead(self, rank: int, why: str) -> None:
@@ -331,6 +334,13 @@ class SimBackend(Backend):
         with self.comm.world.cond:
             return {i: dead[g] for i, g in enumerate(self.ranks) if g in dead}
 
+    def tell_waiting(self, peers: Sequence[int], note: str) -> None:
+        # one store, atomic under the GIL
+        self.comm.world.notes[self.ranks[self.rank]] = (time.monotonic(), note)
+
+    def waiting_notes(self) -> dict[int, tuple[float, str]]:
+        return dict(self.comm.world.notes)
+
     # -- the rendezvous every collective goes through --------------------------------------
     def _collective(
         self,
@@ -543,6 +553,21 @@ class SimBackend(Backend):
         if self.rank not in ranks:
             return None
         return type(self)(box[0], list(ranks).index(self.rank))
+
+    def split(self, color: int | None, key: int,
+              layout: Mapping[int, Sequence[int]]) -> "SimBackend | None":
+        """Collective: one rendezvous makes the shared state of every color's group at once."""
+        def combine(_):
+            return {c: _Comm(self.comm.world, tuple(self.ranks[r] for r in members))
+                    for c, members in layout.items()}
+
+        box: list[dict[int, _Comm]] = []
+        req = self._collective(None, combine, box.append, _sig("split", colors=len(layout)))
+        if not req.wait(None):  # pragma: no cover - wait(None) never times out
+            raise RuntimeError("unreachable")
+        if color is None:
+            return None
+        return type(self)(box[0][color], list(layout[color]).index(self.rank))
 
 
 class _P2P:

@@ -3,9 +3,20 @@
 A checkpoint's state is a tree of dicts (str or int keys), lists and tuples whose leaves are arrays,
 ``Shard``s and scalars. ``flatten`` turns it into a JSON-able *tree* (containers, scalar values, and
 for every array the HDF5 path of its dataset) plus the list of array leaves in a fixed order.
-The manifest (JSON, stored as the uint8 dataset ``/_hpcdp_manifest`` with a CRC32 attribute) holds
-the tree, every dataset's shape, dtype and per-slab CRC32s: a reader needs nothing else, and no
-object is ever pickled.
+The manifest (JSON text, ``/_hpcdp_manifest`` with a CRC32 attribute) holds the tree, every
+dataset's shape, dtype and per-slab checksums: a reader needs nothing else, and no object is ever
+pickled.
+
+The same file reads without hpcdp (format 2; README "Reading a checkpoint without hpcdp"): dicts
+are groups, arrays datasets; a non-empty list or tuple of Python ints, floats or bools alone is a
+1-D ``<i8``/``<f8``/bool dataset (a leaf like any array, so its bytes are checksummed) whose
+attribute ``hpcdp_type`` says "list" or "tuple"; any other list or tuple is a group of members
+"0", "1", ... with that attribute; scalars are attributes of their group, strings variable-length
+UTF-8, ``None`` an attribute with an empty (null) dataspace, which h5py reads as ``h5py.Empty``;
+the manifest is one fixed-length UTF-8 string (its stored size is checked before it is read).
+Format 1 (a group of attributes per list, ``None`` as the string 'None', the manifest as uint8
+bytes) still loads. hpcdp loads every value from the manifest and the checksummed datasets; the
+attributes are for people.
 """
 from __future__ import annotations
 
@@ -21,13 +32,16 @@ from ..errors import CheckpointError
 
 __all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
            "encode_manifest", "storage_dtype", "type_note", "checksum_of",
-           "default_checksum",
+           "default_checksum", "SEQ_DTYPES", "seq_value", "h5_attrs",
            "BF16_META", "rank_file", "vds_name"]
 
 MANIFEST = "_hpcdp_manifest"
 MANIFEST_CRC_ATTR = "crc32"
 FORMAT = "hpcdp-checkpoint"
-FORMAT_VERSION = 1
+#: 2: numeric lists as datasets, None as an empty attribute, the manifest as a UTF-8 string
+FORMAT_VERSION = 2
+#: a list or tuple of only these Python types (and at least one) is stored as one dataset
+SEQ_DTYPES = {"int": "<i8", "float": "<f8", "bool": "|b1"}
 #: numpy dtype metadata that marks a uint16 array as raw bfloat16 bits (when ml_dtypes is absent)
 BF16_META = {"hpcdp_type": "bfloat16"}
 
@@ -225,6 +239,12 @@ def flatten(state: Any, *, copy: bool) -> tuple[dict, list[Leaf]]:
                               "v": walk(child, f"{path}/{name}" if path else name, f"{where}[{k!r}]")})
             return {"t": "dict", "items": items}
         if isinstance(v, (list, tuple)):
+            of = _seq_of(v)
+            if of is not None:
+                data = np.array(v, dtype=SEQ_DTYPES[of])
+                leaves.append(Leaf(path, "replicated", data.shape, data.dtype.str, "", data))
+                return {"t": "seq", "seq": "list" if isinstance(v, list) else "tuple", "of": of,
+                        "path": path}
             return {"t": "list" if isinstance(v, list) else "tuple",
                     "items": [walk(c, f"{path}/{i}" if path else str(i), f"{where}[{i}]")
                               for i, c in enumerate(v)]}
@@ -250,6 +270,26 @@ def flatten(state: Any, *, copy: bool) -> tuple[dict, list[Leaf]]:
     return tree, leaves
 
 
+def _seq_of(v: list | tuple) -> str | None:
+    """"int", "float" or "bool" if ``v`` holds only Python values of that one type (ints within
+    int64), else None (empty, mixed, nested, numpy scalars: those keep the group layout)."""
+    if not v:
+        return None
+    t = type(v[0])
+    if t not in (int, float, bool) or any(type(x) is not t for x in v):
+        return None
+    if t is int and not all(-2**63 <= x < 2**63 for x in v):
+        return None
+    return t.__name__
+
+
+def seq_value(node: dict, a: np.ndarray) -> list | tuple:
+    """The list or tuple a "seq" node's dataset ``a`` (dtype checked against ``of``) stands for:
+    ``tolist`` gives Python ints, floats and bools, exactly as saved."""
+    items = a.tolist()
+    return items if node["seq"] == "list" else tuple(items)
+
+
 def as_storage_src(a: Any, where: str) -> Any:
     try:
         storage_dtype(np.dtype(a.dtype))
@@ -269,31 +309,41 @@ def unflatten(tree: dict, arrays: dict[str, Any]) -> Any:
         return items if t == "list" else tuple(items)
     if t in ("array", "shard"):
         return arrays[tree["path"]]
+    if t == "seq":
+        return seq_value(tree, arrays[tree["path"]])
     return scalar_value(tree)
 
 
-def scalar_attrs(tree: dict, path: str = "") -> list[tuple[str, str, Any]]:
-    """(group path, attribute name, value) for every scalar, for people browsing the file."""
+def h5_attrs(tree: dict, path: str = "") -> list[tuple[str, str, Any]]:
+    """(object path, attribute name, value) for people reading the file without hpcdp: every
+    scalar on its group, and ``hpcdp_type`` ("list"/"tuple") on every list or tuple, group or
+    dataset. Never on a dict's group, where a key of that name is a scalar's attribute."""
     out: list[tuple[str, str, Any]] = []
     kids: list[tuple[str, dict]] = []
     if tree["t"] == "dict":
         kids = [(it["h"], it["v"]) for it in tree["items"]]
     elif tree["t"] in ("list", "tuple"):
         kids = [(str(i), c) for i, c in enumerate(tree["items"])]
+        out.append((path or "/", "hpcdp_type", tree["t"]))
     for name, child in kids:
+        p = f"{path}/{name}" if path else name
         if child["t"] == "scalar":
             out.append((path or "/", name, _attr_value(child)))
+        elif child["t"] == "seq":
+            out.append((p, "hpcdp_type", child["seq"]))
         elif child["t"] in ("dict", "list", "tuple"):
-            out.extend(scalar_attrs(child, f"{path}/{name}" if path else name))
+            out.extend(h5_attrs(child, p))
     return out
 
 
 def _attr_value(node: dict) -> Any:
     v = scalar_value(node)
     if v is None:
-        return "None"
+        import h5py
+
+        return h5py.Empty(np.int8)  # a null dataspace: nothing else in the file reads as Empty
     if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**63:
-        return str(v)
+        return str(v)  # beyond 64 bits: its decimal digits (the manifest holds the int)
     return v
 
 
@@ -314,6 +364,11 @@ def container_groups(tree: dict, path: str = "") -> list[str]:
 
 
 # -- manifest (decoding and validation: _manifest.py) ----------------------------------------
-def encode_manifest(manifest: dict) -> tuple[np.ndarray, int]:
-    raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    return np.frombuffer(raw, np.uint8), zlib.crc32(raw)
+def encode_manifest(manifest: dict) -> tuple[bytes, int]:
+    """The manifest as UTF-8 JSON text and its CRC32 (of exactly those bytes)."""
+    try:
+        raw = json.dumps(manifest, sort_keys=True, separators=(",", ":"),
+                         ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate in a str: only escapes can carry it
+        raw = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    return raw, zlib.crc32(raw)

@@ -7,7 +7,7 @@ import h5py
 import numpy as np
 
 __all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
-           "file_space", "SlabWriteError"]
+           "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text"]
 
 
 class SlabWriteError(Exception):
@@ -99,3 +99,25 @@ def read_into(dset: Any, out: np.ndarray, out_offsets: Sequence[int], offsets: S
     mem = h5py.h5s.create_simple(tuple(out.shape))
     mem.select_hyperslab(tuple(out_offsets), tuple(shape))
     _did(dset).read(mem, file_space(dset, offsets, shape), out)
+
+
+def text_dtype(n: int) -> np.dtype:
+    """A fixed-length UTF-8 string of ``n`` bytes: h5py reads it as ``bytes`` (``.asstr()``: str),
+    and unlike a variable-length string its stored size is in the dataset's own storage, which
+    the reader checks against the file before it allocates anything."""
+    return h5py.string_dtype("utf-8", max(1, n))
+
+
+def create_text(f: Any, path: str, n: int) -> Any:
+    """A scalar dataset for ``n`` bytes of UTF-8 text (collective in an mpio file)."""
+    return f.create_dataset(path, shape=(), dtype=text_dtype(n))
+
+
+def write_text(dset: Any, text: bytes | None, dxpl: Any = None) -> None:
+    """Write ``text`` (UTF-8, the dataset's length) into a ``create_text`` dataset; None takes
+    part with nothing."""
+    if text is None:
+        write_nothing(dset, dxpl)
+        return
+    buf = np.array(text, dtype=dset.dtype)  # the file's type: numpy's own "S" would be ASCII
+    _h5write(dset, h5py.h5s.create(h5py.h5s.SCALAR), file_space(dset, (), ()), buf, dxpl)

@@ -158,14 +158,20 @@ def read_manifest(f: Any, where: str) -> dict:
         raise CheckpointError(f"{where}: not an hpcdp checkpoint: no manifest dataset {MANIFEST!r}")
     d = names.get(MANIFEST, "the manifest")
     try:
-        ok = isinstance(d, h5py.h5d.DatasetID) and len(d.shape) == 1 and d.dtype == np.uint8
-    except (TypeError, ValueError):  # an HDF5 type numpy has no equivalent for
+        dt, shape = d.dtype, d.shape
+        text = isinstance(d, h5py.h5d.DatasetID) and shape == () and dt.kind == "S"  # format 2
+        ok = text or (isinstance(d, h5py.h5d.DatasetID) and len(shape) == 1 and dt == np.uint8)
+    except (AttributeError, TypeError, ValueError):  # a group; an HDF5 type numpy cannot hold
         ok = False
     if not ok:
-        raise CheckpointError(f"{where}: the manifest dataset {MANIFEST!r} is not a 1-D uint8 array")
+        raise CheckpointError(f"{where}: the manifest {MANIFEST!r} is neither a fixed-length string "
+                              "dataset nor (format 1) a 1-D uint8 array")
     _stored(d, where, MANIFEST, os.path.getsize(f.filename))
     try:
-        raw = read_slab(d, np.empty(d.shape, np.uint8), (0,))
+        if text:  # read as the file's own UTF-8 type: numpy's "S" alone is ASCII to HDF5
+            raw = read_slab(d, np.empty((), dt), ()).item()
+        else:
+            raw = read_slab(d, np.empty(shape, np.uint8), (0,))
         crc = h5py.Dataset(d).attrs.get("crc32")
     except (OSError, KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: the manifest cannot be read (truncated?): {exc}") from None

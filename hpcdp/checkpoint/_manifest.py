@@ -9,7 +9,10 @@ inside an error message) and no dataset escapes verification:
 - dtypes are numbers or bool (``type_note`` bfloat16 stored as ``<u2``), never object, string,
   compound or subarray types;
 - the tree is at most ``MAX_DEPTH`` deep (the reader recurses over it) and names only datasets the
-  table holds; rank files are plain names (``rank-NNNNN.h5``), never paths.
+  table holds; rank files are plain names (``rank-NNNNN.h5``), never paths;
+- a list stored as a dataset ("seq" node) names a 1-D, non-empty, replicated dataset of exactly
+  the dtype its element type is written as (``SEQ_DTYPES``), so what ``tolist`` returns is a
+  list of that Python type and nothing else.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ._format import CHECKSUMS, FORMAT, FORMAT_VERSION, MANIFEST
+from ._format import CHECKSUMS, FORMAT, FORMAT_VERSION, MANIFEST, SEQ_DTYPES
 
 __all__ = ["decode_manifest", "validate_manifest", "RANK_FILE_RE", "MAX_DEPTH", "MAX_AXES",
            "tiling_problem"]
@@ -33,7 +36,7 @@ RANK_FILE_RE = re.compile(r"rank-[0-9]{5,9}\.h5")
 MAX_DEPTH = 200
 #: HDF5's own limit on a dataset's number of axes
 MAX_AXES = 32
-_NODES = ("dict", "list", "tuple", "array", "shard", "scalar")
+_NODES = ("dict", "list", "tuple", "array", "shard", "scalar", "seq")
 _SCALARS = ("np", "complex", "int", "float", "bool", "str", "none")
 _KINDS = ("replicated", "shard")
 _MODES = ("owned", "split", "shard")
@@ -195,6 +198,19 @@ def _scalar(node: dict, where: str) -> None:
         raise _Invalid(f"{where} is a scalar of type {t!r} with the value {_show(v)}")
 
 
+def _seq(node: dict, where: str, d: dict) -> None:
+    """A list or tuple of Python ints, floats or bools stored as the dataset ``d`` (validated)."""
+    kind, of = node.get("seq"), node.get("of")
+    if kind not in ("list", "tuple") or of not in SEQ_DTYPES:
+        raise _Invalid(f"{where} is a stored sequence with seq {_show(kind)} and of {_show(of)} "
+                       f"(seq is 'list' or 'tuple', of one of {sorted(SEQ_DTYPES)})")
+    want = SEQ_DTYPES[of]
+    if d["dtype"] != want or d["type"] != want or len(d["shape"]) != 1 or d["shape"][0] < 1 \
+            or d["kind"] != "replicated":
+        raise _Invalid(f"{where}: a {kind} of {of} is a non-empty 1-D replicated {want} dataset; "
+                       f"{node['path']!r} is {d['kind']} {d['type']} of shape {tuple(d['shape'])}")
+
+
 def _tree(root: Any, datasets: dict) -> None:
     if not isinstance(root, dict) or root.get("t") != "dict":
         raise _Invalid("tree must be a dict node (the saved state is a dict)")
@@ -227,10 +243,12 @@ def _tree(root: Any, datasets: dict) -> None:
                     raise _Invalid(f"{where} has the key {k!r} twice")
                 seen.add(str(k))
                 stack.append((it["v"], f"{where}[{k!r}]", depth + 1))
-        elif t in ("array", "shard"):
+        elif t in ("array", "shard", "seq"):
             path = node.get("path")
             if not isinstance(path, str) or path not in datasets:
                 raise _Invalid(f"{where} names the dataset {_show(path)}, which is not in datasets")
+            if t == "seq":
+                _seq(node, where, datasets[path])
         else:
             _scalar(node, where)
 
@@ -273,9 +291,10 @@ def validate_manifest(m: Any, where: str) -> dict:
     return m
 
 
-def decode_manifest(raw: np.ndarray, crc: Any, where: str) -> dict:
-    """Check the manifest bytes against their CRC32, parse and validate them."""
-    data = np.asarray(raw, np.uint8).tobytes()
+def decode_manifest(raw: bytes | np.ndarray, crc: Any, where: str) -> dict:
+    """Check the manifest bytes (UTF-8 JSON text, or format 1's uint8 array of it) against their
+    CRC32, parse and validate them."""
+    data = raw if isinstance(raw, bytes) else np.asarray(raw, np.uint8).tobytes()
     if crc is None or np.ndim(crc) != 0 or not np.issubdtype(np.asarray(crc).dtype, np.integer) \
             or zlib.crc32(data) != int(crc):
         raise CheckpointError(f"{where}: the manifest fails its CRC32 check (corrupt file)")

@@ -24,7 +24,9 @@ from .. import trace
 from .._arrays import is_cupy
 from ..errors import CheckpointError, HpcdpError
 from ._commit import DATA, recover
-from ._format import Shard, checksum_of, memory_dtype, scalar_value, storage_dtype, type_note, unflatten
+from ._format import (
+    Shard, checksum_of, memory_dtype, scalar_value, seq_value, storage_dtype, type_note, unflatten,
+)
 from ._group import resolve as resolve_group
 from ._h5util import read_into, read_slab
 from ._layout import Names, Piece, open_rank_file, read_manifest, survey
@@ -173,9 +175,10 @@ class _Reader:
 
     def from_like(self, like: Any, node: dict, where: str) -> Any:
         t, fn = node["t"], self.fn
+        what = node["seq"] if t == "seq" else t  # in messages: a stored list is a list
         if isinstance(like, dict):
             if t != "dict":
-                raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a dict in like")
+                raise CheckpointError(f"load {fn}: {where} is a {what} in the checkpoint, a dict in like")
             items = {str(it["k"]): it["v"] for it in node["items"]}
             out = {}
             for k, v in like.items():
@@ -189,10 +192,12 @@ class _Reader:
                     k = int(it["k"]) if it["kt"] == "int" else it["k"]
                     out[k] = self.whole(it["v"])
             return out
+        if isinstance(like, (list, tuple)) and t == "seq":
+            return self._seq_like(like, node, where)
         if isinstance(like, (list, tuple)):
             if t not in ("list", "tuple") or len(node["items"]) != len(like):
                 n = len(node.get("items", ()))
-                raise CheckpointError(f"load {fn}: {where} is a {t} of {n} in the checkpoint, "
+                raise CheckpointError(f"load {fn}: {where} is a {what} of {n} in the checkpoint, "
                                       f"like has a {type(like).__name__} of {len(like)}")
             items = [self.from_like(v, c, f"{where}[{i}]")
                      for i, (v, c) in enumerate(zip(like, node["items"]))]
@@ -200,7 +205,7 @@ class _Reader:
         if isinstance(like, Shard) or (hasattr(like, "shape") and hasattr(like, "dtype")
                                        and not isinstance(like, np.generic)):
             if t not in ("array", "shard"):
-                raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, an array in like")
+                raise CheckpointError(f"load {fn}: {where} is a {what} in the checkpoint, an array in like")
             path = node["path"]
             meta = self.m["datasets"][path]
             if isinstance(like, Shard):
@@ -214,8 +219,27 @@ class _Reader:
             a = _as_like(self.region(path, tuple(offsets), tuple(local.shape)), meta["type"], local)
             return Shard(a, gshape, offsets) if isinstance(like, Shard) else a
         if t != "scalar":
-            raise CheckpointError(f"load {fn}: {where} is a {t} in the checkpoint, a scalar in like")
+            raise CheckpointError(f"load {fn}: {where} is a {what} in the checkpoint, a scalar in like")
         return scalar_value(node)
+
+    def seq(self, node: dict) -> list | tuple:
+        """The list or tuple a "seq" node stands for, from its verified dataset."""
+        shape = tuple(self.m["datasets"][node["path"]]["shape"])
+        return seq_value(node, self.region(node["path"], (0,), shape))
+
+    def _seq_like(self, like: list | tuple, node: dict, where: str) -> list | tuple:
+        """A stored list where ``like`` has a list or tuple of scalars: its values, in ``like``'s
+        container type (as for a list kept as a group)."""
+        values = self.seq(node)
+        if len(values) != len(like):
+            raise CheckpointError(f"load {self.fn}: {where} is a {node['seq']} of {len(values)} in "
+                                  f"the checkpoint, like has a {type(like).__name__} of {len(like)}")
+        for i, v in enumerate(like):
+            if isinstance(v, (dict, list, tuple, Shard)) or (hasattr(v, "shape") and hasattr(v, "dtype")
+                                                             and not isinstance(v, np.generic)):
+                raise CheckpointError(f"load {self.fn}: {where}[{i}] is a scalar in the checkpoint, "
+                                      f"a {type(v).__name__} in like")
+        return list(values) if isinstance(like, list) else tuple(values)
 
     def whole(self, node: dict) -> Any:
         """The subtree ``node`` with every array read whole, at its global shape."""
@@ -223,7 +247,10 @@ class _Reader:
         stack = [node]
         while stack:
             n = stack.pop()
-            if n["t"] in ("array", "shard"):
+            if n["t"] == "seq":
+                shape = tuple(self.m["datasets"][n["path"]]["shape"])
+                arrays[n["path"]] = self.region(n["path"], (0,), shape)
+            elif n["t"] in ("array", "shard"):
                 meta = self.m["datasets"][n["path"]]
                 shape = tuple(meta["shape"])
                 a = self.region(n["path"], (0,) * len(shape), shape)

@@ -122,6 +122,28 @@ def tree_digest(tree: dict | None) -> str | None:
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+def checked_tree(tree: dict | None, leaves: list) -> dict | None:
+    """``tree`` with every stored list's values (a SHA-256 of its bytes) in its node: a list of
+    floats is a dataset, not a scalar of the tree, yet every rank must save the same one, as it
+    must the same scalars (a replicated array, by contrast, is rank 0's copy by contract)."""
+    if tree is None:
+        return None
+    data = {l.path: l.data for l in leaves}
+
+    def walk(node: dict) -> dict:
+        t = node["t"]
+        if t == "seq":
+            a = data[node["path"]]
+            return {**node, "n": len(a), "sha": hashlib.sha256(a.tobytes()).hexdigest()}
+        if t == "dict":
+            return {**node, "items": [{**it, "v": walk(it["v"])} for it in node["items"]]}
+        if t in ("list", "tuple"):
+            return {**node, "items": [walk(c) for c in node["items"]]}
+        return node
+
+    return walk(tree)
+
+
 def _tree_difference(a: Any, b: Any, where: str = "state") -> str:
     """Where two trees first differ, for the error message."""
     if isinstance(a, dict) and isinstance(b, dict):
@@ -130,6 +152,10 @@ def _tree_difference(a: Any, b: Any, where: str = "state") -> str:
         if a.get("t") == "scalar":
             va, vb = (f"{n.get('value')!r} ({n.get('dtype') or n.get('type')})" for n in (a, b))
             return f"{where} is {va} on rank 0, {vb}"
+        if a.get("t") == "seq":
+            va, vb = (f"a {n.get('seq')} of {n.get('n')} {n.get('of')}s" for n in (a, b))
+            return f"{where} is {va} on rank 0, {vb} of other values" if va == vb else \
+                f"{where} is {va} on rank 0, {vb}"
         ia, ib = a.get("items", []), b.get("items", [])
         for i, (x, y) in enumerate(zip(ia, ib)):
             if x != y:
@@ -189,17 +215,19 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
     phase("plan")
     # 2. agree on the plan
     specs = None if local_err else [l.spec() for l in leaves]
+    checked = None if local_err else checked_tree(tree, leaves)
     blocks = None if local_err else [(l.offsets, tuple(l.data.shape)) if l.kind == "shard" else None
                                      for l in leaves]
     got = _agree(group, "preparing the state", final, local_err,
                  (specs, blocks, mode, tree if rank == 0 else None, default_checksum(),
-                  tree_digest(tree)))
+                  tree_digest(checked)))
+    # structure and values first: where they differ says more than a dataset spec (a list's length)
+    _check_trees(group, final, [g[5] for g in got], checked)
     all_specs = [g[0] for g in got]
     diff = _first_difference(all_specs)
     if diff is not None:
         raise CheckpointError(f"save {final!r}: ranks passed different states ({diff}); every rank "
                               "must save the same keys, shapes and dtypes (shards: the global ones)")
-    _check_trees(group, final, [g[5] for g in got], tree)
     modes = {g[2] for g in got}
     if len(modes) != 1:
         raise CheckpointError(f"save {final!r}: ranks chose different modes {[g[2] for g in got]}")

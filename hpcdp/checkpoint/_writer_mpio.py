@@ -23,8 +23,10 @@ import h5py
 import numpy as np
 
 from ._commit import DATA, fsync_path
-from ._format import MANIFEST, Leaf, container_groups, scalar_attrs
-from ._h5util import SlabWriteError, create_dataset, write_nothing, write_slab
+from ._format import MANIFEST, Leaf, container_groups, h5_attrs
+from ._h5util import (
+    SlabWriteError, create_dataset, create_text, write_nothing, write_slab, write_text,
+)
 from ._plan import DatasetPlan, slab_data
 
 __all__ = ["MpioWriter"]
@@ -74,8 +76,8 @@ class MpioWriter:
                 if p.note:
                     d.attrs["hpcdp_type"] = p.note
                 dsets.append(d)
-            for gpath, name, value in scalar_attrs(tree0):
-                f[gpath].attrs[name] = value
+            for opath, name, value in h5_attrs(tree0):
+                f[opath].attrs[name] = value
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
         # Metadata calls do not communicate one by one, so agree once before the collective writes:
@@ -122,13 +124,14 @@ class MpioWriter:
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 
-    def finish(self, manifest_bytes: np.ndarray, crc: int) -> list[str]:
-        """Write the manifest (collective create, rank 0 writes), close; the files to fsync."""
+    def finish(self, manifest: bytes, crc: int) -> list[str]:
+        """Write the manifest text (collective create, rank 0 writes), close; the files to fsync."""
         err: BaseException | None = None
         try:
-            d = create_dataset(self.f, MANIFEST, manifest_bytes.shape, np.uint8)
+            manifest = bytes(manifest)
+            d = create_text(self.f, MANIFEST, len(manifest))
             d.attrs["crc32"] = np.uint32(crc)
-            write_slab(d, manifest_bytes if self.rank == 0 else None, (0,))
+            write_text(d, manifest if self.rank == 0 else None)
         except Exception as exc:  # noqa: BLE001 - the close below is collective: never skip it
             err = exc
         f, self.f = self.f, None

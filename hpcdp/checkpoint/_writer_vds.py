@@ -23,8 +23,8 @@ import h5py
 import numpy as np
 
 from ._commit import DATA
-from ._format import MANIFEST, Leaf, container_groups, rank_file, scalar_attrs, vds_name
-from ._h5util import create_dataset, write_slab
+from ._format import MANIFEST, Leaf, container_groups, h5_attrs, rank_file, vds_name
+from ._h5util import create_dataset, create_text, write_slab, write_text
 from ._plan import DatasetPlan, slab_data
 
 __all__ = ["VdsWriter", "rank_file", "vds_name", "missing_source_fill", "SOURCES_ATTR", "FILES_ATTR"]
@@ -96,8 +96,9 @@ class VdsWriter:
     def files(self) -> list[str]:
         return [self.own] if self.wrote_own else []
 
-    def finish(self, manifest_bytes: np.ndarray, crc: int) -> list[str]:
-        """Rank 0 writes the main file; every rank returns the files it wrote (to fsync)."""
+    def finish(self, manifest: bytes, crc: int) -> list[str]:
+        """Rank 0 writes the main file (the manifest: UTF-8 JSON text); every rank returns the
+        files it wrote (to fsync)."""
         if self.rank != 0:
             return self.files()
         main = os.path.join(self.dir, DATA)
@@ -126,9 +127,11 @@ class VdsWriter:
                     d.attrs[SOURCES_ATTR] = sorted({rank_file(s.rank) for s in p.slabs})
                 if p.note:
                     d.attrs["hpcdp_type"] = p.note
-            for gpath, name, value in scalar_attrs(self.tree0):
-                f[gpath].attrs[name] = value
-            m = f.create_dataset(MANIFEST, data=manifest_bytes)
+            for opath, name, value in h5_attrs(self.tree0):
+                f[opath].attrs[name] = value
+            manifest = bytes(manifest)
+            m = create_text(f, MANIFEST, len(manifest))
+            write_text(m, manifest)
             m.attrs["crc32"] = np.uint32(crc)
         return self.files() + [main]
 

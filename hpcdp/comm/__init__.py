@@ -8,10 +8,11 @@ package reaches down only to ``backends`` (the transports), ``trace`` (its recor
 from __future__ import annotations
 
 from .group import ProcessGroup
+from .topology import CartGroup, dims_create
 from .work import Work
 from .world import (
     finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
 )
 
 __all__ = ["ProcessGroup", "Work", "init", "finalize", "is_initialized", "get_default_group",
-           "new_group", "rank", "world_size", "local_rank"]
+           "new_group", "rank", "world_size", "local_rank", "CartGroup", "dims_create"]

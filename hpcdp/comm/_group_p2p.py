@@ -17,15 +17,53 @@ from .._arrays import SUPPORTED_SET, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
 from ._buffers import finish_into
 from .validation import check_array, check_rank, check_tag
-from ..backends.base import ANY_SOURCE, ANY_TAG, poll_until
-from ..errors import CommTimeoutError, HpcdpError, public, public_error
-from .work import Work, wait_for
+from ..backends.base import ANY_SOURCE, ANY_TAG, PROC_NULL, Request
+from ..errors import HpcdpError, public, public_error
+from .work import (WATCH_AFTER, CompletedWork, Polled, Work, annotate, finish_wait, wait_for,
+                   work_where)
 
 if TYPE_CHECKING:
-    from ..backends.base import Request
     from .group import ProcessGroup
 
 __all__ = ["PointToPoint", "Status"]
+
+_ndarray = np.ndarray
+
+
+def _none() -> None:
+    return None
+
+
+def _name(op: str, peer_name: str, peer: int, tag: int, k: int) -> str:
+    return f"{op}({peer_name}={peer}, tag={tag}) #{k}"
+
+
+class _Both(Request):
+    """The receive and the send of a ``sendrecv`` as one request (on a backend without a quick
+    lane): done when both are; what is missing is the receive while it is pending."""
+
+    __slots__ = ("_r", "_s")
+
+    def __init__(self, r: Request, s: Request) -> None:
+        self._r, self._s = r, s
+
+    def test(self) -> bool:
+        r = self._r.test()  # both progressed on every test
+        return self._s.test() and r
+
+    def wait(self, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._r.wait(timeout):
+            return False
+        return self._s.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def pending(self) -> str:
+        return self._r.pending() if not self._r.test() else self._s.pending()
+
+    def abandon(self) -> bool | None:
+        done_r = self._r.abandon()
+        done_s = self._s.abandon()
+        return bool(done_r) and bool(done_s) or None
 
 
 @dataclass(frozen=True)
@@ -50,11 +88,14 @@ class PointToPoint:
     name each message, and posts through the group it is given (its checks, deadlines,
     flight recorder and transport)."""
 
-    __slots__ = ("_g", "_counts")
+    __slots__ = ("_g", "_counts", "_peers")
 
     def __init__(self, group: "ProcessGroup") -> None:
         self._g = group
         self._counts: dict[tuple[str, int, int], Any] = {}  # (op, peer, tag) -> counter
+        #: the group ranks a blocking call may name (not this rank): one set lookup in the
+        #: quick check where three comparisons and two attribute reads were
+        self._peers = frozenset(range(group.size)) - {group.rank}
 
     def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
         where = self._g._where(op)
@@ -68,33 +109,82 @@ class PointToPoint:
         """``send(dst=1, tag=3) #k``: the k-th message of this pair with this tag. Matching is
         non-overtaking per (source, tag), so the receive that takes it is ``recv(...) #k`` too:
         errors and traces pair sends with receives."""
+        return _name(op, peer_name, peer, tag, self._count(op, peer, tag))
+
+    def _count(self, op: str, peer: int, tag: int) -> int:
+        """The number of this ``op`` to ``peer`` with ``tag`` (from 1): ``_p2p_name``'s ``#k``,
+        without the string, which the quick lane makes only for an error."""
         counts = self._counts
         key = (op, peer, tag)
         c = counts.get(key)
         if c is None:
             c = counts.setdefault(key, itertools.count(1))  # atomic: threads share the group
-        return f"{op}({peer_name}={peer}, tag={tag}) #{next(c)}"
+        return next(c)
 
     @public
     def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
-        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``."""
+        """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``.
+        ``dst=PROC_NULL``: nothing is sent (a Work already complete)."""
+        if self._p2p_fast(x, dst, tag):
+            return self._post_quick(True, x, dst, tag, "dst", None)
+        if dst == PROC_NULL:
+            return self._null("send", x, tag, None)
         _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
         buf = contiguous(x)
         name = self._p2p_name("send", "dst", dst, tag)
         rec = self._g._rec
         tok = rec.begin("send", self._g, 0, x.shape, x.dtype, dst) if rec is not None else 0
         # HPCDP_DEBUG: the message carries a header its receive checks (_debug_p2p)
-        send = self._g._transport(x).send if self._g._debug == "off" else p2p_sender(self._g, name, x.shape)
+        send = self._g._transport(x).send if self._g._debug != "detail" else p2p_sender(self._g, name, x.shape)
         req = self._g._post(name, 0, send, buf.reshape(-1), dst, tag, tok=tok)
-        return Work(self._g, name, 0, req, lambda: None, None, tok)
+        return Work(self._g, name, 0, req, _none, None, tok)
 
     @public
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
-        """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``."""
+        """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``.
+        ``src=PROC_NULL``: nothing is received (a Work already complete, ``buf`` untouched)."""
+        if self._p2p_fast(buf, src, tag) and buf.flags.writeable:
+            return self._post_quick(False, buf, src, tag, "src", buf)
         return self._irecv(buf, src, tag, "full")
+
+    def _post_quick(self, send: bool, x: np.ndarray, peer: int, tag: int, key: str,
+                    result: Any) -> Work:
+        """``isend``/``irecv`` of a plain contiguous host array that passed ``_p2p_fast``: the
+        same bookkeeping as the general path, posted through the backend's quick lane."""
+        g = self._g
+        op = "send" if send else "recv"
+        name = self._p2p_name(op, key, peer, tag)
+        rec = g._rec
+        tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        be = g.backend
+        lane = be.quick_p2p
+        try:
+            if lane is not None:
+                req = lane.post(send, flat, peer, tag)
+            else:
+                req = (be.send if send else be.recv)(flat, peer, tag)
+        except HpcdpError as exc:  # as ``group._post`` reports a failed post
+            err = annotate(exc, work_where(g, name, 0))
+            on_error(rec, tok, err)
+            raise err from exc
+        return Work(g, name, 0, req, _none if result is None else (lambda: result), None, tok)
+
+    def _null(self, op: str, x: Any, tag: int, result: Any) -> Work:
+        """A send to, or receive from, ``PROC_NULL``: checked like any call, then done."""
+        where = self._g._where(op)
+        self._g._usable(op)
+        if not (op == "recv" and tag == ANY_TAG):
+            check_tag(where, tag, self._g._max_tag)
+        if x is not None:
+            check_array(where, x)
+        return CompletedWork(self._g, f"{op}({'dst' if op == 'send' else 'src'}=PROC_NULL, tag={tag})",
+                             0, result)
 
     def _irecv(self, buf: Any, src: int, tag: int, check: str) -> Work:
         """``irecv``; ``check`` says what ``HPCDP_DEBUG`` compares with the sender's call."""
+        if src == PROC_NULL:
+            return self._null("recv", buf, tag, buf)
         where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
         if isinstance(buf, np.ndarray) and not buf.flags.writeable:
             raise ValueError(f"{where}: the receive buffer is read-only")
@@ -102,7 +192,7 @@ class PointToPoint:
         name = self._p2p_name("recv", "src", src, tag)
         rec = self._g._rec
         tok = rec.begin("recv", self._g, 0, buf.shape, buf.dtype, src) if rec is not None else 0
-        recv = (self._g._transport(buf).recv if self._g._debug == "off"
+        recv = (self._g._transport(buf).recv if self._g._debug != "detail"
                 else p2p_receiver(self._g, name, buf.shape, check))
         req = self._g._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
         return Work(self._g, name, 0, req, finish_into(buf, tmp), None, tok)
@@ -111,7 +201,7 @@ class PointToPoint:
         g = self._g
         where = g._where(op)
         g._usable(op)
-        if src != ANY_SOURCE:
+        if src != ANY_SOURCE and src != PROC_NULL:
             src = check_rank(where, "src", src, g.size)
         if tag != ANY_TAG:
             tag = check_tag(where, tag, g._max_tag)
@@ -120,12 +210,14 @@ class PointToPoint:
     def _status(self, found: tuple[int, int, int]) -> Status:
         """The ``Status`` of a probed message; under ``HPCDP_DEBUG`` its size without the header."""
         s, t, nbytes = found
-        return Status(s, t, nbytes if self._g._debug == "off" else payload_nbytes(nbytes))
+        return Status(s, t, nbytes if self._g._debug != "detail" else payload_nbytes(nbytes))
 
     @public
     def iprobe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Status | None:
         """The ``Status`` of a message ``recv(src, tag)`` would take now, else None."""
         _, src, tag = self._check_probe("iprobe", src, tag)
+        if src == PROC_NULL:  # as MPI's: at once, an empty message from nobody
+            return Status(PROC_NULL, ANY_TAG, 0)
         found = self._g.backend.probe(src, tag)
         return self._status(found) if found is not None else None
 
@@ -137,7 +229,9 @@ class PointToPoint:
         (default: the group's), ``PeerFailureError`` when every rank it could come from is gone.
         """
         g = self._g
-        where, src, tag = self._check_probe("probe", src, tag)
+        _, src, tag = self._check_probe("probe", src, tag)
+        if src == PROC_NULL:
+            return Status(PROC_NULL, ANY_TAG, 0)
         t = g.timeout if timeout is None else g._timeout_of("probe", timeout)
         box: list[Any] = []
 
@@ -149,11 +243,10 @@ class PointToPoint:
 
         rec = g._rec  # recorded, so a rank stuck waiting for any sender shows where in its dump
         tok = rec.begin("probe", g, 0, None, None, src) if rec is not None else 0
-        try:
-            if not poll_until(found, time.monotonic() + t):
-                raise CommTimeoutError(f"{where}: no message from "
-                                       f"{'any rank' if src == ANY_SOURCE else f'rank {src}'} with "
-                                       f"{'any tag' if tag == ANY_TAG else f'tag {tag}'} within {t:g} s")
+        what = (f"no message from {'any rank' if src == ANY_SOURCE else f'rank {src}'} with "
+                f"{'any tag' if tag == ANY_TAG else f'tag {tag}'}")
+        try:  # through wait_for: after a moment the watchdog waits (and names a deadlock)
+            wait_for(g, f"probe(src={src}, tag={tag})", 0, Polled(found, what), t)
         except HpcdpError as exc:
             on_error(rec, tok, exc)
             raise
@@ -184,45 +277,69 @@ class PointToPoint:
         elif dtype is not None and np.dtype(dtype) != buf.dtype:
             raise TypeError(f"{g._where('recv')}: dtype={np.dtype(dtype)} but buf is {buf.dtype}")
         left = max(1e-3, deadline - time.monotonic())
-        if g._debug != "off":  # a buffer made here is compared by what the caller chose of it
+        if g._debug == "detail":  # a buffer made here is compared by what the caller chose of it
             check = "full" if given else "size" if dtype is None else "dtype"
             return self._irecv(buf, st.source, st.tag, check).wait(left), st
         if st.source == g.rank:  # a message to oneself: the blocking path refuses self-receives
             return self.irecv(buf, st.source, st.tag).wait(left), st
         return self.recv(buf, st.source, st.tag, timeout=left), st
 
-    def _wait_recorded(self, name: str, req: "Request", t: float, rec: Any, tok: int) -> None:
-        """``wait_for`` of a blocking send/recv, ending its flight-recorder entry either way."""
-        try:
-            wait_for(self._g, name, 0, req, t)
-        except HpcdpError as exc:
-            on_error(rec, tok, exc)
-            raise
-        if rec is not None:
-            rec.end(tok)
-
     def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
-        """Whether a blocking send/recv may skip ``Work``: the same checks as ``_check_p2p``
-        for the common case (contiguous numpy, plain ints), because ping-pongs are latency-bound."""
-        return (self._g._fast and type(x) is np.ndarray and type(peer) is int and type(tag) is int
-                and 0 <= peer < self._g.size and peer != self._g.rank and 0 <= tag <= self._g._max_tag
+        """Whether a call may take the quick lane: the same checks as ``_check_p2p`` for the
+        common case (contiguous numpy, plain ints), because halo exchanges are latency-bound."""
+        g = self._g
+        return (g._fast and type(x) is _ndarray and type(peer) is int and type(tag) is int
+                and peer in self._peers and 0 <= tag <= g._max_tag
                 and x.dtype in SUPPORTED_SET and x.flags.c_contiguous)
 
-    def _p2p_blocking(self, op: str, key: str, post: Any, x: np.ndarray, peer: int, tag: int,
+    def _recv_fast(self, buf: Any, src: int, tag: int) -> bool:
+        """``_p2p_fast`` for the receiving half of a ``sendrecv``: any source and any tag too
+        where the quick lane matches them itself (MPI does)."""
+        g = self._g
+        if g.backend is not None and g.backend.quick_p2p is not None and (src == -1 or tag == -1):
+            src = (g.rank + 1) % g.size if src == -1 else src  # (a valid stand-in for the check)
+            tag = 0 if tag == -1 else tag
+        return self._p2p_fast(buf, src, tag) and buf.flags.writeable
+
+    def _p2p_blocking(self, send: bool, x: np.ndarray, peer: int, tag: int,
                       timeout: float | None) -> None:
-        """A blocking send/recv that passed ``_p2p_fast``: posted and waited on without ``Work``."""
-        t = self._g._timeout if timeout is None else self._g._timeout_of(op, timeout)
-        name = self._p2p_name(op, key, peer, tag)
-        rec = self._g._rec
-        tok = rec.begin(op, self._g, 0, x.shape, x.dtype, peer) if rec is not None else 0
-        req = self._g._post(name, 0, post, x if x.ndim == 1 else x.reshape(-1), peer, tag, tok=tok)
-        self._wait_recorded(name, req, t, rec, tok)
+        """A blocking send/recv that passed ``_p2p_fast``: the backend's quick lane where it has
+        one, else posted and waited on without ``Work``. Its name (``send(dst=1, tag=0) #k``)
+        is counted always and spelled out only for an error."""
+        g = self._g
+        op = "send" if send else "recv"
+        t = g._timeout if timeout is None else g._timeout_of(op, timeout)
+        k = self._count(op, peer, tag)
+        rec = g._rec
+        tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
+        be = g.backend
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        lane = be.quick_p2p
+        first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
+        try:
+            if lane is not None:
+                req = (lane.send if send else lane.recv)(flat, peer, tag, first)
+            elif (req := (be.send if send else be.recv)(flat, peer, tag)).wait(first):
+                req = None
+        except HpcdpError as exc:
+            err = annotate(exc, work_where(g, _name(op, "dst" if send else "src", peer, tag, k), 0))
+            on_error(rec, tok, err)
+            raise err from exc
+        if req is not None and (err := finish_wait(g, _name(op, "dst" if send else "src", peer,
+                                                            tag, k), 0, req, t, first)):
+            on_error(rec, tok, err)
+            raise err
+        if rec is not None:
+            rec.end(tok)
 
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
         try:  # free on success; an HpcdpError is raised from here (errors.public)
             if self._p2p_fast(x, dst, tag):
-                self._p2p_blocking("send", "dst", self._g.backend.send, x, dst, tag, timeout)
+                self._p2p_blocking(True, x, dst, tag, timeout)
+                return None
+            if dst == PROC_NULL:
+                self._null("send", x, tag, None)
                 return None
             if dst == self._g.rank:
                 raise ValueError(f"{self._g._where('send')}: a blocking send to oneself would deadlock; use isend")
@@ -235,8 +352,11 @@ class PointToPoint:
         """``ProcessGroup.recv`` (its docstring is the contract)."""
         try:  # free on success; an HpcdpError is raised from here (errors.public)
             if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
-                self._p2p_blocking("recv", "src", self._g.backend.recv, buf, src, tag, timeout)
+                self._p2p_blocking(False, buf, src, tag, timeout)
                 return buf
+            if src == PROC_NULL:  # nothing arrives: buf untouched (None without one), as MPI's
+                self._null("recv", buf, tag, buf)
+                return (buf, Status(PROC_NULL, ANY_TAG, 0)) if return_status else buf
             if src is None:  # torch's spelling of "any source"
                 src = -1
             if buf is None or src == -1 or tag == -1 or return_status:
@@ -247,3 +367,67 @@ class PointToPoint:
             return self.irecv(buf, src, tag).wait(timeout)
         except HpcdpError as exc:
             raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any = None, src: int = ANY_SOURCE, *,
+                 sendtag: int = 0, recvtag: int = ANY_TAG, dtype: Any = None,
+                 return_status: bool = False, timeout: float | None = None) -> Any:
+        """``ProcessGroup.sendrecv`` (its docstring is the contract)."""
+        g = self._g
+        try:  # free on success; an HpcdpError is raised from here (errors.public)
+            if (recvbuf is not None and not return_status and self._p2p_fast(sendbuf, dst, sendtag)
+                    and self._recv_fast(recvbuf, src, recvtag)
+                    and not np.may_share_memory(sendbuf, recvbuf)):
+                self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
+                return recvbuf
+            if (isinstance(recvbuf, np.ndarray) and isinstance(sendbuf, np.ndarray)
+                    and np.may_share_memory(sendbuf, recvbuf)):
+                raise ValueError(f"{g._where('sendrecv')}: the send and receive buffers overlap "
+                                 "(MPI's Sendrecv_replace is not offered: pass a copy)")
+            t = g.timeout if timeout is None else g._timeout_of("sendrecv", timeout)
+            deadline = time.monotonic() + t
+            sent = self.isend(sendbuf, dst, sendtag)  # posted first: the receive cannot block it
+            try:
+                if src == g.rank and recvbuf is not None and recvtag != ANY_TAG and not return_status:
+                    got = self.irecv(recvbuf, src, recvtag).wait(t)  # (to oneself: as MPI allows)
+                else:
+                    got = self.recv(recvbuf, src, recvtag, dtype=dtype,
+                                    return_status=return_status, timeout=t)
+            except BaseException:
+                sent.is_completed()  # progress it; the timeout of the receive is what is raised
+                raise
+            sent.wait(max(1e-3, deadline - time.monotonic()))
+            return got
+        except HpcdpError as exc:
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    def _sendrecv_quick(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
+                        rtag: int, timeout: float | None) -> None:
+        """A ``sendrecv`` whose two halves passed ``_p2p_fast``: both posted at once, receive
+        first; the backend's quick lane where it has one. Each half counts as the send and the
+        receive it pairs with (``send(dst=1, tag=0) #k``), so errors name both."""
+        g = self._g
+        t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
+        sname = self._p2p_name("send", "dst", dst, stag)
+        rname = self._p2p_name("recv", "src", src, rtag)
+        name = f"sendrecv: {sname} and {rname}"
+        rec = g._rec
+        tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
+        be = g.backend
+        sflat = sbuf if sbuf.ndim == 1 else sbuf.reshape(-1)
+        rflat = rbuf if rbuf.ndim == 1 else rbuf.reshape(-1)
+        lane = be.quick_p2p
+        first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
+        try:
+            if lane is not None:  # both halves as one request, spun for ``first``
+                req = lane.sendrecv(sflat, dst, stag, rflat, src, rtag, first)
+            elif (req := _Both(be.recv(rflat, src, rtag), be.send(sflat, dst, stag))).wait(first):
+                req = None
+        except HpcdpError as exc:
+            err = annotate(exc, work_where(g, name, 0))
+            on_error(rec, tok, err)
+            raise err from exc
+        if req is not None and (err := finish_wait(g, name, 0, req, t, first)):
+            on_error(rec, tok, err)
+            raise err
+        if rec is not None:
+            rec.end(tok)

@@ -23,7 +23,7 @@ from .work import Work
 __all__ = [
     "allreduce", "all_reduce", "broadcast", "reduce", "all_gather", "allgather", "gather",
     "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier", "send", "recv", "isend",
-    "irecv", "broadcast_object", "all_gather_object", "gather_object", "all_gather_into_tensor",
+    "irecv", "sendrecv", "broadcast_object", "all_gather_object", "gather_object", "all_gather_into_tensor",
     "reduce_scatter_tensor", "all_to_all_single", "broadcast_object_list", "get_rank",
     "get_world_size",
 ]
@@ -176,6 +176,17 @@ def irecv(buf: Any, src: int, tag: int = 0, *, group: Group = None) -> Work:
 def send(x: Any, dst: int, tag: int = 0, *, group: Group = None, timeout: float | None = None) -> None:
     """Send ``x`` to ``dst``; returns once ``x`` may be reused."""
     return (group or _default()).send(x, dst, tag, timeout=timeout)
+
+
+@public
+def sendrecv(sendbuf: Any, dst: int, recvbuf: Any = None, src: int = -1, *, sendtag: int = 0,
+             recvtag: int = -1, dtype: Any = None, return_status: bool = False,
+             group: Group = None, timeout: float | None = None) -> Any:
+    """Send to ``dst`` and receive from ``src`` in one deadlock-free call (mpi4py's
+    ``Sendrecv``); returns ``recvbuf``. ``PROC_NULL`` skips a half. See ``ProcessGroup.sendrecv``."""
+    return (group or _default()).sendrecv(sendbuf, dst, recvbuf, src, sendtag=sendtag,
+                                          recvtag=recvtag, dtype=dtype,
+                                          return_status=return_status, timeout=timeout)
 
 
 @public

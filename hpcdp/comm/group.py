@@ -27,7 +27,8 @@ from ..backends.base import Backend, Request
 from ..errors import CollectiveMismatchError, HpcdpError, public, public_error
 from ..ops import ReduceOp, as_op, check_op_dtype
 from ..trace import hooks as trace  # the recording hooks (on_error, active_recorder)
-from .work import CompletedWork, Work, annotate, timeout_error, work_where
+from .work import WATCH_AFTER, CompletedWork, Work, annotate, finish_wait, work_where
+from .topology import CartGroup, cart_create, split_layout, split_payload
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -88,6 +89,9 @@ class ProcessGroup:
         self._rec = (trace.active_recorder(self._members[backend.rank])
                      if backend is not None else None)
         self._fast = False  # whether blocking allreduces may take the latency path
+        self._sample = False
+        #: the sampled checks of asynchronous calls, posted and not yet handed to their Work
+        self._unjudged: dict[int, tuple[Any, Any]] = {}
         self._host_staged: HostStaged | None = None  # made at the first cupy call (_transport)
         self._refresh_fast()
         self._p2p = PointToPoint(self)
@@ -107,7 +111,8 @@ class ProcessGroup:
         self._refresh_fast()
 
     def _refresh_fast(self) -> None:
-        self._fast = (self._debug == "off" and self.backend is not None and self._broken is None
+        self._sample = self._debug == "sample"  # the sampled signature checks (comm.debug)
+        self._fast = (self._debug != "detail" and self.backend is not None and self._broken is None
                       and self._closed is None)
 
     @property
@@ -156,8 +161,11 @@ class ProcessGroup:
                 f"{opname}: this rank is not a member of group {self.name} (ranks {list(self.ranks)})"
             )
 
-    def _begin(self, opname: str, timeout: float, **call: Any) -> tuple[int, int]:
-        """(sequence number, flight-recorder token) of a collective about to be posted."""
+    def _begin(self, opname: str, timeout: float, blocking: bool = True,
+               **call: Any) -> tuple[int, int]:
+        """(sequence number, flight-recorder token) of a collective about to be posted; checked
+        across ranks first where ``HPCDP_DEBUG`` says (``comm.debug``). An asynchronous call's
+        sampled check is posted here and judged by its ``Work`` (``_run``): it must not block."""
         self._usable(opname)
         if self._broken:
             raise HpcdpError(f"{opname} on group {self.name} (rank {self.rank}): {self._broken}")
@@ -165,19 +173,34 @@ class ProcessGroup:
         rec = self._rec
         tok = rec.begin(opname, self, seq, call.get("shape"), call.get("dtype"),
                         call.get("root", -1)) if rec is not None else 0
-        if self.debug == "detail":
+        if self._debug != "off" and (self._debug == "detail" or seq <= _debug.SAMPLE_FIRST
+                                     or not seq & _debug.SAMPLE_MASK):
             try:
-                _debug.check_across(self, opname, seq, timeout, **call)
+                if self._debug == "detail":
+                    _debug.check_across(self, opname, seq, timeout, **call)
+                elif blocking:
+                    _debug.check_sampled(self, opname, seq, timeout, **call)
+                else:
+                    self._unjudged[seq] = _debug.post_sampled(self, opname, seq, **call)
             except Exception as exc:
                 trace.on_error(rec, tok, exc)
                 raise
         return seq, tok
 
+    def _check_sampled(self, opname: str, seq: int, t: float, tok: int, op: str, shape: Any,
+                       dtype: Any) -> None:
+        """The latency lane's sampled check (``comm.debug``), failing its flight-record entry."""
+        try:
+            _debug.check_sampled(self, opname, seq, t, op=op, shape=shape, dtype=dtype)
+        except HpcdpError as exc:
+            trace.on_error(self._rec, tok, exc)
+            raise
+
     def _note_failure(self, op: str, seq: int, what: str) -> None:
         """A collective that timed out or failed leaves an MPI group out of step (MPI cannot
         cancel it): later calls must not reuse the group. Point to point (seq 0) is unaffected."""
         if seq and self.backend is not None and self.backend.timeout_poisons_group and not self._broken:
-            self._broken = f"an earlier {op} #{seq} {what}; create a new group to continue"
+            self._broken = f"an earlier {op} #{seq} {what}; {self.backend.broken_advice}"
             self._refresh_fast()
 
     def _post(self, op: str, seq: int, fn: Callable[..., Request], *args: Any, tok: int = 0) -> Request:
@@ -200,6 +223,10 @@ class ProcessGroup:
         timeout: float,
         tok: int = 0,
     ) -> Any:
+        if self._unjudged:
+            check = self._unjudged.pop(seq, None)
+            if check is not None:
+                req = _debug.CheckedRequest(self, op, seq, check[0], check[1], req)
         work = Work(self, op, seq, req, finish, timeout, tok)
         if async_op:
             return work
@@ -240,7 +267,7 @@ class ProcessGroup:
             xp = xp_of(x)
             result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
             t = self._timeout_of("allreduce", timeout)
-            seq, tok = self._begin("allreduce", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+            seq, tok = self._begin("allreduce", t, not async_op, op=rop.value, shape=x.shape, dtype=x.dtype)
             send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp, out is x and buf is x)
             rflat = rbuf.reshape(-1)
             req = self._post("allreduce", seq, be.allreduce, rflat if send is rbuf else send.reshape(-1), rflat, bop, tok=tok)
@@ -276,6 +303,8 @@ class ProcessGroup:
         seq = next(self._seq)
         rec = self._rec
         tok = rec.begin("allreduce", self, seq, x.shape, xd, -1) if rec is not None else 0
+        if self._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
+            self._check_sampled("allreduce", seq, t, tok, rop.value, x.shape, xd)
         be = self.backend
         if x.ndim == 1:
             sflat, rflat = send, out
@@ -284,16 +313,17 @@ class ProcessGroup:
             sflat = rflat if send is out else send.reshape(-1)
         try:
             quick = be.quick_allreduce
+            first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog (work.finish_wait)
             if quick is not None:
-                req = quick(sflat, rflat, rop, t)
-            elif (req := be.allreduce(sflat, rflat, rop)).wait(t):
+                req = quick(sflat, rflat, rop, first)
+            elif (req := be.allreduce(sflat, rflat, rop)).wait(first):
                 req = None
         except HpcdpError as exc:
             self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
             err = annotate(exc, work_where(self, "allreduce", seq))
             trace.on_error(rec, tok, err)
             raise err from exc
-        if req is not None and (err := timeout_error(self, "allreduce", seq, req, t)):
+        if req is not None and (err := finish_wait(self, "allreduce", seq, req, t, first)):
             trace.on_error(rec, tok, err)
             raise err
         if rec is not None:
@@ -324,7 +354,7 @@ class ProcessGroup:
         else:
             target = x
         t = self._timeout_of("broadcast", timeout)
-        seq, tok = self._begin("broadcast", t, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("broadcast", t, not async_op, root=root, shape=x.shape, dtype=x.dtype)
         if self.rank == root and target is not x:
             target[...] = x
         buf = target if target.flags.c_contiguous else xp.ascontiguousarray(target)
@@ -360,7 +390,7 @@ class ProcessGroup:
                 check_out(where, out, x.shape, x.dtype, xp)
             result = buf = None
         t = self._timeout_of("reduce", timeout)
-        seq, tok = self._begin("reduce", t, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("reduce", t, not async_op, op=rop.value, root=root, shape=x.shape, dtype=x.dtype)
         send, rbuf, bop, post = reduction_plan(x, buf, rop, self.size, xp,
                                                 is_root and out is x and buf is x)
         rflat = None if rbuf is None else rbuf.reshape(-1)
@@ -387,7 +417,7 @@ class ProcessGroup:
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (self.size, *x.shape), x.dtype, xp, x)
         t = self._timeout_of("all_gather", timeout)
-        seq, tok = self._begin("all_gather", t, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("all_gather", t, not async_op, shape=x.shape, dtype=x.dtype)
         req = self._post("all_gather", seq, be.all_gather, contiguous(x).reshape(-1), buf.reshape(self.size, -1), tok=tok)
         return self._run("all_gather", seq, req, finish_into(result, buf), async_op, t, tok)
 
@@ -423,7 +453,7 @@ class ProcessGroup:
                 check_out(where, out, (self.size, *x.shape), x.dtype, xp)
             result = buf = None
         t = self._timeout_of("gather", timeout)
-        seq, tok = self._begin("gather", t, root=root, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("gather", t, not async_op, root=root, shape=x.shape, dtype=x.dtype)
         rbuf = buf.reshape(self.size, -1) if is_root else None
         req = self._post("gather", seq, be.gather, contiguous(x).reshape(-1), rbuf, root, tok=tok)
         finish = finish_into(result, buf) if is_root else (lambda: None)
@@ -465,7 +495,7 @@ class ProcessGroup:
         be = self._transport(x if x is not None else out)
         result, buf = result_buffer(where, out, shape, dtype, xp, x)
         t = self._timeout_of("scatter", timeout)
-        seq, tok = self._begin("scatter", t, root=root, shape=full, dtype=dtype)
+        seq, tok = self._begin("scatter", t, not async_op, root=root, shape=full, dtype=dtype)
         send = contiguous(x).reshape(self.size, -1) if is_root else None
         req = self._post("scatter", seq, be.scatter, send, buf.reshape(-1), root, tok=tok)
         return self._run("scatter", seq, req, finish_into(result, buf), async_op, t, tok)
@@ -492,7 +522,7 @@ class ProcessGroup:
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
         t = self._timeout_of("reduce_scatter", timeout)
-        seq, tok = self._begin("reduce_scatter", t, op=rop.value, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("reduce_scatter", t, not async_op, op=rop.value, shape=x.shape, dtype=x.dtype)
         n = self.size
         send, rbuf, bop, post = reduction_plan(x, buf, rop, n, xp, False)
         req = self._post("reduce_scatter", seq, be.reduce_scatter, send.reshape(n, -1), rbuf.reshape(-1), bop, tok=tok)
@@ -519,7 +549,7 @@ class ProcessGroup:
         if buf is x:  # the transport needs distinct send and receive memory
             buf = xp.empty(x.shape, x.dtype)
         t = self._timeout_of("all_to_all", timeout)
-        seq, tok = self._begin("all_to_all", t, shape=x.shape, dtype=x.dtype)
+        seq, tok = self._begin("all_to_all", t, not async_op, shape=x.shape, dtype=x.dtype)
         n = self.size
         req = self._post("all_to_all", seq, be.all_to_all, contiguous(x).reshape(n, -1), buf.reshape(n, -1), tok=tok)
         return self._run("all_to_all", seq, req, finish_into(result, buf), async_op, t, tok)
@@ -530,7 +560,7 @@ class ProcessGroup:
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Any:
         """Return once every rank of the group has called ``barrier``."""
         t = self._timeout_of("barrier", timeout)
-        seq, tok = self._begin("barrier", t)
+        seq, tok = self._begin("barrier", t, not async_op)
         req = self._post("barrier", seq, self.backend.barrier, tok=tok)
         return self._run("barrier", seq, req, lambda: None, async_op, t, tok)
 
@@ -567,6 +597,20 @@ class ProcessGroup:
         """
         return self._p2p.recv(buf, src, tag, dtype=dtype, return_status=return_status,
                               timeout=timeout)
+
+    def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any = None, src: int = -1, *,
+                 sendtag: int = 0, recvtag: int = -1, dtype: Any = None,
+                 return_status: bool = False, timeout: float | None = None) -> Any:
+        """Send ``sendbuf`` to ``dst`` and receive from ``src`` in one call that cannot deadlock
+        (mpi4py's ``Sendrecv``): both halves are in flight together, so a ring where every
+        rank sends right and receives from the left completes. Returns ``recvbuf``.
+
+        ``src``/``recvtag`` default to any rank / any tag, as mpi4py's; ``recvbuf=None``
+        allocates as ``recv`` does; ``PROC_NULL`` for either peer skips that half (an edge of a
+        non-periodic grid), leaving ``recvbuf`` untouched. The buffers must not overlap.
+        """
+        return self._p2p.sendrecv(sendbuf, dst, recvbuf, src, sendtag=sendtag, recvtag=recvtag,
+                                  dtype=dtype, return_status=return_status, timeout=timeout)
 
     # -- Python objects (``_objects.ObjectCollectives``) --------------------------------------
     def broadcast_object(self, obj: Any = None, root: int = 0, *, timeout: float | None = None) -> Any:
@@ -667,6 +711,66 @@ class ProcessGroup:
             child.debug = "detail"
         self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
         return child
+
+    @public
+    def split(self, color: int | None, key: int | None = None, *, name: str | None = None,
+              timeout: float | None = None) -> "ProcessGroup | None":
+        """Collective over this group: one new group per ``color`` (mpi4py's ``Comm.Split``).
+
+        Ranks that pass the same color form one group, ordered by ``key``, then by rank here.
+        One exchange of every rank's ``(color, key)`` makes all the groups at once (MPI: one
+        ``Comm.Split``), and every rank judges every rank's input, so a bad color or key on
+        any rank raises on every rank.
+
+        Args:
+            color: an int >= 0; None (or ``hpcdp.UNDEFINED``, MPI's spelling): no group.
+            key: this rank's place in its new group (default: its rank here).
+            name: the new group's name; where several colors are in use, each group's name is
+                ``f"{name}.{color}"`` (flight records tell groups apart by name).
+            timeout: for the exchange and the new group (default: this group's).
+
+        Returns:
+            This rank's new group; None where ``color`` is None, as mpi4py returns
+            ``COMM_NULL``. (``new_group`` gives its non-members a non-member group of the one
+            group it makes; a rank without a color is in none of the groups ``split`` makes.)
+        """
+        where = self._where("split")
+        self._usable("split")
+        # Exchange before judging, so bad input on one rank makes every rank raise together.
+        seen = self.all_gather_object(split_payload(color, key, self.rank), timeout=timeout)
+        colors, keys, layout = split_layout(seen, where)
+        n = next(self._groups)
+        mine = colors[self.rank]
+        sub = self.backend.split(mine, keys[self.rank], layout)
+        if mine is None:
+            return None
+        ranks = layout[mine]
+        if name is None:
+            gname = f"{self.name}.{n}{ranks}"
+        else:
+            gname = f"{name}.{mine}" if len(layout) > 1 else name
+        child = ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
+                             members=[self.ranks[r] for r in ranks])
+        if self.debug == "detail":
+            child.debug = "detail"
+        self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
+        return child
+
+    @public
+    def cart(self, dims: Sequence[int], periods: bool | Sequence[bool] = False, *,
+             reorder: bool = False, name: str | None = None,
+             timeout: float | None = None) -> "CartGroup | None":
+        """Collective over this group: its first ``prod(dims)`` ranks as a cartesian grid
+        (mpi4py's ``Comm.Create_cart``), None on the others; see ``topology.cart_create``.
+
+        Args:
+            dims: ranks along each dim; ``hpcdp.dims_create(group.size, ndim)`` balances them.
+            periods: whether each dim wraps around (one bool: all of them).
+            reorder: accepted for mpi4py's signature; grid rank r is group rank r.
+            name: the grid group's name.
+            timeout: for the exchange and the grid group (default: this group's).
+        """
+        return cart_create(self, dims, periods, reorder=reorder, name=name, timeout=timeout)
 
     def shutdown(self) -> None:
         """Release the transport, sub-groups first; later calls raise ``HpcdpError``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..trace.hooks import on_error
+from . import _watchdog
 from .validation import check_timeout
 from ..backends.base import CompletedRequest, Request
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
@@ -11,7 +12,10 @@ from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["Work", "then"]
+__all__ = ["Work", "then", "wait_for", "finish_wait", "timeout_error", "Polled", "WATCH_AFTER"]
+
+#: seconds a blocking call waits before the watchdog (``_watchdog``) takes over its wait
+WATCH_AFTER = _watchdog.WATCH_AFTER
 
 
 class Work:
@@ -144,14 +148,43 @@ def work_where(group: "ProcessGroup", op: str, seq: int) -> str:
 
 
 def wait_for(group: "ProcessGroup", op: str, seq: int, req: Request, timeout: float) -> None:
-    """Wait for ``req``; the transport's error or a ``CommTimeoutError``, naming the call."""
+    """Wait for ``req``; the transport's error or a ``CommTimeoutError``, naming the call.
+
+    A call still blocked after ``WATCH_AFTER`` s waits on under the watchdog, which warns
+    after ``HPCDP_WARN_AFTER`` s and names a deadlock in the timeout error; before that the
+    only cost is the shorter first wait."""
+    first = timeout if timeout < WATCH_AFTER else WATCH_AFTER
     try:
-        done = req.wait(timeout)
+        if req.wait(first):
+            return
     except HpcdpError as exc:
         group._note_failure(op, seq, f"failed ({type(exc).__name__})")
         raise annotate(exc, work_where(group, op, seq)) from exc
-    if not done and (err := timeout_error(group, op, seq, req, timeout)):
+    if err := finish_wait(group, op, seq, req, timeout, first):
         raise err
+
+
+def finish_wait(group: "ProcessGroup", op: str, seq: int, req: Request, timeout: float,
+                waited: float) -> HpcdpError | None:
+    """The rest of a blocking call's wait, after a first ``waited`` s (``WATCH_AFTER``, or
+    the whole ``timeout`` when shorter) in which ``req`` did not complete: under the
+    watchdog, up to ``timeout`` s in all. None once complete, else the error to raise: the
+    transport's, naming the call, or a ``CommTimeoutError`` (the request abandoned).
+
+    For waits that do not go through ``wait_for`` (a backend's quick lane that blocks with a
+    deadline of its own): give it ``WATCH_AFTER`` first, then call this."""
+    note = ""
+    if waited < timeout:
+        try:
+            done, note = _watchdog.watch(group, op, seq, req, timeout, waited)
+        except HpcdpError as exc:
+            group._note_failure(op, seq, f"failed ({type(exc).__name__})")
+            err = annotate(exc, work_where(group, op, seq))
+            err.__cause__ = exc
+            return err
+        if done:
+            return None
+    return timeout_error(group, op, seq, req, timeout, note)
 
 
 def annotate(exc: HpcdpError, where: str) -> HpcdpError:
@@ -162,8 +195,9 @@ def annotate(exc: HpcdpError, where: str) -> HpcdpError:
 
 
 def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request,
-                  t: float) -> CommTimeoutError | None:
-    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank.
+                  t: float, note: str = "") -> CommTimeoutError | None:
+    """Abandon ``req`` and describe what did not arrive: op, sequence number, group and rank,
+    and ``note`` (the watchdog's: the deadlock cycle, or what the awaited ranks are blocked in).
 
     None when the request turned out to have completed as it was given up (no error then).
     """
@@ -171,7 +205,23 @@ def timeout_error(group: "ProcessGroup", op: str, seq: int, req: Request,
     if req.abandon():
         return None
     group._note_failure(op, seq, "timed out")  # collectives only: p2p calls have no seq
-    return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}")
+    return CommTimeoutError(f"{work_where(group, op, seq)} timed out after {t:g} s: {pending}"
+                            f"{note}")
+
+
+class Polled(Request):
+    """A wait on a condition (``test()``) rather than a transport request, so a blocking probe
+    waits through ``wait_for``/``finish_wait`` and its watchdog like any other call;
+    ``what``: what did not arrive, for its timeout error."""
+
+    def __init__(self, test: Callable[[], bool], what: str) -> None:
+        self._test, self._what = test, what
+
+    def test(self) -> bool:
+        return self._test()
+
+    def pending(self) -> str:
+        return self._what
 
 
 class CompletedWork(Work):

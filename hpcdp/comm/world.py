@@ -22,6 +22,7 @@ from .validation import check_timeout
 from ..errors import BackendUnavailableError, HpcdpError
 from .group import ProcessGroup
 from . import stragglers
+from ._watchdog import set_warn_after
 
 __all__ = [
     "init", "finalize", "is_initialized", "rank", "world_size", "get_default_group",
@@ -90,7 +91,8 @@ def is_initialized() -> bool:
     return (getattr(_tls, "group", None) or _default) is not None
 
 
-def init(backend: str | None = None, *, timeout: float | None = None, **options: Any) -> ProcessGroup:
+def init(backend: str | None = None, *, timeout: float | None = None,
+         warn_after: float | None = None, **options: Any) -> ProcessGroup:
     """Start the default group and return it.
 
     Calling ``init`` again while initialised returns the current group when it asks for the
@@ -102,9 +104,14 @@ def init(backend: str | None = None, *, timeout: float | None = None, **options:
         backend: "mpi", "tcp" or "sim"; None picks by environment (``detect_backend``).
         timeout: seconds any blocking call may wait (default ``HPCDP_TIMEOUT`` or 30 minutes);
             a finite number > 0.
+        warn_after: seconds a call may stay blocked before this process logs, once, what it
+            waits for and on whom (default ``HPCDP_WARN_AFTER`` or 60; 0: never); see
+            ``comm._watchdog``.
         options: passed to the backend factory.
     """
     global _default
+    if warn_after is not None:
+        set_warn_after(warn_after)
     with _lock:
         current = getattr(_tls, "group", None) or _default
         name = backend or detect_backend()

@@ -42,6 +42,7 @@ from ._api import (
 )
 from ._codec import Limits
 from ._errors import RemoteError
+from ._executor import Executor
 from ._future import Future
 from ._registry import register
 from ._rref import RRef
@@ -49,4 +50,5 @@ from ._rref import RRef
 __all__ = [
     "register", "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "RRef", "Future",
     "RemoteError", "WorkerInfo", "Limits", "get_worker_info", "is_initialized", "stats",
+    "Executor",
 ]

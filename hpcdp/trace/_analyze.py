@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends.base import FINALIZED
+from ._deadlock import describe_deadlocks, find_deadlocks
 from ._files import Entry, FlightRecord, clean, load_flight_records
 from ._recorder import COMPLETED
 
@@ -292,13 +293,24 @@ def _states(rs: list[int], entries: dict[int, Entry]) -> str:
 def describe(d: Divergence | None, records: dict[int, FlightRecord]) -> str:
     """What ``analyze`` prints: one fact per line, for a person at 3 a.m.
 
-    The divergent operation; who reached it (with the source line); who did not, and for each
+    First any point-to-point deadlock (``_deadlock``: ranks each blocked until its timeout in a
+    call that waited on the next); then the divergent operation; who reached it (with the source line); who did not, and for each
     such rank what it was doing instead (with its line), whether it finished normally (its
     record says so: ``hpcdp.finalize`` writes one) or left no record at all; why records were
     written.
     """
     world = max(rec.world_size for rec in records.values())
     absent = sorted(set(range(world)) - set(records))
+    deadlocks = describe_deadlocks(find_deadlocks(records))
+    if deadlocks:  # ranks that waited on each other in point-to-point: named first
+        rest = _describe(d, records, world, absent) if d is not None else (
+            f"No flight record from {_plural(absent)}." if absent else "")
+        return "\n".join(deadlocks + ([rest] if rest else []))
+    return _describe(d, records, world, absent)
+
+
+def _describe(d: Divergence | None, records: dict[int, FlightRecord], world: int,
+              absent: list[int]) -> str:
     if d is None:
         n = sum(len(r.entries) for r in records.values())
         out = [f"No divergence found in {len(records)} flight records: every operation that all "

@@ -55,6 +55,7 @@ _LEAVE = """
     import hpcdp
 
     hpcdp.init("mpi", timeout=60)
+    {grace}
     if hpcdp.rank() == 0:
         work = hpcdp.allreduce(np.ones({count}), async_op=True)
         pending_recv = hpcdp.irecv(np.empty(1 << 16), 1, tag=5)   # never sent: withdrawn at exit
@@ -84,7 +85,7 @@ _COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persi
 def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str, code: int,
                                                            count: str) -> None:
     """Rank 1 joins within the exit grace period: the operation completes, both exit cleanly."""
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5, count=count))
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5, count=count, grace="pass"))
     _no_crash(rc, out)
     assert rc == code, out
     if code == 0:
@@ -98,8 +99,10 @@ def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str
 @_COUNTS
 def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str, count: str) -> None:
     """Rank 1 joins only after rank 0 stopped waiting: rank 0 kept the buffer alive through
-    MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout."""
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=4.0, count=count))
+    MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout.
+    The grace period is shortened to 1 s here; rank 1 still joins 2 s after it ended."""
+    grace = "from hpcdp.backends.mpi import _requests; _requests.EXIT_GRACE = 1.0"
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=3.0, count=count, grace=grace))
     _no_crash(rc, out)
     assert rc == 0, out
     [told] = _results(tmp_path)
@@ -352,10 +355,11 @@ _MISMATCH = """
 @pytest.mark.parametrize("count", [3, 1 << 16], ids=["latency-path", "bandwidth-path"])
 def test_collective_size_mismatch_is_an_hpcdp_error_on_every_rank(tmp_path, n: int,
                                                                    count: int) -> None:
-    """Without HPCDP_DEBUG: the rank whose buffer was too small gets MPI's truncation as an hpcdp
-    error naming the call and the rank; every other rank fails at once too (on the call or the
-    group's next one), never with a raw mpi4py.MPI.Exception and never after the timeout."""
-    rc, out = _job(tmp_path, _MISMATCH.format(count=count), n=n)
+    """With the call checks off (HPCDP_DEBUG=off): the rank whose buffer was too small gets MPI's
+    truncation as an hpcdp error naming the call and the rank; every other rank fails at once too
+    (on the call or the group's next one), never with a raw mpi4py.MPI.Exception and never after
+    the timeout. (By default the sampled checks catch the call before it runs: below.)"""
+    rc, out = _job(tmp_path, _MISMATCH.format(count=count), n=n, env={"HPCDP_DEBUG": "off"})
     _no_crash(rc, out)
     assert rc == 0, out
     outs = [json.loads(text) for text in _results(tmp_path)]
@@ -371,6 +375,24 @@ def test_collective_size_mismatch_is_an_hpcdp_error_on_every_rank(tmp_path, n: i
     assert seen, outs
     for msg in seen:
         assert "allreduce #" in msg and "different sizes" in msg, msg
+
+
+@pytest.mark.timeout(CAP + 30)
+def test_collective_size_mismatch_is_caught_before_it_runs_by_default(tmp_path) -> None:
+    """The same job with HPCDP_DEBUG unset (the sampled checks): every rank raises
+    ``CollectiveMismatchError`` naming each rank's call before any rank posts it, and the group
+    stays usable (its barrier passes)."""
+    rc, out = _job(tmp_path, _MISMATCH.format(count=3), n=4)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    outs = [json.loads(text) for text in _results(tmp_path)]
+    assert len(outs) == 4, out
+    for o in outs:
+        kind, msg = o["call"]
+        assert kind == "hpcdp.errors.CollectiveMismatchError", o
+        assert "allreduce #1" in msg and all(f"rank {r}: allreduce(float64, shape ({3 + 5 * r},)"
+                                             in msg for r in range(4)), o
+        assert o["after"] == ["ok", ""], o
 
 
 # Rank 1 joins an allreduce only after the others gave up on it (it is told they left and

@@ -1,11 +1,13 @@
 """Ranks that call different collectives raise ``CollectiveMismatchError`` instead of mixing data.
 
-Without ``HPCDP_DEBUG``: on TCP every collective frame carries its call's signature (op, sequence
-number, dtype, count, root), on sim the rendezvous compares the calls. The same matrix runs on
+The transports' own checks (``HPCDP_DEBUG=off``: no call checks above them): on TCP every
+collective frame carries its call's signature (op, sequence number, dtype, count, root), on sim
+the rendezvous compares the calls. The same matrix runs on
 both: dtype, op, root, size, two collectives in opposite order, a collective against a barrier.
 Every rank must raise, naming both calls; on TCP a rank whose part of the call was only sending
 (a broadcast root that thinks it is the only root) may return from it and raises at its next
-call, and the group stays failed (messages of the bad call may still be in flight).
+call, and the group stays failed (messages of the bad call may still be in flight). By default
+(``HPCDP_DEBUG=sample``) the sampled checks catch the same calls before they run.
 """
 from __future__ import annotations
 
@@ -103,7 +105,10 @@ def mismatch_body(rank: int, case: str) -> dict[str, str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["sim", "tcp"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_mismatched_collectives_raise_on_every_rank(backend: str, case: str) -> None:
+def test_mismatched_collectives_raise_on_every_rank(backend: str, case: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transports' own checks, with the sampled call checks (``comm.debug``) off."""
+    monkeypatch.setenv("HPCDP_DEBUG", "off")
     _, words, may_return = CASES[case]
     res = run_ranks(backend, 2, mismatch_body, case, timeout=20, join_timeout=90)
     for rank, out in enumerate(res):
@@ -120,6 +125,36 @@ def test_mismatched_collectives_raise_on_every_rank(backend: str, case: str) -> 
         assert "rank 0" in raised and "rank 1" in raised, (rank, raised)
         if backend == "tcp":
             assert all(w in raised for w in words), (rank, raised)
+
+
+#: case -> what both ranks' calls read as in the sampled check's error (``comm.debug._describe``)
+SAMPLED = {
+    "dtype": ("allreduce(float32, shape (4,), op=sum) #1", "allreduce(int32, shape (4,), op=sum) #1"),
+    "size": ("shape (3,)", "shape (4,)"),
+    "op": ("op=sum", "op=max"),
+    "opposite_order": ("allreduce(", "broadcast("),
+    "broadcast_root": ("root=0", "root=1"),
+    "scatter_root": ("root=0", "root=1"),
+    "barrier_vs_allreduce": ("barrier() #1", "allreduce(float64, shape (1,), op=sum) #1"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["sim", "tcp"])
+@pytest.mark.parametrize("case", list(SAMPLED))
+def test_sampled_checks_catch_mismatches_before_they_run(backend: str, case: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (``HPCDP_DEBUG`` unset: the sampled checks) every rank raises at the first
+    mismatched call, naming every rank's call, before any rank posts it: the group stays usable,
+    also on TCP (whose own check above leaves it failed)."""
+    monkeypatch.delenv("HPCDP_DEBUG", raising=False)
+    res = run_ranks(backend, 2, mismatch_body, case, timeout=20, join_timeout=90)
+    for rank, out in enumerate(res):
+        assert out["call"].startswith("mismatch"), (rank, res)
+        assert "every rank checked" in out["call"], (rank, res)
+        assert all(w in out["call"] for w in SAMPLED[case]), (rank, out["call"])
+        assert "rank 0:" in out["call"] and "rank 1:" in out["call"], (rank, out["call"])
+        assert out["next"] == "returned", (rank, res)
 
 
 def three_rank_body(rank: int) -> dict[str, str]:
@@ -146,7 +181,9 @@ def three_rank_body(rank: int) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["sim", "tcp"])
-def test_one_rank_out_of_order_fails_the_whole_group(backend: str) -> None:
+def test_one_rank_out_of_order_fails_the_whole_group(backend: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCDP_DEBUG", "off")  # the transports' own checks
     res = run_ranks(backend, 3, three_rank_body, timeout=20, join_timeout=90)
     for out in res:
         assert out["call"].startswith("mismatch"), res

@@ -115,14 +115,17 @@ def test_init_without_secret_is_a_clear_error(monkeypatch) -> None:
 
 @pytest.mark.parametrize("raw", [
     "a" * 64, "ab" * 32, "abcdefgh" * 8, "password", "Secret-1",
-    secrets.token_hex(8), "my-super-secret-123", "0123456789abcdef" * 2,
-])
+    pytest.param(secrets.token_hex(8), id="token_hex(8)"), "my-super-secret-123",
+    "0123456789abcdef" * 2,
+])  # a fresh secret's id names how it was made: every pytest process collects the same ids
 def test_weak_secrets_are_refused(raw: str) -> None:
     assert wire.check_secret(raw) is not None
 
 
 @pytest.mark.parametrize("raw", [
-    secrets.token_hex(16), secrets.token_hex(32), secrets.token_urlsafe(24),
+    pytest.param(secrets.token_hex(16), id="token_hex(16)"),
+    pytest.param(secrets.token_hex(32), id="token_hex(32)"),
+    pytest.param(secrets.token_urlsafe(24), id="token_urlsafe(24)"),
     "correct horse battery staple of the cluster",  # a long passphrase
 ])
 def test_strong_secrets_are_accepted(raw: str) -> None:

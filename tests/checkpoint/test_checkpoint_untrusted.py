@@ -1,4 +1,5 @@
-"""Loading a checkpoint someone sent you (issue 9, items 4-6; item 7 in test_checkpoint_manifest).
+"""Loading a checkpoint someone sent you (issue 9, items 4-6; item 7 in test_checkpoint_manifest;
+issue 25 item 7: the format-2 encodings, lists as datasets and the manifest as text).
 
 Every test forges ``data.h5`` (and rank files) with plain h5py, with a manifest whose CRC is right,
 so that the only thing between the forged file and the caller is hpcdp's validation:
@@ -9,11 +10,13 @@ so that the only thing between the forged file and the caller is hpcdp's validat
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
-from typing import Callable
+import zlib
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -365,3 +368,168 @@ def _forged_for(case: str, tmp: str) -> str:
                      manifest({"w": meta([16], "|u1", [])}, tree("w")))
     return forge(os.path.join(tmp, "step-1"), plain_w, [good_manifest()])
 
+
+
+# -- format 2: lists as datasets, the manifest as text (issue 25, item 7) -------------------------
+def forge_text(path: str, build: Callable[[h5py.File], None], m: Any, *,
+               manifest_dtype: Any = None) -> str:
+    """Like ``forge``, with the manifest as format 2 writes it: one fixed-length UTF-8 string."""
+    os.makedirs(path, exist_ok=True)
+    raw = json.dumps(m).encode()
+    with h5py.File(os.path.join(path, "data.h5"), "w") as f:
+        f.attrs["hpcdp_format"] = FORMAT
+        build(f)
+        dt = manifest_dtype or h5py.string_dtype("utf-8", len(raw))
+        d = f.create_dataset(MANIFEST, data=np.array(raw.decode() if dt.kind == "O" else raw, dtype=dt))
+        d.attrs["crc32"] = np.uint32(zlib.crc32(raw))
+    return path
+
+
+LOSS = np.array([0.5, 0.25, 0.125])
+
+
+def seq_manifest(node: dict | None = None, d: dict | None = None, version: int = 2) -> dict:
+    """A checkpoint {"loss": [0.5, 0.25, 0.125]} stored as a dataset, with ``node``/``d`` merged
+    into its tree node and dataset entry."""
+    m = manifest({"loss": {**meta([3], "<f8", [slab([0], [3], LOSS)]), **(d or {})}},
+                 {"t": "dict", "items": [{"k": "loss", "kt": "str", "h": "loss",
+                                          "v": {"t": "seq", "seq": "list", "of": "float",
+                                                "path": "loss", **(node or {})}}]})
+    m["format_version"] = version
+    return m
+
+
+def _loss(f: h5py.File) -> None:
+    f["loss"] = LOSS
+
+
+def test_forged_format_2_loads(tmp_path) -> None:
+    """The legitimate forged case, next to the attacks below: a seq node and a text manifest."""
+    got = load(forge_text(str(tmp_path / "step-1"), _loss, seq_manifest()))
+    assert got == {"loss": [0.5, 0.25, 0.125]} and all(type(x) is float for x in got["loss"])
+    got = load(forge_text(str(tmp_path / "step-2"), _loss, seq_manifest({"seq": "tuple"})))
+    assert got == {"loss": (0.5, 0.25, 0.125)}
+
+
+SEQ_CASES = {
+    "of-object": ({"of": "object"}, None, "'object'"),
+    "of-str": ({"of": "str"}, None, "'str'"),
+    "seq-set": ({"seq": "set"}, None, "'set'"),
+    "of-int-on-f8": ({"of": "int"}, None, "<i8"),
+    "of-bool-on-f8": ({"of": "bool"}, None, "|b1"),
+    "shard": (None, {"kind": "shard", "mode": "shard"}, "shard"),
+    "no-path": ({"path": "nope"}, None, "'nope'"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(SEQ_CASES))
+def test_a_stored_list_must_be_what_its_node_says(case: str, tmp_path) -> None:
+    node, d, why = SEQ_CASES[case]
+    msg = load_error(forge_text(str(tmp_path / "step-1"), _loss, seq_manifest(node, d)))
+    assert "loss" in msg and why in msg, msg
+
+
+def test_a_stored_list_is_1d_and_not_empty(tmp_path) -> None:
+    two_d = seq_manifest(None, meta([3, 1], "<f8", [slab([0, 0], [3, 1], LOSS)]))
+    ck = forge_text(str(tmp_path / "a"), lambda f: f.__setitem__("loss", LOSS.reshape(3, 1)), two_d)
+    assert "1-D" in load_error(ck)
+    empty = seq_manifest(None, meta([0], "<f8", []))
+    ck = forge_text(str(tmp_path / "b"), lambda f: f.__setitem__("loss", LOSS[:0]), empty)
+    assert "non-empty" in load_error(ck)
+
+
+def test_a_bogus_hpcdp_type_attribute_is_only_a_label(tmp_path) -> None:
+    """hpcdp loads from the checksummed manifest and datasets; the attributes are for people,
+    so one that lies changes nothing (and is never evaluated)."""
+    def build(f: h5py.File) -> None:
+        f["loss"] = LOSS
+        f["loss"].attrs["hpcdp_type"] = "__import__('os').system('false')"
+        f.attrs["hpcdp_type"] = "tuple"
+    got = load(forge_text(str(tmp_path / "step-1"), build, seq_manifest()))
+    assert got == {"loss": [0.5, 0.25, 0.125]} and type(got["loss"]) is list
+
+
+def test_a_newer_format_is_refused(tmp_path) -> None:
+    msg = load_error(forge_text(str(tmp_path / "step-1"), _loss, seq_manifest(version=3)))
+    assert "format version 3" in msg and "newer" in msg, msg
+
+
+TEXT_CASES = {
+    "vlen-string": (h5py.string_dtype("utf-8"), "fixed-length string"),
+    "1-D-strings": (None, "fixed-length string"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(TEXT_CASES))
+def test_the_manifest_text_has_one_form(case: str, tmp_path) -> None:
+    dt, why = TEXT_CASES[case]
+    path = str(tmp_path / "step-1")
+    if case == "1-D-strings":
+        raw = json.dumps(seq_manifest()).encode()
+        os.makedirs(path)
+        with h5py.File(os.path.join(path, "data.h5"), "w") as f:
+            f.attrs["hpcdp_format"] = FORMAT
+            _loss(f)
+            f[MANIFEST] = np.array([raw])
+            f[MANIFEST].attrs["crc32"] = np.uint32(zlib.crc32(raw))
+    else:
+        forge_text(path, _loss, seq_manifest(), manifest_dtype=dt)
+    msg = load_error(path)
+    assert why in msg, msg
+
+
+def test_the_manifest_text_is_checksummed(tmp_path) -> None:
+    path = forge_text(str(tmp_path / "step-1"), _loss, seq_manifest())
+    fn = os.path.join(path, "data.h5")
+    with h5py.File(fn, "r") as f:
+        off, n = f[MANIFEST].id.get_offset(), f[MANIFEST].dtype.itemsize
+    with open(fn, "r+b") as fh:                       # world_size 1 -> 2: still a valid manifest
+        fh.seek(off)
+        text = fh.read(n)
+        i = text.index(b'"world_size": 1')
+        fh.seek(off + i + len(b'"world_size": '))
+        fh.write(b"2")
+    assert "CRC32" in load_error(path)
+
+
+def _huge_list(f: h5py.File) -> None:
+    f.create_dataset("loss", shape=(10**12,), dtype="<f8")              # never allocated
+
+
+def _huge_chunked_list(f: h5py.File) -> None:
+    f.create_dataset("loss", shape=(10**12,), dtype="<f8", chunks=(1 << 16,))   # no chunk written
+
+
+def _huge_manifest(path: str) -> None:
+    """A manifest string type of 2 GiB - 1 whose bytes were never written."""
+    os.makedirs(path)
+    with h5py.File(os.path.join(path, "data.h5"), "w") as f:
+        f.attrs["hpcdp_format"] = FORMAT
+        f.create_dataset(MANIFEST, shape=(), dtype=h5py.string_dtype("utf-8", (1 << 31) - 1))
+        f[MANIFEST].attrs["crc32"] = np.uint32(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case,why", [("list", "stores 0"), ("chunked-list", "chunks"),
+                                      ("manifest", "stores 0")])
+def test_a_huge_claim_is_refused_before_allocating(case: str, why: str, tmp_path) -> None:
+    path = str(tmp_path / "step-1")
+    if case == "manifest":
+        _huge_manifest(path)
+    else:
+        n = 10**12
+        m = seq_manifest(None, meta([n], "<f8", [{"rank": 0, "offsets": [0], "shape": [n],
+                                                   "crc32": 0}]))
+        forge_text(path, _huge_list if case == "list" else _huge_chunked_list, m)
+    assert os.path.getsize(os.path.join(path, "data.h5")) < (1 << 20)
+    out = subprocess.run([sys.executable, "-c", _ALLOC_SCRIPT, path], capture_output=True,
+                         text=True, timeout=100, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    msg = lines.get("ERROR", "").replace(path, "<ck>")
+    assert msg and why in msg, out.stdout
+    assert ("'loss'" if case != "manifest" else MANIFEST) in msg, msg
+    assert not any(e in msg for e in RAW_ERRORS), msg
+    assert int(lines["PEAK"]) < (64 << 20), out.stdout

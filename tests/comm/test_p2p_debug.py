@@ -83,6 +83,7 @@ def body_missing_header(rank: int) -> list[str]:
     if rank == 0:
         g.send(np.arange(600, dtype=np.float64), 1, tag=8)
     else:
+        level = g.debug  # restored below: the barrier's collective check must match rank 0's
         g.debug = "detail"
         try:
             g.recv(np.empty(600), 0, tag=8)
@@ -90,7 +91,7 @@ def body_missing_header(rank: int) -> list[str]:
         except hpcdp.CollectiveMismatchError as exc:
             if "no HPCDP_DEBUG header" not in str(exc) or "rank 0" not in str(exc):
                 fails.append(f"unclear error: {exc}")
-        g.debug = "off"
+        g.debug = level
     g.barrier()
     return fails
 
@@ -107,7 +108,8 @@ def body_conformance_with_debug(rank: int) -> list[str]:
 
 def test_debug_env_levels(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, level in (("1", "detail"), ("true", "detail"), ("ON", "detail"), ("detail", "detail"),
-                       ("0", "off"), ("", "off"), ("off", "off"), ("no", "off")):
+                       ("0", "off"), ("off", "off"), ("no", "off"), ("sample", "sample"),
+                       ("", "sample")):  # empty is unset: the default, the sampled check
         monkeypatch.setenv("HPCDP_DEBUG", raw)
         assert _debug.debug_level() == level, raw
     monkeypatch.setenv("HPCDP_DEBUG", "2")

@@ -48,13 +48,13 @@ def test_raising_rank_aborts_job(tmp_path) -> None:
 def test_timeout_aborts_job(tmp_path) -> None:
     code, out, elapsed = _mpirun(tmp_path, """
         import time, numpy as np, hpcdp
-        hpcdp.init(timeout=2)
+        hpcdp.init(timeout=1)
         if hpcdp.rank() == 1:
             time.sleep(120)           # a stuck rank
         hpcdp.allreduce(np.ones(3))
     """)
     assert code != 0, out
-    assert "CommTimeoutError" in out and "allreduce #1" in out and "timed out after 2 s" in out, out
+    assert "CommTimeoutError" in out and "allreduce #1" in out and "timed out after 1 s" in out, out
     assert elapsed < 40, f"timeout + abort took {elapsed:.1f} s"
 
 

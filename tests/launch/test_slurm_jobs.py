@@ -39,7 +39,7 @@ def test_job_declares_how_ci_runs_and_checks_it(path: str) -> None:
 def test_every_example_job_is_there() -> None:
     names = {os.path.basename(p) for p in JOBS}
     assert {"collectives.sbatch", "ddp_train.sbatch", "fsdp_gpt.sbatch", "pipeline_gpt.sbatch",
-            "preempt_requeue.sbatch"} <= names
+            "preempt_requeue.sbatch", "task_farm.sbatch", "heat2d.sbatch"} <= names
 
 
 def test_preemption_job_is_requeueable_and_signalled() -> None:

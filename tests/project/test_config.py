@@ -256,7 +256,7 @@ def test_info_lists_each_user_setting_with_value_and_source(monkeypatch: pytest.
     rows = {name: (value, src) for name, value, src in sections[0]}
     assert list(rows) == [s.name for s in _config.user_settings()]
     assert rows["HPCDP_TIMEOUT"] == ("12.5 s", "environment")
-    assert rows["HPCDP_DEBUG"] == ("off", "default")
+    assert rows["HPCDP_DEBUG"] == ("sample", "default")  # the sampled call checks (comm.debug)
     assert rows["HPCDP_MAX_FRAME"] == ("1 GiB", "default")
     assert rows["HPCDP_SECRET"] == ("set (hidden)", "environment")
     assert rows["HPCDP_STRAGGLER"][1] == "environment" and "invalid: HPCDP_STRAGGLER='often'" in rows["HPCDP_STRAGGLER"][0]

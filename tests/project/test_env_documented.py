@@ -18,6 +18,7 @@ import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 from hpcdp import _config
 
@@ -56,24 +57,20 @@ def _hpcdp_constants(nodes: Iterable[ast.AST]) -> list[str]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("HPCDP_")]
 
 
-def _trees(package: Path) -> dict[Path, ast.Module]:
-    return {p: ast.parse(p.read_text(), str(p)) for p in sorted(package.rglob("*.py"))}
-
-
-def _helpers(trees: dict[Path, ast.Module]) -> set[str]:
-    """Functions that read the environment with a key that is not a constant (their argument)."""
+def _helpers(tree: ast.Module) -> set[str]:
+    """Functions of ``tree`` that read the environment with a key that is not a constant (their
+    argument)."""
     out: set[str] = set()
-    for tree in trees.values():
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
-                params |= {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
-                for node in ast.walk(fn):
-                    key = _read_key(node)
-                    if key is not None and not isinstance(key, ast.Constant) and (
-                            {n.id for n in ast.walk(key) if isinstance(n, ast.Name)} & params
-                            or _loop_bound(fn, key, params)):
-                        out.add(fn.name)
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+            params |= {a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None}
+            for node in ast.walk(fn):
+                key = _read_key(node)
+                if key is not None and not isinstance(key, ast.Constant) and (
+                        {n.id for n in ast.walk(key) if isinstance(n, ast.Name)} & params
+                        or _loop_bound(fn, key, params)):
+                    out.add(fn.name)
     return out
 
 
@@ -97,34 +94,59 @@ def _literal_loop_keys(tree: ast.AST, key: ast.Name) -> list[str]:
     return out
 
 
+class _Scan(NamedTuple):
+    """What one file's text says, helpers aside: the helpers it defines, and its candidate reads
+    in ``ast.walk`` order as (called function's name or None for a direct read, HPCDP_* keys, line).
+    A call counts as a read only where its function is a helper of the package scanned."""
+    helpers: frozenset[str]
+    reads: tuple[tuple[str | None, tuple[str, ...], int], ...]
+
+
+#: file text -> its scan: the tests scan the same files many times (each planted copy differs in
+#: one file), and the same text always scans the same
+_SCANS: dict[str, _Scan] = {}
+
+
+def _scan(path: Path) -> _Scan:
+    text = path.read_text()
+    if text in _SCANS:
+        return _SCANS[text]
+    tree = ast.parse(text, str(path))
+    reads: list[tuple[str | None, tuple[str, ...], int]] = []
+    for node in ast.walk(tree):
+        key = _read_key(node)
+        if key is not None:
+            names = _hpcdp_constants([key])
+            if isinstance(key, ast.Name):
+                names += _literal_loop_keys(tree, key)
+            reads.append((None, tuple(names), node.lineno))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            fname = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            names = _hpcdp_constants([*node.args, *(k.value for k in node.keywords)])
+            if names:
+                reads.append((fname, tuple(names), node.lineno))
+    _SCANS[text] = _Scan(frozenset(_helpers(tree)), tuple(reads))
+    return _SCANS[text]
+
+
 def env_reads(package: Path, *, bypassing: Path | None = None) -> dict[str, list[str]]:
     """``HPCDP_*`` variable -> ``file:line`` of every place under ``package`` that reads it.
 
     ``bypassing``: only the reads that do not go through that module (``hpcdp/_config.py``):
     its own reads and calls of the helpers it defines are left out; a helper defined anywhere
     else counts, even one with the same name as a function of that module."""
-    trees = _trees(package)
-    helpers = _helpers(trees)
+    scans = {p: _scan(p) for p in sorted(package.rglob("*.py"))}
     if bypassing is not None:
-        trees.pop(bypassing, None)
-        helpers = _helpers(trees)
+        scans.pop(bypassing, None)
+    helpers = set().union(*(sc.helpers for sc in scans.values()))
     reads: dict[str, list[str]] = {}
-    for path, tree in trees.items():
+    for path, sc in scans.items():
         where = f"{path.relative_to(package.parent)}"
-        for node in ast.walk(tree):
-            names: list[str] = []
-            key = _read_key(node)
-            if key is not None:
-                names = _hpcdp_constants([key])
-                if isinstance(key, ast.Name):
-                    names += _literal_loop_keys(tree, key)
-            elif isinstance(node, ast.Call):
-                f = node.func
-                fname = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-                if fname in helpers:
-                    names = _hpcdp_constants([*node.args, *(k.value for k in node.keywords)])
-            for name in names:
-                reads.setdefault(name, []).append(f"{where}:{node.lineno}")
+        for fname, names, line in sc.reads:
+            if fname is None or fname in helpers:
+                for name in names:
+                    reads.setdefault(name, []).append(f"{where}:{line}")
     return reads
 
 

@@ -44,3 +44,44 @@ def test_info_command() -> None:
     for key in ("hpcdp", "numpy", "mpi4py", "MPI library", "MPI CUDA-aware", "h5py MPI support",
                 "backends"):
         assert key in out.stdout
+
+
+# -- 08_heat2d: cartesian grid, halo exchange, checkpoint and restart on another rank count -----
+def body_heat2d(rank: int, argv: list[str]) -> dict:
+    return _load("08_heat2d.py")["main"](argv)
+
+
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-3", "sim-4", "tcp-3", "mpi"), indirect=True)
+def test_08_heat2d_matches_serial_numpy(world: World) -> None:
+    """Every rank's blocks, gathered, equal the serial run bit for bit (3 ranks: a 3x1 grid with
+    uneven blocks; 4: 2x2, so every rank has PROC_NULL on two sides and real neighbours on two)."""
+    out = world.run(body_heat2d, ["--check", "--steps", "40", "--ny", "23", "--nx", "31"])
+    assert all(o["matches_serial"] and o["steps"] == 40 for o in out), out
+    assert len({o["heat"] for o in out}) == 1, out
+
+
+def test_08_heat2d_restarts_on_another_rank_count(tmp_path) -> None:
+    """Saved by 4 simulated ranks (2x2 blocks) at steps 30 and 60, continued by 3 TCP ranks
+    (3x1 blocks) from step 60 to 100: equal to 100 serial steps, bit for bit."""
+    from conftest import run_ranks
+
+    ckpt = str(tmp_path / "heat")
+    first = run_ranks("sim", 4, body_heat2d, ["--steps", "60", "--save-every", "30",
+                                               "--ckpt-dir", ckpt], timeout=120)
+    assert first[0]["resumed_from"] is None and first[0]["dims"] == [2, 2], first
+    assert sorted(os.listdir(ckpt)) == ["step-30", "step-60"]
+    second = run_ranks("tcp", 3, body_heat2d, ["--steps", "100", "--check", "--ckpt-dir", ckpt],
+                       timeout=120)
+    for o in second:
+        assert o["resumed_from"] == 60 and o["dims"] == [3, 1] and o["matches_serial"], second
+
+
+def test_08_heat2d_plain_python() -> None:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI", "PMIX", "SLURM", "HPCDP_", "MASTER_"))}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "08_heat2d.py"), "--check",
+                          "--steps", "20"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "heat2d: 20 steps on a 1x1 grid of 1 rank(s)" in out.stdout, out.stdout
+    assert "matches serial numpy: True" in out.stdout, out.stdout

@@ -66,13 +66,27 @@ def _is_module(root: str, parts: list[str]) -> bool:
     return os.path.isdir(p) or os.path.isfile(p + ".py")
 
 
+#: file text -> its import statements (see ``_import_nodes``)
+_PARSED: dict[str, tuple[ast.Import | ast.ImportFrom, ...]] = {}
+
+
+def _import_nodes(text: str, path: str) -> tuple[ast.Import | ast.ImportFrom, ...]:
+    """Every import statement of a file's ``text``, at any depth. Kept by the text itself: the
+    scans read the same files many times (a planted copy differs only in its planted file), and
+    the same text always parses to the same imports."""
+    if text not in _PARSED:
+        _PARSED[text] = tuple(n for n in ast.walk(ast.parse(text, path))
+                              if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return _PARSED[text]
+
+
 def _imports(root: str, path: str, mod: list[str]) -> Iterator[tuple[list[str], str | None, int]]:
     """(imported module, imported name or None, line) for every hpcdp import in ``path``,
     at any depth (inside functions too); ``from X import Y`` names module ``X.Y`` when Y is one."""
     pkg = mod[:-1] if mod[-1] != "__init__" else mod[:-1]
     with open(path, encoding="utf-8") as fh:
-        tree = ast.parse(fh.read(), path)
-    for node in ast.walk(tree):
+        nodes = _import_nodes(fh.read(), path)
+    for node in nodes:
         if isinstance(node, ast.Import):
             for a in node.names:
                 parts = a.name.split(".")

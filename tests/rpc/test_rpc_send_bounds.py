@@ -222,7 +222,7 @@ def body_stopped_callee(rank: int, out: str) -> str:
     non-graceful shutdown returns."""
     _channel._MIN_SEND_BOUND = 1.0  # bound: max(this, rpc_timeout)
     pids = hpcdp.all_gather_object(os.getpid())
-    rpc.init_rpc(f"w{rank}", rpc_timeout=3)
+    rpc.init_rpc(f"w{rank}", rpc_timeout=1.5)  # the bound; calls below name their own timeouts
     hpcdp.barrier()
     if rank == 2:
         os.kill(os.getpid(), signal.SIGSTOP)

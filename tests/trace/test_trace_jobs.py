@@ -19,14 +19,28 @@ from conftest import job_env
 
 
 JOB = textwrap.dedent('''
-    import os, sys, time
+    import os, sys, threading, time
     import numpy as np
     import hpcdp
     from hpcdp import trace
     from hpcdp.errors import CommTimeoutError
     # no recording here: the collective layer records, dumps and arms the hooks by itself
 
-    SKIP, OTHERS_TIMEOUT, SKIP_TIMEOUT = 2, 4.0, 1.0
+    SKIP, OTHERS_TIMEOUT, SKIP_TIMEOUT = 2, 2.5, 0.5
+    LAUNCHED = "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ  # hpcdp-run or mpirun
+
+    OTHERS_DONE = threading.Semaphore(0)  # simulated ranks: released by each that timed out
+
+    def wait_for_the_others():
+        """Until every other rank has timed out (bounded): simulated ranks are threads of this
+        process that say so; a launched rank waits for its launcher to stop it, once the others
+        failed (returning would rewrite its record at exit)."""
+        if LAUNCHED:
+            time.sleep(OTHERS_TIMEOUT + 30)
+            return
+        deadline = time.monotonic() + OTHERS_TIMEOUT + 30
+        for _ in range(3):
+            OTHERS_DONE.acquire(timeout=max(0.0, deadline - time.monotonic()))
 
     def body(rank):
         world = hpcdp.get_default_group()
@@ -38,12 +52,16 @@ JOB = textwrap.dedent('''
                     try:
                         side.barrier(timeout=SKIP_TIMEOUT)  # LINE-SIDE
                     except CommTimeoutError:
-                        time.sleep(OTHERS_TIMEOUT + 2)  # the others time out and dump meanwhile
+                        wait_for_the_others()  # they time out and dump meanwhile
                     return "skipped"
-                world.allreduce(x, timeout=OTHERS_TIMEOUT)  # LINE-ALLREDUCE
+                try:
+                    world.allreduce(x, timeout=OTHERS_TIMEOUT)  # LINE-ALLREDUCE
+                except CommTimeoutError:
+                    OTHERS_DONE.release()
+                    raise
         return "done"
 
-    if "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:  # hpcdp-run or mpirun
+    if LAUNCHED:
         hpcdp.init()
         body(hpcdp.rank())
     else:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -64,28 +65,30 @@ def test_every_call_is_recorded_by_the_collective_layer(backend: str) -> None:
         assert all(o[5] == trace.COMPLETED and o[6] for o in ops), ops
 
 
-def _timeout_body(rank: int, directory: str) -> tuple[str, str, bool]:
-    import time
-
+def _timeout_body(rank: int, directory: str, given_up: threading.Event) -> tuple[str, str, bool]:
     g = hpcdp.get_default_group()
     if rank == 1:
-        time.sleep(2.0)  # never joins; stays alive until rank 0 has given up
+        given_up.wait(30)  # never joins; stays alive until rank 0 has given up (simulated ranks)
         return "", "", True
-    w = g.allreduce(np.ones(2), async_op=True)
     try:
-        w.wait(timeout=0.3)
-    except CommTimeoutError:
-        pass
-    else:
-        raise AssertionError("rank 1 never joined: the wait must time out")
-    last = trace.recorder(0).snapshot()[-1]
-    return last.op, last.state, os.path.exists(os.path.join(directory, "flight-rank0.json"))
+        w = g.allreduce(np.ones(2), async_op=True)
+        try:
+            w.wait(timeout=0.3)
+        except CommTimeoutError:
+            pass
+        else:
+            raise AssertionError("rank 1 never joined: the wait must time out")
+        last = trace.recorder(0).snapshot()[-1]
+        return last.op, last.state, os.path.exists(os.path.join(directory, "flight-rank0.json"))
+    finally:
+        given_up.set()
 
 
 @pytest.mark.timeout(120)
 def test_a_timed_out_work_is_marked_and_dumped(tmp_path) -> None:
     d = str(tmp_path / "trace")
-    (op, state, dumped), _ = hpcdp.spawn(_timeout_body, 2, args=(d,), timeout=30, join_timeout=60)
+    (op, state, dumped), _ = hpcdp.spawn(_timeout_body, 2, args=(d, threading.Event()), timeout=30,
+                                         join_timeout=60)
     assert (op, state, dumped) == ("allreduce", trace.TIMED_OUT, True)
     doc = json.loads((tmp_path / "trace" / "flight-rank0.json").read_text())
     assert doc["reason"].startswith("CommTimeoutError: allreduce #1 on group world (rank 0 of 2)")

@@ -23,19 +23,20 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..._arrays import is_cupy
 from ..._config import setting
-from ...errors import BackendUnavailableError
+from ...errors import BackendUnavailableError, HpcdpError
 from ...ops import ReduceOp
 from . import _notices
 from . import _requests as _rq
 from . import _tuning
 from ._fastpath import fast_path
 from ._notices import Notices
+from ._quick_p2p import Lane
 from ._staging import Staging, staged
 from ..base import Backend, Request
 
@@ -134,6 +135,7 @@ class MPIBackend(Backend):
     accepts_cupy = True
     #: MPI cannot cancel a collective: one that timed out leaves the group out of step
     timeout_poisons_group = True
+    broken_advice = _notices.BROKEN_ADVICE
     #: nonblocking MPI operations advance only inside MPI calls
     needs_progress_thread = True
 
@@ -141,6 +143,7 @@ class MPIBackend(Backend):
         MPI = get_mpi()
         self.comm = comm
         self._internal = comm.Dup()  # the split paths' own messages never meet user tags
+        self._checks = comm.Dup()  # the sampled call checks (comm.debug): never met by a collective
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.ranks = tuple(ranks)
@@ -165,6 +168,8 @@ class MPIBackend(Backend):
         self.fastpath = fast_path(self, comm, self._internal, self._types, self._op,
                                   self.notices, self._nbc, _MAX_COUNT)
         self.quick_allreduce = None if self.fastpath is None else self.fastpath.allreduce
+        self.quick_p2p = (None if self.fastpath is None
+                          else Lane(self, comm, self._types, self.notices, _MAX_COUNT))
         self._dups: list[MPIBackend] = []  # ``dup()``s of this group: shut down with it
         _rq.register_backend(self)
 
@@ -328,6 +333,11 @@ class MPIBackend(Backend):
                 reqs.append(self._internal.Irecv(self._buf(recvbuf[peer], lo, hi), peer, i))
         return self._coll(reqs or [_MPI.REQUEST_NULL], "all_to_all")
 
+    @_posting()  # numbered like a collective: a rank that times out in it is named by the roll
+    def check_all_gather(self, sendbuf, recvbuf):  # call, and the late ones are told at once
+        req = self._checks.Iallgather(self._buf(sendbuf), self._buf(recvbuf))
+        return self._coll([req], "the check of the ranks' calls (an all_gather)")
+
     @_posting()
     def barrier(self):
         return self._coll([self.comm.Ibarrier()], "barrier")
@@ -396,6 +406,33 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "new_group", 0) from None
 
+    def split(self, color: int | None, key: int,
+              layout: Mapping[int, Sequence[int]]) -> "MPIBackend | None":
+        """One ``Comm.Split(color, key)`` for every color at once; ``layout`` (the caller's
+        same ordering, by key then rank) names the world ranks of this rank's new group."""
+        MPI = get_mpi()
+        try:
+            sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
+        except MPI.Exception as exc:
+            raise self.notices.mpi_error(exc, "split", 0) from None
+        if sub == MPI.COMM_NULL:
+            return None
+        members = list(layout[color])
+        want = (members.index(self.rank), len(members))
+        got = (sub.Get_rank(), sub.Get_size())
+        if got != want:  # the API orders ranks as MPI does; a difference is a bug here
+            sub.Free()
+            raise HpcdpError(f"split (rank {self.rank}): MPI made this rank {got[0]} of "
+                             f"{got[1]}, expected {want[0]} of {want[1]}")
+        return MPIBackend(sub, [self.ranks[r] for r in members])
+
+    def tell_waiting(self, peers: Sequence[int], note: str) -> None:
+        """A "waiting" notice to each of ``peers`` on this group's side channel (``_notices``)."""
+        self.notices.tell_waiting(peers, note)
+
+    def waiting_notes(self) -> dict[int, tuple[float, str]]:
+        return dict(_notices.WAITING)  # process-wide: a notice may come on any group's channel
+
     # -- lifetime ---------------------------------------------------------------------------
     def report_death(self, why: str) -> None:
         """Tell the other ranks of every live MPI group of this process that it is dying of
@@ -427,7 +464,7 @@ class MPIBackend(Backend):
         for d in dups:  # a duplicate lives no longer than its parent
             d.shutdown()
         notices = self.notices
-        comms = (notices.comm, self._internal, self.comm)
+        comms = (notices.comm, self._checks, self._internal, self.comm)
         if not MPI.Is_finalized():
             left = _rq.drain(_rq.pending_of(self), _rq.EXIT_GRACE)
             first = min((r for r in left if r.index), key=lambda r: r.index, default=None)
@@ -445,7 +482,7 @@ class MPIBackend(Backend):
             elif not peer_left:
                 for c in comms:
                     c.Free()
-        self.comm = self._internal = notices.comm = MPI.COMM_NULL
+        self.comm = self._internal = self._checks = notices.comm = MPI.COMM_NULL
         _rq.unregister_backend(self)
 
 

@@ -7,14 +7,17 @@ deadline passes asks the others whether they joined the call, to say who did not
 Checking for a notice is one read of the posted buffer, which MPI fills during the progress our
 own calls make: cheap enough for the small-message path to do on every call.
 
-Messages are 16 int64 words: magic, kind, collective index, sender's world rank, nonce, text
-length, then up to 80 bytes of text. The index counts collectives posted on the group, the same
+Messages are 32 int64 words: magic, kind, collective index, sender's world rank, nonce, text
+length, then up to 208 bytes of text. The index counts collectives posted on the group, the same
 on every rank, so a notice about call #7 fails calls #7 and later, never earlier ones. A "died"
 notice (``report_death``: the rank's main thread ended in an uncaught exception, sent from the
 excepthook ``hpcdp.init`` installs) fails every later wait of the group, point to point included:
 plain ``mpirun python train.py`` peers learn within milliseconds who died of what. A roll call's
 answer carries the name of the operation the answering rank has pending at the asked index, so a
-timeout says which operation each rank is in, not only that each reached the call.
+timeout says which operation each rank is in, not only that each reached the call. A "waiting"
+notice (``tell_waiting``) carries what a blocked rank waits for, written by the collectives
+layer's watchdog; the newest one from each rank is kept process-wide (``WAITING``), so a rank
+blocked in any group can name a deadlock cycle.
 """
 from __future__ import annotations
 
@@ -27,12 +30,21 @@ import numpy as np
 from ...errors import CollectiveMismatchError, HpcdpError, PeerFailureError
 from . import _requests as _rq
 
-__all__ = ["Notices", "ROLL_CALL_WAIT", "report_death"]
+__all__ = ["Notices", "ROLL_CALL_WAIT", "report_death", "WAITING", "RESTART", "BROKEN_ADVICE"]
 
 _MAGIC = 0x68706364704E4F54  # "hpcdpNOT"
-_LEFT, _ASK, _ANSWER, _DIED = 1, 2, 3, 4
+_LEFT, _ASK, _ANSWER, _DIED, _WAITING = 1, 2, 3, 4, 5
 _NOTICE_TAG, _ANSWER_TAG = 0, 1
-_TEXT_AT, _WORDS = 48, 16
+_TEXT_AT, _WORDS = 48, 32
+#: the way on after a failure MPI cannot undo: an MPI process cannot be initialised again, so
+#: hpcdp.finalize() and hpcdp.init() do not give a clean world
+RESTART = "restart the job (MPI cannot be initialised again within a process)"
+#: the way on once a group refuses collectives (``MPIBackend.broken_advice``)
+BROKEN_ADVICE = ("MPI cannot cancel a collective, so this group cannot run collectives any more "
+                 "(new_group on it is one too): make new groups from a group that still works "
+                 "(hpcdp.new_group on the default group, if this is not it), else " + RESTART)
+#: world rank -> the newest "waiting" notice it sent this process (any group's channel)
+WAITING: dict[int, tuple[float, str]] = {}
 #: seconds a rank whose deadline passed waits for the others to say whether they joined
 ROLL_CALL_WAIT = 0.2
 
@@ -117,6 +129,14 @@ class Notices:
             if r != self.rank:
                 self._send_header(r, _NOTICE_TAG, _DIED, 0, 0, why)
 
+    def tell_waiting(self, peers: Any, note: str) -> None:
+        """Send group ranks ``peers`` a "waiting" notice (what this rank is blocked in)."""
+        if self.comm == _rq._MPI.COMM_NULL:
+            return
+        for r in peers:
+            if r != self.rank:
+                self._send_header(r, _NOTICE_TAG, _WAITING, 0, 0, note)
+
     def waiting(self) -> bool:
         return self.view[0] != 0 or self.left is not None
 
@@ -134,8 +154,8 @@ class Notices:
                 "more", peers=[left[1]])
         if left is not None and index and left[0] <= index:
             raise PeerFailureError(
-                f"rank {left[1]} left this group: it {left[2]}; the group cannot be used any "
-                "more (create a new group)", peers=[left[1]])
+                f"rank {left[1]} left this group: it {left[2]}; {BROKEN_ADVICE}",
+                peers=[left[1]])
 
     def _take_notice(self) -> bool:
         """Under ``_LOCK``: handle the message in the posted buffer, if one landed; post again."""
@@ -162,6 +182,8 @@ class Notices:
                 index = 0
             if self.left is None or index < self.left[0]:
                 self.left = (index, who, text)
+        elif kind == _WAITING:
+            WAITING[who] = (time.monotonic(), _text(hdr, n))
         elif kind == _ASK:
             self._send_header(st.Get_source(), _ANSWER_TAG, _ANSWER, self.index, nonce,
                               self._pending_what(index))

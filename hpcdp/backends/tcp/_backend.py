@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import zlib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -130,11 +130,12 @@ class _GroupP2P:
         mismatched = self.checks.mismatched
         if mismatched:
             text = mismatched.get(self.channel)
-            if text:
-                raise CollectiveMismatchError(f"{what} on rank {t.rank}: {text}")
+            if text:  # the channel stays failed (``_coll``): say what works instead
+                raise CollectiveMismatchError(f"{what} on rank {t.rank}: {text}; "
+                                              f"{self.be.broken_advice}")
         why = t.aborted.get((COLL, self.be.channel))
         if why:
-            raise PeerFailureError(f"{what} on rank {t.rank}: {why}")
+            raise PeerFailureError(f"{what} on rank {t.rank}: {why}; {self.be.broken_advice}")
 
     def pending(self) -> str:
         rq = self._waiting
@@ -186,6 +187,13 @@ class TCPBackend(P2PBackend):
         dead = self.transport.dead
         return {i: f"rank {g} {dead[g]}" for i, g in enumerate(self.ranks) if g in dead}
 
+    def tell_waiting(self, peers: Sequence[int], note: str) -> None:
+        """A WAITING control frame to each of ``peers`` (group ranks) over the mesh."""
+        self.transport.tell_waiting([self.ranks[p] for p in peers], note)
+
+    def waiting_notes(self) -> dict[int, tuple[float, str]]:
+        return dict(self.transport.frames.waits)  # the mesh is the process's: every channel's
+
     def dup(self) -> "TCPBackend":
         """Collective: these ranks on a channel of their own over the same authenticated
         connections (frames carry the channel id, so nothing crosses between channels)."""
@@ -200,6 +208,18 @@ class TCPBackend(P2PBackend):
         if self.rank not in ranks:
             return None
         return TCPBackend(self.world, tuple(self.ranks[r] for r in ranks), channel)
+
+    def split(self, color: int | None, key: int,
+              layout: Mapping[int, Sequence[int]]) -> "TCPBackend | None":
+        """Collective, but nothing to send: ``layout`` is the same on every rank, so each color's
+        members agree on a channel id of their own from the parent's channel, the count of its
+        sub-groups and the color (as ``new_group`` does for one group)."""
+        self._subgroups += 1
+        if color is None:
+            return None
+        channel = zlib.crc32(
+            f"{self.channel}/{self._subgroups}/{color}".encode()) & 0x7FFFFFFF
+        return TCPBackend(self.world, tuple(self.ranks[r] for r in layout[color]), channel)
 
     def take(self, src: int, tag: int) -> np.ndarray | None:
         """The message ``probe(src, tag)`` reported, if it arrived before any receive was posted

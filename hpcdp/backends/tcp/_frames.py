@@ -28,13 +28,17 @@ from ._peer import _STAGE, _Peer, _Req, _text
 if TYPE_CHECKING:
     from ._coll import CollChecks
 
-__all__ = ["P2P", "COLL", "BYE", "ABORT", "PROBE", "MISMATCH", "MORE", "RECV_TICK", "FrameReader"]
+__all__ = ["P2P", "COLL", "BYE", "ABORT", "PROBE", "MISMATCH", "WAITING", "MORE", "RECV_TICK",
+           "FrameReader"]
 
 #: PROBE: "I have waited on you in this collective" (header only); MISMATCH: a description of
-#: the mismatched collectives that failed a group (``_coll``)
-P2P, COLL, BYE, ABORT, PROBE, MISMATCH = 1, 2, 3, 4, 5, 6
-KINDS = frozenset({P2P, COLL, BYE, ABORT, PROBE, MISMATCH})
-#: longest MISMATCH description accepted
+#: the mismatched collectives that failed a group (``_coll``); WAITING: what the sender is
+#: blocked in (``Backend.tell_waiting``: the watchdog's note, kept per sender in ``waits``)
+P2P, COLL, BYE, ABORT, PROBE, MISMATCH, WAITING = 1, 2, 3, 4, 5, 6, 7
+KINDS = frozenset({P2P, COLL, BYE, ABORT, PROBE, MISMATCH, WAITING})
+#: control frames with a payload (one short frame each, read like a message)
+_NOTES = frozenset({MISMATCH, WAITING})
+#: longest MISMATCH description or WAITING note accepted
 NOTE_CAP = 4096
 #: header flag: more frames of the same message follow
 MORE = 1
@@ -63,7 +67,7 @@ class FrameReader:
 
     __slots__ = ("rank", "cap", "lock", "posted", "unexpected", "unposted_caps",
                  "unposted_tag_caps", "_abort_channel", "_mismatched", "_check_arrival",
-                 "_sig_differs", "_on_probe", "_on_mismatch_note")
+                 "_sig_differs", "_on_probe", "_on_mismatch_note", "waits")
 
     def __init__(self, *, rank: int, cap: int, lock: Any,
                  posted: dict[tuple, collections.deque[_Req]],
@@ -84,6 +88,9 @@ class FrameReader:
         self._sig_differs = checks.sig_differs
         self._on_probe = checks.on_probe
         self._on_mismatch_note = checks.on_mismatch_note
+        #: world rank -> (arrival, its newest WAITING note): one per sender, so a peer
+        #: cannot grow it
+        self.waits: dict[int, tuple[float, str]] = {}
 
     def read_frame(self, peer: _Peer, deadline: float | None = None) -> bool:
         """Read and dispatch one whole frame; the caller holds ``peer.rlock``.
@@ -120,7 +127,7 @@ class FrameReader:
         kind, flags, sig, channel, tag, n = _unpack(peer.stage, pos, KINDS, self.cap)
         pos += _HDR
         if kind > COLL:
-            if n and kind != MISMATCH:
+            if n and kind not in _NOTES:
                 raise ProtocolError(f"control frame of kind {kind} with a {n}-byte payload")
             if kind == BYE:
                 peer.spos = pos
@@ -135,7 +142,7 @@ class FrameReader:
                 peer.spos = pos
                 self._on_probe(src, channel, sig)
                 return True
-            if n > NOTE_CAP or flags:  # MISMATCH: one short frame, read like a message
+            if n > NOTE_CAP or flags:  # MISMATCH, WAITING: one short frame, read like a message
                 raise ProtocolError(f"mismatch note of {n} bytes (cap {NOTE_CAP}, one frame)")
         cur = peer.cur
         if cur is None:
@@ -281,6 +288,9 @@ class FrameReader:
         if kind != P2P:
             if kind == MISMATCH:
                 self._on_mismatch_note(key[0], key[2], bytes(data))
+                return False
+            if kind == WAITING:
+                self.waits[key[0]] = (_monotonic(), bytes(data).decode("utf-8", "replace"))
                 return False
             if key[2] in self._mismatched:
                 return False  # a failed group's message: nobody will receive it

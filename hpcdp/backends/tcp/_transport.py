@@ -35,7 +35,7 @@ import numpy as np
 from ...errors import PeerFailureError, ProtocolError
 from . import _wire as wire
 from ._coll import CollChecks
-from ._frames import ABORT, BYE, COLL, MORE, P2P, RECV_TICK, FrameReader
+from ._frames import ABORT, BYE, COLL, MORE, NOTE_CAP, P2P, RECV_TICK, WAITING, FrameReader
 from ._peer import _Peer, _Req, _Sent, _text
 from ..base import ANY_TAG, Request
 
@@ -366,6 +366,16 @@ class Transport:
             if not box:
                 del self.unexpected[key]
         return data if type(data) is np.ndarray else np.frombuffer(data, np.uint8)
+
+    def tell_waiting(self, dsts: Sequence[int], note: str) -> None:
+        """Send ``note`` (what this rank is blocked in) to world ranks ``dsts`` as a WAITING
+        control frame: never matched by a receive, kept by the peer's reader (``frames.waits``).
+        Queued for the sender thread, so a caller never blocks on a peer's full socket."""
+        raw = note.encode("utf-8", "replace")[:min(NOTE_CAP, self.cap)]
+        for r in dsts:
+            if r != self.rank and r in self.peers and r not in self.dead:
+                self._send_frame(r, WAITING, 0, 0, memoryview(raw), _Req(None, "waiting note"),
+                                 queue_only=True)
 
     def close_channel(self, channel: int) -> None:
         """Forget a channel's cap and the p2p messages no receive took (``TCPBackend.shutdown``)."""
