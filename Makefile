@@ -271,7 +271,7 @@ test-slurm: install
 	ci/slurm/test.sh
 
 test-fast test-single: install
-	$(PY) -m pytest -q -m "not mpi" tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS)
 
 test-mpi: install
 	$(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS)
@@ -341,6 +341,7 @@ ifeq ($(strip $(BENCH_ARGS)),)
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench rpc --json $(BENCH_OUT)/rpc.jsonl
 	$(PY) -m hpcdp.bench rpc --backend tcp --json $(BENCH_OUT)/rpc-tcp.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench trace --json $(BENCH_OUT)/trace.jsonl
+	$(MPIRUN) -n 4 $(PY) -m hpcdp.bench p2p --json $(BENCH_OUT)/p2p.jsonl
 	$(PY) -m hpcdp.trace plot-bench $(BENCH_OUT)/*.jsonl -o $(BENCH_OUT)/bench.png
 else
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench $(BENCH_ARGS)

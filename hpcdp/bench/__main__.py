@@ -21,6 +21,7 @@ DESCRIPTIONS = {
     "checkpoint": "G1, G2 against raw MPI-IO (under mpirun)",
     "fsdp": "E1-E4: FSDP/ZeRO memory, bytes moved and step time against DDP",
     "gpu": "A6: cupy allreduce against MPI on the same device buffers, staging cost, DDP/FSDP on cupy",
+    "p2p": "A7: send/recv latency, halo-exchange steps and batch_isend_irecv against mpi4py (under mpirun)",
     "pipeline": "F1, F2: pipeline step time and bubble against theory, stashed activations",
     "rpc": "R1, R2: RPC round trip and throughput against raw point-to-point",
     "tcp": "B1, B2 (same as collectives --backend tcp)",

@@ -38,6 +38,11 @@ def _name(op: str, peer_name: str, peer: int, tag: int, k: int) -> str:
     return f"{op}({peer_name}={peer}, tag={tag}) #{k}"
 
 
+def _sr_name(dst: int, stag: int, ks: int, src: int, rtag: int, kr: int) -> str:
+    """A ``sendrecv``'s name in errors: both halves, each as the call it pairs with."""
+    return f"sendrecv: {_name('send', 'dst', dst, stag, ks)} and {_name('recv', 'src', src, rtag, kr)}"
+
+
 class _Both(Request):
     """The receive and the send of a ``sendrecv`` as one request (on a backend without a quick
     lane): done when both are; what is missing is the receive while it is pending."""
@@ -88,7 +93,7 @@ class PointToPoint:
     name each message, and posts through the group it is given (its checks, deadlines,
     flight recorder and transport)."""
 
-    __slots__ = ("_g", "_counts", "_peers")
+    __slots__ = ("_g", "_counts", "_peers", "_ranks")
 
     def __init__(self, group: "ProcessGroup") -> None:
         self._g = group
@@ -96,6 +101,9 @@ class PointToPoint:
         #: the group ranks a blocking call may name (not this rank): one set lookup in the
         #: quick check where three comparisons and two attribute reads were
         self._peers = frozenset(range(group.size)) - {group.rank}
+        #: the same with this rank: nonblocking calls and ``sendrecv`` may name themselves
+        #: (a periodic grid one rank wide), as MPI allows
+        self._ranks = frozenset(range(group.size))
 
     def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
         where = self._g._where(op)
@@ -125,7 +133,7 @@ class PointToPoint:
     def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
         """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``.
         ``dst=PROC_NULL``: nothing is sent (a Work already complete)."""
-        if self._p2p_fast(x, dst, tag):
+        if self._p2p_fast(x, dst, tag, True):
             return self._post_quick(True, x, dst, tag, "dst", None)
         if dst == PROC_NULL:
             return self._null("send", x, tag, None)
@@ -143,7 +151,7 @@ class PointToPoint:
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``.
         ``src=PROC_NULL``: nothing is received (a Work already complete, ``buf`` untouched)."""
-        if self._p2p_fast(buf, src, tag) and buf.flags.writeable:
+        if self._p2p_fast(buf, src, tag, True) and buf.flags.writeable:
             return self._post_quick(False, buf, src, tag, "src", buf)
         return self._irecv(buf, src, tag, "full")
 
@@ -284,12 +292,13 @@ class PointToPoint:
             return self.irecv(buf, st.source, st.tag).wait(left), st
         return self.recv(buf, st.source, st.tag, timeout=left), st
 
-    def _p2p_fast(self, x: Any, peer: int, tag: int) -> bool:
+    def _p2p_fast(self, x: Any, peer: int, tag: int, self_ok: bool = False) -> bool:
         """Whether a call may take the quick lane: the same checks as ``_check_p2p`` for the
-        common case (contiguous numpy, plain ints), because halo exchanges are latency-bound."""
+        common case (contiguous numpy, plain ints), because halo exchanges are latency-bound.
+        A blocking send or receive may not name this rank (it would wait for itself)."""
         g = self._g
         return (g._fast and type(x) is _ndarray and type(peer) is int and type(tag) is int
-                and peer in self._peers and 0 <= tag <= g._max_tag
+                and peer in (self._ranks if self_ok else self._peers) and 0 <= tag <= g._max_tag
                 and x.dtype in SUPPORTED_SET and x.flags.c_contiguous)
 
     def _recv_fast(self, buf: Any, src: int, tag: int) -> bool:
@@ -299,7 +308,7 @@ class PointToPoint:
         if g.backend is not None and g.backend.quick_p2p is not None and (src == -1 or tag == -1):
             src = (g.rank + 1) % g.size if src == -1 else src  # (a valid stand-in for the check)
             tag = 0 if tag == -1 else tag
-        return self._p2p_fast(buf, src, tag) and buf.flags.writeable
+        return self._p2p_fast(buf, src, tag, True) and buf.flags.writeable
 
     def _p2p_blocking(self, send: bool, x: np.ndarray, peer: int, tag: int,
                       timeout: float | None) -> None:
@@ -374,9 +383,10 @@ class PointToPoint:
         """``ProcessGroup.sendrecv`` (its docstring is the contract)."""
         g = self._g
         try:  # free on success; an HpcdpError is raised from here (errors.public)
-            if (recvbuf is not None and not return_status and self._p2p_fast(sendbuf, dst, sendtag)
+            if (recvbuf is not None and not return_status and self._p2p_fast(sendbuf, dst, sendtag, True)
                     and self._recv_fast(recvbuf, src, recvtag)
-                    and not np.may_share_memory(sendbuf, recvbuf)):
+                    and ((sendbuf.base is None and recvbuf.base is None and sendbuf is not recvbuf)
+                         or not np.may_share_memory(sendbuf, recvbuf))):
                 self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
                 return recvbuf
             if (isinstance(recvbuf, np.ndarray) and isinstance(sendbuf, np.ndarray)
@@ -407,9 +417,7 @@ class PointToPoint:
         receive it pairs with (``send(dst=1, tag=0) #k``), so errors name both."""
         g = self._g
         t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
-        sname = self._p2p_name("send", "dst", dst, stag)
-        rname = self._p2p_name("recv", "src", src, rtag)
-        name = f"sendrecv: {sname} and {rname}"
+        ks, kr = self._count("send", dst, stag), self._count("recv", src, rtag)  # named on error
         rec = g._rec
         tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
         be = g.backend
@@ -423,10 +431,11 @@ class PointToPoint:
             elif (req := _Both(be.recv(rflat, src, rtag), be.send(sflat, dst, stag))).wait(first):
                 req = None
         except HpcdpError as exc:
-            err = annotate(exc, work_where(g, name, 0))
+            err = annotate(exc, work_where(g, _sr_name(dst, stag, ks, src, rtag, kr), 0))
             on_error(rec, tok, err)
             raise err from exc
-        if req is not None and (err := finish_wait(g, name, 0, req, t, first)):
+        if req is not None and (err := finish_wait(g, _sr_name(dst, stag, ks, src, rtag, kr), 0,
+                                                   req, t, first)):
             on_error(rec, tok, err)
             raise err
         if rec is not None:

@@ -64,29 +64,33 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     directly. Every op is validated before anything is posted.
     """
     ops = list(ops)
-    bad = [o for o in ops if not isinstance(o, P2POp)]
-    if bad:
-        raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(bad[0]).__name__}")
-    works: list[Work | None] = [None] * len(ops)
-    order = sorted(range(len(ops)), key=lambda i: ops[i].op != "irecv")
-    for i in order:
-        o = ops[i]
-        g = _group(o.group)
-        works[i] = (g.irecv(o.buf, o.peer, o.tag) if o.op == "irecv"
-                    else g.isend(o.buf, o.peer, o.tag))
-    return [w for w in works if w is not None]
+    for o in ops:
+        if type(o) is not P2POp and not isinstance(o, P2POp):
+            raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(o).__name__}")
+    works: list[Any] = [None] * len(ops)
+    default = None  # looked up once, not per op
+    for phase in ("irecv", "isend"):
+        for i, o in enumerate(ops):
+            if o.op != phase:
+                continue
+            g = o.group
+            if g is None:
+                g = default = default if default is not None else get_default_group()
+            works[i] = (g._p2p.irecv(o.buf, o.peer, o.tag) if phase == "irecv"
+                        else g._p2p.isend(o.buf, o.peer, o.tag))
+    return works
 
 
 @public
 def wait_all(works: Iterable[Work], timeout: float | None = None) -> list[Any]:
     """Wait for every work within one deadline (default: each work's own); their results."""
     works = list(works)
-    if timeout is None:
-        return [w.wait() for w in works]
+    if timeout is None:  # (``_wait``: this function is the public boundary that trims errors)
+        return [w._wait() for w in works]
     t = check_timeout("wait_all", timeout)
     deadline = time.monotonic() + t
     # a work already complete returns at once; others get what is left (at least a tick)
-    return [w.wait(max(1e-3, deadline - time.monotonic())) for w in works]
+    return [w._wait(max(1e-3, deadline - time.monotonic())) for w in works]
 
 
 @public

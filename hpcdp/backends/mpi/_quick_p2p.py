@@ -16,6 +16,7 @@ the general way (``MPIBackend.send``/``recv``), which splits them and says who l
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ __all__ = ["Lane"]
 #: over: as the allreduce lane's (``_fastpath._SPIN``), for the same reasons.
 _SPIN, _SPIN_S = 16, 1e-4
 _monotonic = time.monotonic
+_WHATS = 4096  # descriptions kept per group (tags are many; a program uses few)
 
 
 class Lane:
@@ -41,13 +43,14 @@ class Lane:
     and ``post`` (nonblocking). Each blocking call returns None once complete, else the
     registered request still pending at its deadline (the caller turns it into a timeout)."""
 
-    __slots__ = ("owner", "comm", "types", "limit", "notices", "_view")
+    __slots__ = ("owner", "comm", "types", "limit", "notices", "_view", "_whats")
 
     def __init__(self, owner: "MPIBackend", comm: Any, types: dict[np.dtype, Any],
                  notices: Notices, limit: list[int]) -> None:
         self.owner, self.comm, self.types, self.limit = owner, comm, types, limit
         self.notices = notices
         self._view = notices.view
+        self._whats: dict[tuple[str, int, int], str] = {}
 
     def send(self, buf: np.ndarray, dst: int, tag: int, timeout: float) -> Request | None:
         if buf.size > self.limit[0] or self.notices.left is not None:  # the general way
@@ -102,10 +105,15 @@ class Lane:
         return self._registered(req, buf, "send" if send else "recv", peer, tag)
 
     def _registered(self, req: Any, keep: Any, op: str, peer: int, tag: int) -> Request:
-        ranks = self.owner.ranks
-        what = (f"send to rank {ranks[peer]} (tag {tag})" if op == "send"
-                else f"{op} with rank {ranks[peer]} (tag {tag})" if op == "sendrecv"
-                else f"recv from rank {ranks[peer]} (tag {tag})")
+        key = (op, peer, tag)
+        what = self._whats.get(key)
+        if what is None:  # the description, made once per (op, peer, tag): a halo repeats them
+            ranks = self.owner.ranks
+            what = (f"send to rank {ranks[peer]} (tag {tag})" if op == "send"
+                    else f"{op} with rank {ranks[peer]} (tag {tag})" if op == "sendrecv"
+                    else f"recv from rank {ranks[peer]} (tag {tag})")
+            if len(self._whats) < _WHATS:
+                self._whats[key] = what
         slow = _rq.MPIRequest(self.owner, req.reqs if type(req) is _Pair else [req], what)
         slow.keep = keep  # MPI owns the buffers until the request completes
         slow.cancellable = op == "recv"
@@ -143,15 +151,13 @@ class Lane:
 
 
 class _Pair:
-    """The two requests of a ``sendrecv``, tested together."""
+    """The two requests of a ``sendrecv``, tested together (``Test``: one ``Testall``)."""
 
-    __slots__ = ("reqs",)
+    __slots__ = ("reqs", "Test")
 
     def __init__(self, r: Any, s: Any) -> None:
         self.reqs = [r, s]
-
-    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling, so _spin treats both alike
-        return _rq._MPI.Request.Testall(self.reqs)
+        self.Test = functools.partial(_rq._MPI.Request.Testall, self.reqs)  # mpi4py's spelling
 
 
 def _wait(req: Request, timeout: float) -> Request | None:
