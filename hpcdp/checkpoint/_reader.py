@@ -318,8 +318,10 @@ def _load(path: str | os.PathLike, like: Any, group: Any) -> Any:
     fn = data_file(path)
     result, err = None, None
     try:
-        if not os.path.lexists(fn):
-            recover(os.fspath(path))  # whichever rank put it back, it is back for all
+        if not os.path.lexists(fn) or os.path.isdir(fn):
+            # whichever rank put it back, it is back for all; ``fn`` is looked at again, as
+            # another rank may have restored the directory since ``data_file`` saw no directory
+            recover(os.fspath(path))
             fn = data_file(path)
         with trace.span("checkpoint.read", "checkpoint"):
             result = _read(fn, like)

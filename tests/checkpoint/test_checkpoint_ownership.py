@@ -264,6 +264,27 @@ def test_ranks_loading_together_recover_once(tmp_path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_load_sees_a_directory_another_rank_restored_meanwhile(tmp_path, monkeypatch) -> None:
+    """The race ``test_ranks_loading_together_recover_once`` hit now and then: this rank looks
+    (no ``last`` yet: the path would be a file), another rank restores ``last`` (a directory),
+    then this rank reads: it must read ``last/data.h5``, not try to open the directory."""
+    from hpcdp.checkpoint import _commit as commit, _reader as reader
+
+    final = _moved_aside(str(tmp_path / "ck"))
+    real, raced = reader.data_file, []
+
+    def looked_then_raced(path):
+        fn = real(path)
+        if not raced:
+            raced.append(commit.recover(final))  # the other rank, right after this one looked
+        return fn
+
+    monkeypatch.setattr(reader, "data_file", looked_then_raced)
+    assert load(final)["step"] == 1
+    assert raced == [True]
+
+
+@pytest.mark.timeout(60)
 def test_recovery_restores_only_checkpoints_and_only_free_names(tmp_path) -> None:
     d = str(tmp_path / "ck")
     final = _moved_aside(d)

@@ -45,8 +45,9 @@ BROKEN_ADVICE = ("MPI cannot cancel a collective, so this group cannot run colle
                  "(hpcdp.new_group on the default group, if this is not it), else " + RESTART)
 #: world rank -> the newest "waiting" notice it sent this process (any group's channel)
 WAITING: dict[int, tuple[float, str]] = {}
-#: seconds a rank whose deadline passed waits for the others to say whether they joined
-ROLL_CALL_WAIT = 0.2
+#: seconds a rank whose deadline passed waits for the others to say whether they joined (0.2
+#: missed an answer now and then with 4 processes on 2 busy cores: a wrong diagnosis, not a hang)
+ROLL_CALL_WAIT = 0.5
 
 
 class Notices:
