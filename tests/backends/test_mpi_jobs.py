@@ -218,14 +218,20 @@ _THREADED_POSTS = """
         seen["alone"] = tuner.lock.n
         bad = []
 
+        started, overlapped = threading.Event(), threading.Event()
+
         def rings():  # 128 KiB: ring, set and reset around each post
             for i in range(40):
                 r = big.allreduce(np.full(1 << 14, i, np.float64))
                 if not (r == 2 * i).all():
                     bad.append(("big", i))
+                if i == 0:  # the small posts below run beside this thread for certain (on a
+                    started.set()  # busy machine it could finish before the main thread ran)
+                    overlapped.wait(60)
 
         t = threading.Thread(target=rings)
         t.start()
+        started.wait(60)
         i = 0
         while True:
             for _ in range(20):
@@ -233,6 +239,7 @@ _THREADED_POSTS = """
                 if not (r == 2 * i).all():
                     bad.append(("small", i))
                 i += 1
+            overlapped.set()
             # stop together: each rank sees its own thread end at its own moment, and a rank
             # that posted one call more than its peer would wait for it until the timeout
             alive = small.allreduce(np.full(2, float(t.is_alive()), np.float32))
