@@ -302,13 +302,14 @@ class PointToPoint:
                 and x.dtype in SUPPORTED_SET and x.flags.c_contiguous)
 
     def _recv_fast(self, buf: Any, src: int, tag: int) -> bool:
-        """``_p2p_fast`` for the receiving half of a ``sendrecv``: any source and any tag too
-        where the quick lane matches them itself (MPI does)."""
+        """``_p2p_fast`` for the receiving half of a ``sendrecv``: also any source and any tag
+        where the backend's quick lane matches them itself (MPI does)."""
         g = self._g
-        if g.backend is not None and g.backend.quick_p2p is not None and (src == -1 or tag == -1):
-            src = (g.rank + 1) % g.size if src == -1 else src  # (a valid stand-in for the check)
-            tag = 0 if tag == -1 else tag
-        return self._p2p_fast(buf, src, tag, True) and buf.flags.writeable
+        wild = g.backend is not None and g.backend.quick_p2p is not None
+        return (g._fast and type(buf) is _ndarray and type(src) is int and type(tag) is int
+                and (src in self._ranks or (wild and src == ANY_SOURCE))
+                and (0 <= tag <= g._max_tag or (wild and tag == ANY_TAG))
+                and buf.dtype in SUPPORTED_SET and buf.flags.c_contiguous and buf.flags.writeable)
 
     def _p2p_blocking(self, send: bool, x: np.ndarray, peer: int, tag: int,
                       timeout: float | None) -> None:

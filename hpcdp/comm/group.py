@@ -173,8 +173,7 @@ class ProcessGroup:
         rec = self._rec
         tok = rec.begin(opname, self, seq, call.get("shape"), call.get("dtype"),
                         call.get("root", -1)) if rec is not None else 0
-        if self._debug != "off" and (self._debug == "detail" or seq <= _debug.SAMPLE_FIRST
-                                     or not seq & _debug.SAMPLE_MASK):
+        if self._debug == "detail" or (self._debug == "sample" and _debug.sampled(seq)):
             try:
                 if self._debug == "detail":
                     _debug.check_across(self, opname, seq, timeout, **call)
@@ -303,6 +302,7 @@ class ProcessGroup:
         seq = next(self._seq)
         rec = self._rec
         tok = rec.begin("allreduce", self, seq, x.shape, xd, -1) if rec is not None else 0
+        # ``_debug.sampled(seq)``, inlined: this lane is A2's, where a call costs what it shows
         if self._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
             self._check_sampled("allreduce", seq, t, tok, rop.value, x.shape, xd)
         be = self.backend
