@@ -115,6 +115,8 @@ _DECLARED = [
        choices=("off", "sample", "detail"),
        aliases=(("0", "off"), ("false", "off"), ("no", "off"),
                 ("1", "detail"), ("true", "detail"), ("yes", "detail"), ("on", "detail"))),
+    _s("HPCDP_DETERMINISTIC", "bool", False,
+       "deterministic mode: exact float sums, bit-identical for any backend, algorithm or world size"),
     _s("HPCDP_FULL_TRACEBACK", "bool", False, "keep hpcdp's internal frames in printed tracebacks"),
     # -- trace -----------------------------------------------------------------------------------
     _s("HPCDP_TRACE", "bool", False, "write a Chrome-trace timeline per rank (and every source line)"),

@@ -29,6 +29,7 @@ from ..ops import ReduceOp, as_op, check_op_dtype
 from ..trace import hooks as trace  # the recording hooks (on_error, active_recorder)
 from .work import WATCH_AFTER, CompletedWork, Work, annotate, finish_wait, work_where
 from .topology import CartGroup, cart_create, split_layout, split_payload
+from . import reproducible
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -85,6 +86,7 @@ class ProcessGroup:
         self._members = tuple(backend.ranks) if backend is not None else tuple(members)
         self._max_tag = backend.max_tag if backend is not None else 0
         self._debug = _debug.debug_level()
+        self._deterministic = bool(setting("HPCDP_DETERMINISTIC"))
         # the flight recorder of this rank (None when HPCDP_FLIGHT_RECORDER=0 or not a member)
         self._rec = (trace.active_recorder(self._members[backend.rank])
                      if backend is not None else None)
@@ -110,10 +112,22 @@ class ProcessGroup:
         self._debug = level
         self._refresh_fast()
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether float ``sum``/``mean`` reductions are exact and bit-reproducible
+        (``comm.reproducible``); from ``init(deterministic=)`` or ``HPCDP_DETERMINISTIC``,
+        inherited by sub-groups, settable (the same on every rank)."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool) -> None:
+        self._deterministic = bool(on)
+        self._refresh_fast()
+
     def _refresh_fast(self) -> None:
         self._sample = self._debug == "sample"  # the sampled signature checks (comm.debug)
         self._fast = (self._debug != "detail" and self.backend is not None and self._broken is None
-                      and self._closed is None)
+                      and self._closed is None and not self._deterministic)
 
     @property
     def timeout(self) -> float:
@@ -231,6 +245,47 @@ class ProcessGroup:
             return work
         return work._wait()
 
+    @staticmethod
+    def _exact_op(rop: ReduceOp, dtype: Any, where: str) -> bool:
+        """Whether deterministic mode sums this reduction exactly; ``prod`` of floats raises
+        (its bits would depend on the order, which this mode promises they do not)."""
+        if rop is ReduceOp.PROD and np.dtype(dtype).kind in "fc":
+            raise ValueError(f"{where}: op 'prod' on {np.dtype(dtype)} is not reproducible, and "
+                             "this group is in deterministic mode (sum, mean, max and min are)")
+        return reproducible.reducible(rop, dtype)
+
+    def _exact(self, opname: str, x: Any, rop: ReduceOp, out: Any, async_op: bool,
+               timeout: float | None, mode: str, root: int = 0) -> Any:
+        """A float sum or mean of deterministic mode (``comm.reproducible``): two integer
+        collectives inside one recorded call; complete before it returns, also when asked
+        for asynchronously."""
+        where = self._where(opname)
+        xp = xp_of(x)
+        shape = x.shape if mode != "scatter" else (x.shape[0] // self.size, *x.shape[1:])
+        mine = mode != "root" or self.rank == root
+        result = None
+        if mine:
+            result, _ = result_buffer(where, out, shape, x.dtype, xp, x)
+        elif out is not None:  # checked here too: a bad out= must not leave only the root raising
+            check_out(where, out, shape, x.dtype, xp)
+        t = self._timeout_of(opname, timeout)
+        call: dict[str, Any] = {"op": rop.value, "shape": x.shape, "dtype": x.dtype}
+        if mode == "root":
+            call["root"] = root
+        seq, tok = self._begin(opname, t, True, **call)
+        try:
+            value = reproducible.sum_rows(self, x.reshape(1, *x.shape), mode=mode, root=root,
+                                          divisor=self.size if rop is ReduceOp.MEAN else 1,
+                                          dtype=x.dtype, timeout=t)
+        except Exception as exc:
+            trace.on_error(self._rec, tok, exc)
+            raise
+        if self._rec is not None:
+            self._rec.end(tok)
+        if result is not None:
+            result[...] = value
+        return self._done(opname, seq, result, async_op)
+
     def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:
         return CompletedWork(self, op, seq, result) if async_op else result
 
@@ -263,6 +318,8 @@ class ProcessGroup:
             check_array(where, x)
             be = self._transport(x)
             check_op_dtype(rop, x.dtype, where)
+            if self._deterministic and self._exact_op(rop, x.dtype, where):
+                return self._exact("allreduce", x, rop, out, async_op, timeout, "all")
             xp = xp_of(x)
             result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
             t = self._timeout_of("allreduce", timeout)
@@ -381,6 +438,8 @@ class ProcessGroup:
         check_array(where, x)
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
+        if self._deterministic and self._exact_op(rop, x.dtype, where):
+            return self._exact("reduce", x, rop, out, async_op, timeout, "root", root)
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
@@ -519,6 +578,8 @@ class ProcessGroup:
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
+        if self._deterministic and self._exact_op(rop, x.dtype, where):
+            return self._exact("reduce_scatter", x, rop, out, async_op, timeout, "scatter")
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
         t = self._timeout_of("reduce_scatter", timeout)
@@ -709,6 +770,7 @@ class ProcessGroup:
                              members=members)
         if self.debug == "detail":
             child.debug = "detail"
+        child.deterministic = self._deterministic
         self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
         return child
 
@@ -753,6 +815,7 @@ class ProcessGroup:
                              members=[self.ranks[r] for r in ranks])
         if self.debug == "detail":
             child.debug = "detail"
+        child.deterministic = self._deterministic
         self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
         return child
 

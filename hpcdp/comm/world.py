@@ -21,7 +21,7 @@ from ..backends import backend_factory
 from .validation import check_timeout
 from ..errors import BackendUnavailableError, HpcdpError
 from .group import ProcessGroup
-from . import stragglers
+from . import reproducible, stragglers
 from ._watchdog import set_warn_after
 
 __all__ = [
@@ -92,7 +92,8 @@ def is_initialized() -> bool:
 
 
 def init(backend: str | None = None, *, timeout: float | None = None,
-         warn_after: float | None = None, **options: Any) -> ProcessGroup:
+         warn_after: float | None = None, deterministic: bool | None = None,
+         **options: Any) -> ProcessGroup:
     """Start the default group and return it.
 
     Calling ``init`` again while initialised returns the current group when it asks for the
@@ -107,6 +108,10 @@ def init(backend: str | None = None, *, timeout: float | None = None,
         warn_after: seconds a call may stay blocked before this process logs, once, what it
             waits for and on whom (default ``HPCDP_WARN_AFTER`` or 60; 0: never); see
             ``comm._watchdog``.
+        deterministic: exact, bit-reproducible float sums in every reduction of this world
+            and its sub-groups (``comm.reproducible``; default ``HPCDP_DETERMINISTIC``). Every
+            rank must ask for the same: init raises ``CollectiveMismatchError`` on every rank
+            otherwise, naming which ranks asked for which.
         options: passed to the backend factory.
     """
     global _default
@@ -122,6 +127,9 @@ def init(backend: str | None = None, *, timeout: float | None = None,
         t = None if timeout is None else check_timeout(where, timeout)
         if current is not None:
             if current.backend is not None and _started.get(current) == name and not options:
+                if deterministic is not None and bool(deterministic) != current.deterministic:
+                    raise HpcdpError(f"{where}: already initialised with deterministic="
+                                     f"{current.deterministic}; finalize() first")
                 if t is None or t == current.timeout:
                     return current
                 raise HpcdpError(
@@ -140,8 +148,12 @@ def init(backend: str | None = None, *, timeout: float | None = None,
         except ImportError as exc:
             raise BackendUnavailableError(f"init: backend {name!r} cannot start here: {exc}") from exc
         group = ProcessGroup(be, name="world", timeout=t)
+        if deterministic is not None:
+            group.deterministic = bool(deterministic)
         _started[group] = name
         _default = group
+        if group.size > 1:
+            reproducible.check_agreement(group, group.deterministic)
     _install_excepthook()
     start_tracing(group)
     return group
