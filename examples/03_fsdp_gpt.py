@@ -117,7 +117,9 @@ class GPT(nn.Module):
 
     def forward(self, idx: Any) -> Any:
         t = idx.shape[1]
-        x = self.tok(idx) + self.pos(np.arange(t))[None]
+        # positions per window (not one row broadcast over the batch): a window's gradient
+        # then never mixes with another's, which chunked (deterministic) training relies on
+        x = self.tok(idx) + self.pos(np.broadcast_to(np.arange(t), idx.shape))
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))
@@ -126,7 +128,7 @@ class GPT(nn.Module):
         g = self.ln_f.run_backward(self.head.run_backward(g))
         for b in reversed(list(self.blocks)):
             g = b.run_backward(g)
-        self.pos.run_backward(g.sum(axis=0))
+        self.pos.run_backward(g)
         self.tok.run_backward(g)
         return None
 

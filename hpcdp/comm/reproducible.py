@@ -52,7 +52,7 @@ def _as_rows(x: Any, xp: Any) -> Any:
 
 
 def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor: int = 1,
-             dtype: Any = None, timeout: float | None = None) -> Any:
+             dtype: Any = None, timeout: float | None = None, replicate: Any = None) -> Any:
     """Exact sum over axis 0 of ``rows`` and over the ranks of ``group``, rounded once.
 
     Args:
@@ -63,6 +63,9 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
             "scatter" (rank i gets part i of axis 0 of ``shape``, which the group size divides).
         divisor: the result is the rounded sum divided by it in ``dtype`` (a mean's count).
         dtype: result dtype (default: that of ``rows``; float16, float32, float64, complex).
+        replicate: a second group whose ranks hold the same part (FSDP's hybrid sharding: the
+            sum runs over ``group`` x ``replicate``, still exactly: the grid is agreed over both,
+            the limbs are added over ``group`` then over ``replicate``, and rounded once).
 
     Returns:
         The array of ``shape`` (or its part), or None off the root in "root" mode.
@@ -76,6 +79,8 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     if part_dtype not in exact.FORMATS:
         raise TypeError(f"deterministic sum: dtype {out_dtype} is not float16, float32, float64 "
                         "or complex (bfloat16 arrays: sum them as float32)")
+    if replicate is not None and mode == "root":
+        raise ValueError("sum_rows: replicate= goes with mode 'all' or 'scatter'")
     m = int(rows.shape[0])
     if m > _MAX_ROWS:
         raise ValueError(f"deterministic sum: {m} rows per rank exceeds {_MAX_ROWS}")
@@ -88,6 +93,9 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     local = exact.codes(flat, xp)
     head = xp.concatenate([local.reshape(-1), xp.asarray([m], dtype=np.int16)])
     agreed = group.allreduce(head, "max", timeout=timeout)
+    if replicate is not None:
+        agreed = replicate.allreduce(agreed, "max", timeout=timeout)
+        size *= replicate.size
     code = agreed[:2 * n].reshape(2, n)
     width = exact.limb_width(max(int(agreed[-1]), 1) * size)
     n_limbs = exact.nlimbs(code, xp, width)
@@ -96,6 +104,8 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     counts = None
     if bool(specials.any()):  # every rank sees the same codes, so every rank comes here
         counts = group.allreduce(exact.special_counts(flat, xp), "sum", timeout=timeout)
+        if replicate is not None:
+            counts = replicate.allreduce(counts, "sum", timeout=timeout)
     # pass 2: the limbs, exactly
     if mode == "all":
         total = group.allreduce(acc, "sum", timeout=timeout)
@@ -106,11 +116,13 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
             return None
         lo, hi = 0, n
     elif mode == "scatter":
-        per = n // size
+        per = n // group.size
         total = group.reduce_scatter(acc, "sum", timeout=timeout)
         lo, hi = group.rank * per, (group.rank + 1) * per
     else:
         raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
+    if replicate is not None:
+        total = replicate.allreduce(total, "sum", timeout=timeout)
     mine = code[:, lo:hi]
     if divisor == 1:
         result = exact.round_limbs(total, mine, width, part_dtype, xp)
@@ -125,12 +137,14 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     if out_dtype.kind == "c":
         result = result.view(out_dtype)
     if mode == "scatter":
-        return result.reshape((shape[0] // size, *shape[1:]))
+        return result.reshape((shape[0] // group.size, *shape[1:]))
     return result.reshape(shape)
 
 
 def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
     """The exact sum of every element of ``x`` on every rank, correctly rounded to a float.
+
+    ``group`` None: this rank's elements alone (no communication).
 
     For scalars of a whole model (a squared gradient norm, a loss summed over samples): the
     partition of the elements among ranks does not change a bit of the answer. Elements are
@@ -141,11 +155,12 @@ def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
     v = _as_rows(x, xp).reshape(1, -1)
     n = v.shape[1]
     c = exact.codes(v.reshape(-1, 1), xp).reshape(2)   # one element: all of x as rows
-    agreed = group.allreduce(xp.asarray([int(c[0]), int(c[1]), min(n, _MAX_ROWS)], dtype=np.int16),
-                             "max", timeout=timeout)
+    allreduce = _local if group is None else group.allreduce
+    agreed = allreduce(xp.asarray([int(c[0]), int(c[1]), min(n, _MAX_ROWS)], dtype=np.int16),
+                       "max", timeout=timeout)
     top, neg_low = int(agreed[0]), int(agreed[1])
     if top == exact.NONFINITE:
-        counts = group.allreduce(exact.special_counts(v.reshape(-1, 1), xp), "sum", timeout=timeout)
+        counts = allreduce(exact.special_counts(v.reshape(-1, 1), xp), "sum", timeout=timeout)
         return float(exact.apply_specials(np.zeros(1), np.asarray(counts), np)[0])
     if top <= exact.POS_ZERO:
         return -0.0 if top == exact.NEG_ZERO else 0.0
@@ -168,7 +183,7 @@ def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
         limbs[j] = rest & ((1 << width) - 1)
         rest >>= width
     limbs[0] = rest
-    summed = np.asarray(group.allreduce(limbs, "sum", timeout=timeout)).tolist()
+    summed = np.asarray(allreduce(limbs, "sum", timeout=timeout)).tolist()
     total = 0
     for j, a in enumerate(summed):
         total += int(a) << (width * (digits - 1 - j))
@@ -178,6 +193,11 @@ def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
         return float(Fraction(total) * (Fraction(2) ** base))
     except OverflowError:
         return float("inf") if total > 0 else float("-inf")
+
+
+def _local(x: Any, op: str, *, timeout: float | None = None) -> Any:
+    """``allreduce`` over a group of one."""
+    return x
 
 
 def check_agreement(group: Any, deterministic: bool, *, timeout: float | None = None) -> None:

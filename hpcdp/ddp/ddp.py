@@ -49,6 +49,7 @@ from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name,
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
 from .join import Join
+from ._chunked import ChunkedGradients
 from ..comm.world import group_or_default
 
 __all__ = ["DDP"]
@@ -70,6 +71,12 @@ class DDP:
             training forward.
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (no copies); False
             keeps separate ``.grad`` arrays and copies in and out of the buckets.
+        deterministic_chunk: ``c``: world-size-independent gradients (``ddp._chunked``): the
+            layers compute one gradient per chunk of ``c`` samples (axis 0 of the forward's
+            first array) and the chunks of all ranks are added exactly, so a global batch of
+            ``B`` samples gives bit-identical gradients on any world size dividing ``B / c``.
+            The reduction then runs after backward, not overlapped with it; comm hooks do not
+            apply.
 
     Rank 0's parameters (frozen ones included) and buffers are broadcast at construction.
     ``close()`` detaches a DDP from its model; wrapping the model again without closing or
@@ -78,7 +85,7 @@ class DDP:
 
     def __init__(self, module: Any, *, bucket_cap_mb: float = 25, group: Any = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 gradient_as_bucket_view: bool = True) -> None:
+                 gradient_as_bucket_view: bool = True, deterministic_chunk: int | None = None) -> None:
         if not hasattr(module, "named_parameters"):
             raise TypeError(f"DDP needs an object with named_parameters(), got {type(module).__name__}")
         if bucket_cap_mb <= 0:
@@ -109,13 +116,15 @@ class DDP:
                                 find_unused_parameters=self.find_unused_parameters,
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
+        self._chunks = (None if deterministic_chunk is None else
+                        ChunkedGradients(deterministic_chunk, self.group, self._reducer.buckets))
         # A weak reference: the model's parameters must not keep a dropped DDP alive (and
         # reducing), so that ``DDP(model)`` twice leaves only the new one attached.
         ref = weakref.ref(self)
 
         def on_grad(p: Any) -> None:
             ddp = ref()
-            if ddp is not None:
+            if ddp is not None and ddp._chunks is None:   # chunked: reduced after backward
                 ddp._reducer.on_grad(p)
 
         self._handles = [p.register_hook(on_grad) for _, p in named]
@@ -200,7 +209,10 @@ class DDP:
         """Run the module's forward (in training mode: prepare buckets, join handshake, buffers)."""
         self._check_open("forward")
         training = bool(getattr(self.module, "training", True))
-        if training:
+        if training and self._chunks is not None:
+            self._chunks.begin_forward(args, kwargs)
+            self._sync_buffers()
+        elif training:
             if self.gradient_as_bucket_view:
                 self._reducer.point_grads_at_buckets()
             join = self._reducer.join
@@ -217,6 +229,8 @@ class DDP:
         """Run the module's backward; return its result once all gradients are averaged."""
         self._check_open("backward")
         sync = self._require_sync
+        if self._chunks is not None:
+            return self._chunked_backward(grad_output, sync)
         reducer = self._reducer
         reducer.begin_pass(sync)
         with trace.span("backward", "ddp", sync=sync), pinned_line():
@@ -231,6 +245,19 @@ class DDP:
                 with trace.span("wait gradients", "ddp"):
                     reducer.finish_sync_pass()
         reducer.in_backward = False
+        return out
+
+    def _chunked_backward(self, grad_output: Any, sync: bool) -> Any:
+        """``backward`` with ``deterministic_chunk``: per-chunk gradients, added exactly after."""
+        with trace.span("backward", "ddp", sync=sync, chunked=True), pinned_line():
+            try:
+                run = getattr(self.module, "run_backward", None)
+                out = run(grad_output) if run is not None else self.module.backward(grad_output)
+            finally:
+                self._chunks.end_backward()
+            if sync:
+                with trace.span("exact gradient sum", "ddp"):
+                    self._chunks.reduce()
         return out
 
     def parameters(self) -> Iterator[Any]:

@@ -26,6 +26,7 @@ from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.parameter import Parameter
 from ._api import BF16, is_low_precision
+from ._chunked import ChunkCount, exact_reduction
 from ._collectives import Reduction, ShardComm, comm_dtype, decode, encode
 from ._param import FreedGrad, ParamSlot
 from ._wrap import UnitSpec
@@ -83,6 +84,7 @@ class Unit:
         self._gather_dtype: Any = self.param_dtype
         self._gather_direct = False
         self.grad_full: Any = None     # parameter-major unsharded gradient (this rank's)
+        self.chunks: ChunkCount | None = None   # set by FSDP(deterministic_chunk=)
         self.reduction: Reduction | None = None
         self._placeholder = self.xp.empty((0,), self.compute_dtype)
         # per-step bookkeeping, owned by the schedule
@@ -240,6 +242,15 @@ class Unit:
         if self.reduction is not None:
             raise HpcdpError(f"FSDP unit {self.name!r} (rank {self.comm.group.rank}): a gradient reduction "
                              "was launched twice in one backward")
+        if self.chunks is not None:   # deterministic_chunk: the chunks, added exactly
+            staging = np.dtype(self.master_dtype)
+            self.reduction = exact_reduction(self, self.chunks.total, staging)
+            self.grad_full = None
+            self.used = set(self._always_used)
+            for i in self.trainable:
+                slot = self.slots[i]
+                slot.param.grad = FreedGrad(slot.name)
+            return
         if self.grad_full is None:  # backward never reached the unit's hooks: keep what layers left
             self.begin_grads()
         full = self.grad_full

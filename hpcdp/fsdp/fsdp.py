@@ -27,6 +27,9 @@ from ._api import STRATEGIES, Event, MixedPrecision
 from ._collectives import ShardComm
 from ._memory import MemoryStats, Tracker, optimizer_state_bytes
 from ._state import Schedule
+from ._chunked import ChunkCount
+from ..comm.reproducible import exact_total
+from ..nn import chunking
 from ._unit import Unit
 from ._wrap import plan_units
 from ..comm.world import group_or_default
@@ -112,12 +115,19 @@ class FSDP:
             backward; the order is recorded on the first step).
         limit_all_gathers: at most one unit gathered ahead of its use (two when False).
         sync_module_states: broadcast rank 0's parameters and buffers at construction.
+        deterministic_chunk: ``c``: world-size-independent training (``fsdp._chunked``): one
+            gradient per chunk of ``c`` samples (axis 0 of the forward's first array), all
+            chunks of all ranks added exactly and divided by their number, so a global batch of
+            ``B`` samples gives bit-identical shards' gradients (and, with ``clip_grad_norm_``
+            and an elementwise optimizer, parameters) on any world size dividing ``B / c``.
+            Gradients are reduced in the master dtype (``reduce_dtype`` does not apply).
     """
 
     def __init__(self, module: Any, *, strategy: str = "full_shard", group: Any = None,
                  shard_size: int | None = None, auto_wrap: Any = None,
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = True,
-                 limit_all_gathers: bool = True, sync_module_states: bool = True) -> None:
+                 limit_all_gathers: bool = True, sync_module_states: bool = True,
+                 deterministic_chunk: int | None = None) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"FSDP: strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
         if not hasattr(module, "named_parameters"):
@@ -180,6 +190,9 @@ class FSDP:
                                prefetch=prefetch, limit_all_gathers=limit_all_gathers,
                                mixed=mixed_precision, rank=rank)
         self._require_sync = True
+        self._chunks = None if deterministic_chunk is None else ChunkCount(deterministic_chunk)
+        for u in self.units:
+            u.chunks = self._chunks
         self._handles: list[Any] = []
         self._register_hooks(named)
 
@@ -249,6 +262,8 @@ class FSDP:
         exception propagates, so no full parameters stay behind.
         """
         root, sched = self.units[0], self._sched
+        if self._chunks is not None and bool(getattr(self.module, "training", True)):
+            self._chunks.begin_forward(args, kwargs, self.group.rank)
         try:
             if self._hooked:
                 return self.module(*args, **kwargs)
@@ -268,6 +283,8 @@ class FSDP:
             HpcdpError: no forward ran since the last backward, or a backward is already running.
         """
         sched = self._sched
+        if self._chunks is not None and self._require_sync:
+            self._chunks.agree(self.group)
         sched.begin_backward(self._require_sync)
         try:
             if self._hooked:
@@ -279,6 +296,9 @@ class FSDP:
         except BaseException:
             sched.abort_backward()
             raise
+        finally:
+            if self._chunks is not None:
+                chunking.set_chunk_size(None)
         sched.finish_backward()
         return out
 
@@ -346,6 +366,16 @@ class FSDP:
         """
         grads = [p.grad for _, p in self._named_shards if p.grad is not None]
         inf = norm_type == math.inf
+        if not inf and (self._chunks is not None or self.group.deterministic):
+            # exact: the partition of the elements among shards changes no bit of the norm
+            powers = [(np.abs(g.astype(np.float64)) ** norm_type).reshape(-1) for g in grads]
+            flat = np.concatenate(powers) if powers else np.zeros(0)
+            total = exact_total(self.comm.shard, flat) ** (1.0 / norm_type)
+            coef = float(max_norm) / (total + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g *= coef
+            return total
         if inf:
             local = max((float(np.abs(g).max()) if g.size else 0.0) for g in grads) if grads else 0.0
         else:
@@ -453,3 +483,4 @@ class _Combined:
         self.state: dict[Any, Any] = {}
         for o in optimizers:
             self.state.update(o.state)
+

@@ -16,6 +16,7 @@ from .losses import CrossEntropyLoss, MSELoss
 from .microbatch import current_microbatch, microbatch
 from .module import IncompatibleKeys, Module
 from .normalization import LayerNorm, RMSNorm
+from . import chunking
 from .parameter import Parameter, RemovableHandle
 
 __all__ = [

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import init
+from . import chunking, init
 from .backend import xp_of
 from .activations import softmax
 from .linear import Linear
@@ -74,7 +74,7 @@ class MultiheadAttention(Module):
                              f"(batch, seq, {self.embed_dim}), got {tuple(x.shape)}")
         xp = xp_of(x)
         b, s, e = x.shape
-        qkv = x @ self.in_proj_weight.data.T
+        qkv = chunking.matmul_t(x, self.in_proj_weight.data)
         if self.in_proj_bias is not None:
             qkv = qkv + self.in_proj_bias.data
         q, k, v = (self._heads(qkv[..., i * e:(i + 1) * e], b, s) for i in range(3))
@@ -101,7 +101,7 @@ class MultiheadAttention(Module):
             self.save_for_weight(x, d_qkv)
         else:
             self.save_for_weight()
-        return d_qkv @ self.in_proj_weight.data
+        return chunking.matmul(d_qkv, self.in_proj_weight.data)
 
     def backward_weight(self) -> None:
         """Accumulate out_proj's gradients, then in_proj_bias and in_proj_weight (reverse parameter order)."""
@@ -110,11 +110,10 @@ class MultiheadAttention(Module):
         if not kept:
             return
         x, d_qkv = kept
-        g2 = d_qkv.reshape(-1, 3 * self.embed_dim)
         if self.in_proj_bias is not None and self.in_proj_bias.requires_grad:
-            self.in_proj_bias.accumulate_grad(g2.sum(axis=0))
+            self.in_proj_bias.accumulate_grad(chunking.sample_sum(d_qkv, 1))
         if self.in_proj_weight.requires_grad:
-            self.in_proj_weight.accumulate_grad(g2.T @ x.reshape(-1, self.embed_dim))
+            self.in_proj_weight.accumulate_grad(chunking.weight_grad(d_qkv, x))
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "

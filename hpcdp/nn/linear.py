@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import init
+from . import chunking, init
 from .backend import scatter_add, xp_of
 from .module import Module
 from .parameter import Parameter
@@ -49,7 +49,7 @@ class Linear(Module):
         if x.ndim < 1 or x.shape[-1] != self.in_features:
             raise ValueError(f"Linear({self.in_features}, {self.out_features}) got input of shape {tuple(x.shape)}")
         self.save_for_backward(x)
-        y = x @ self.weight.data.T
+        y = chunking.matmul_t(x, self.weight.data)
         if self.bias is not None:
             y = y + self.bias.data
         return y
@@ -61,19 +61,18 @@ class Linear(Module):
             self.save_for_weight(x, grad_output)
         else:
             self.save_for_weight()
-        return grad_output @ self.weight.data
+        return chunking.matmul(grad_output, self.weight.data)
 
     def backward_weight(self) -> None:
-        """Accumulate dL/db then dL/dW (firing their hooks)."""
+        """Accumulate dL/db then dL/dW (firing their hooks); per chunk when chunked."""
         kept = self.saved_for_weight()
         if not kept:
             return
         x, grad_output = kept
-        g2 = grad_output.reshape(-1, self.out_features)
         if self.bias is not None and self.bias.requires_grad:
-            self.bias.accumulate_grad(g2.sum(axis=0))
+            self.bias.accumulate_grad(chunking.sample_sum(grad_output, 1))
         if self.weight.requires_grad:
-            self.weight.accumulate_grad(g2.T @ x.reshape(-1, self.in_features))
+            self.weight.accumulate_grad(chunking.weight_grad(grad_output, x))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -137,10 +136,19 @@ class Embedding(Module):
         if not kept or not self.weight.requires_grad:
             return
         idx, grad_output = kept
-        dw = xp_of(self.weight.data).zeros_like(self.weight.data)
-        scatter_add(dw, idx.reshape(-1), grad_output.reshape(-1, self.embedding_dim))
+        xp = xp_of(self.weight.data)
+        rows = idx.reshape(-1)
+        if chunking.chunk_size() is not None:  # one table per chunk: row v of chunk j is j*V + v
+            k = chunking.chunks_in(idx, "indices")
+            rows = rows + xp.repeat(xp.arange(k) * self.num_embeddings, rows.shape[0] // k)
+            dw = xp.zeros((k * self.num_embeddings, self.embedding_dim), self.weight.data.dtype)
+        else:
+            dw = xp.zeros_like(self.weight.data)
+        scatter_add(dw, rows, grad_output.reshape(-1, self.embedding_dim))
+        if chunking.chunk_size() is not None:
+            dw = dw.reshape(-1, self.num_embeddings, self.embedding_dim)
         if self.padding_idx is not None:
-            dw[self.padding_idx] = 0
+            dw[..., self.padding_idx, :] = 0
         self.weight.accumulate_grad(dw)
 
     def extra_repr(self) -> str:

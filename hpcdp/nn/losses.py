@@ -2,6 +2,13 @@
 
 Like layers, a loss saves what its backward needs under the current ``nn.microbatch``, so a
 pipeline's last stage can hold the losses of several microbatches at once.
+
+With chunked gradients on (``nn.chunking``, deterministic training), a ``mean`` loss is the mean
+of each chunk of samples on its own: the gradient of a sample is divided by its chunk's count,
+the same on any rank, and the division by the number of chunks comes after the exact sum. The
+per-chunk values are kept in ``chunk_values``; the value returned is their plain mean (for
+display; ``comm.reproducible.exact_total`` of ``chunk_values`` over the ranks divided by the
+number of chunks is the reproducible global loss).
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import chunking
 from .backend import xp_of
 from .activations import log_softmax
 from .module import Module
@@ -29,6 +37,13 @@ class _Loss(Module):
     def __init__(self, reduction: str = "mean") -> None:
         super().__init__()
         self.reduction = _check_reduction(reduction)
+        self.chunk_values: Any = None   # per-chunk losses of the last chunked forward
+
+    def _chunks(self, input: Any) -> int | None:  # noqa: A002
+        """Chunks of samples in ``input`` when chunked gradients are on and this loss averages."""
+        if chunking.chunk_size() is None or self.reduction != "mean":
+            return None
+        return chunking.chunks_in(input, "loss input")
 
     def backward(self, grad_output: Any = None) -> Any:
         """Return dLoss/dinput (``grad_output`` defaults to 1 for reduced losses)."""
@@ -56,18 +71,22 @@ class MSELoss(_Loss):
         if tuple(input.shape) != tuple(target.shape):
             raise ValueError(f"MSELoss: input shape {tuple(input.shape)} != target shape {tuple(target.shape)}")
         diff = input - target
-        self.save_for_backward(diff)
+        k = self._chunks(input)
+        self.save_for_backward(diff, k)
         per = diff * diff
         if self.reduction == "none":
             return per
+        if k is not None:  # each chunk's own mean
+            self.chunk_values = per.reshape(k, -1).mean(axis=1)
+            return xp_of(per).asarray(self.chunk_values.mean(), dtype=input.dtype)
         # A 0-d array of the input dtype (not a numpy scalar), so float(loss) works for numpy and cupy.
         total = per.sum() if self.reduction == "sum" else per.mean()
         return xp_of(per).asarray(total, dtype=input.dtype)
 
     def backward_input(self, grad_output: Any = None) -> Any:
         """Return dLoss/dinput = 2 (input - target) * scale."""
-        (diff,) = self.saved_tensors()
-        scale = self._grad_scale(grad_output, diff.size)
+        diff, k = self.saved_tensors()
+        scale = self._grad_scale(grad_output, diff.size if k is None else diff.size // k)
         return (2.0 * diff * scale).astype(diff.dtype, copy=False)
 
 
@@ -129,9 +148,17 @@ class CrossEntropyLoss(_Loss):
             per = (1.0 - self.label_smoothing) * per - self.label_smoothing * logp.mean(axis=1)
         per = xp.where(valid, per, 0.0).astype(input.dtype, copy=False)
         count = int(valid.sum())
+        k = self._chunks(input)
+        if k is not None:  # each chunk's own mean over its non-ignored targets
+            counts = valid.reshape(k, -1).sum(axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                self.chunk_values = (per.reshape(k, -1).sum(axis=1) / counts).astype(input.dtype)
+            count = xp.repeat(xp.maximum(counts, 1), t.shape[0] // k)   # per row: its chunk's count
         self.save_for_backward(logp, t, valid, count, tuple(input.shape), class_last)
         if self.reduction == "none":
             return per.reshape(target.shape)
+        if k is not None:
+            return xp.asarray(self.chunk_values.mean(), dtype=input.dtype)
         if self.reduction == "sum":
             return xp.asarray(per.sum(), dtype=input.dtype)
         # torch's mean is over non-ignored targets: nan when every target is ignored.
@@ -146,16 +173,25 @@ class CrossEntropyLoss(_Loss):
         if self.label_smoothing:
             grad -= self.label_smoothing / grad.shape[1]
         grad *= valid[:, None]
+        if not isinstance(count, int):   # chunked: each row divided by its chunk's count
+            grad /= count[:, None]
+            grad *= self._grad_scale(grad_output, 1)
+            return self._shaped(grad, shape, class_last)
         # All targets ignored: no gradient (rather than 0/0).
         scale = self._grad_scale(grad_output, max(count, 1))
         if self.reduction == "none":
             grad *= xp.asarray(scale, dtype=grad.dtype).reshape(-1, 1)
         else:
             grad *= scale
+        return self._shaped(grad, shape, class_last)
+
+    @staticmethod
+    def _shaped(grad: Any, shape: tuple[int, ...], class_last: bool) -> Any:
+        """The (rows, classes) gradient in the logits' layout."""
         if class_last:
             return grad.reshape(shape)
         moved = shape[:1] + shape[2:] + shape[1:2]
-        return xp.moveaxis(grad.reshape(moved), -1, 1)
+        return xp_of(grad).moveaxis(grad.reshape(moved), -1, 1)
 
     def extra_repr(self) -> str:
         extra = f", ignore_index={self.ignore_index}" if self.ignore_index != -100 else ""

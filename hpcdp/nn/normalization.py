@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from . import chunking
 from .backend import xp_of
 from .module import Module
 from .parameter import Parameter
@@ -48,6 +49,13 @@ class _Norm(Module):
         xhat, g = kept
         batch_axes = tuple(range(xhat.ndim - len(self.normalized_shape)))
         bias = self._parameters.get("bias")
+        if chunking.chunk_size() is not None:  # one sum per chunk of samples
+            nd = len(self.normalized_shape)
+            if bias is not None and bias.requires_grad:
+                bias.accumulate_grad(chunking.sample_sum(g, nd))
+            if self.weight.requires_grad:
+                self.weight.accumulate_grad(chunking.sample_sum(g * xhat, nd))
+            return
         if bias is not None and bias.requires_grad:
             bias.accumulate_grad(g.sum(axis=batch_axes))
         if self.weight.requires_grad:

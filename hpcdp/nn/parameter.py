@@ -5,6 +5,7 @@ import itertools
 from typing import Any, Callable
 
 from .backend import is_float_dtype, xp_of
+from .chunking import chunk_size
 
 __all__ = ["Parameter", "RemovableHandle", "GradHook"]
 
@@ -64,6 +65,9 @@ class Parameter:
         self.name = name
         self.requires_grad = bool(requires_grad)
         self._hooks: dict[int, GradHook] = {}
+        #: per-chunk gradient stacks ``(k, *shape)`` of chunked backward passes (``nn.chunking``),
+        #: waiting for DDP or FSDP to add them exactly; None outside chunked training
+        self.chunk_grads: list[Any] | None = None
 
     # -- array facts -------------------------------------------------------------------------------
     @property
@@ -107,8 +111,22 @@ class Parameter:
 
         Args:
             g: gradient with the parameter's shape, same array module; cast to the parameter dtype.
+                With chunked gradients on (``nn.chunking``): a stack ``(chunks, *shape)``, kept
+                in ``chunk_grads`` (``.grad`` is left alone) until DDP or FSDP adds it exactly.
         """
         if not self.requires_grad:
+            return
+        if chunk_size() is not None:
+            # a stack of per-chunk gradients: kept apart, to be added exactly by DDP or FSDP
+            if tuple(g.shape[1:]) != tuple(self.data.shape) or g.ndim != self.data.ndim + 1:
+                raise ValueError(
+                    f"Parameter {self.name!r}: chunked gradient shape {tuple(g.shape)} is not "
+                    f"(chunks, {', '.join(map(str, self.data.shape))})")
+            if self.chunk_grads is None:
+                self.chunk_grads = []
+            self.chunk_grads.append(g)
+            for hook in list(self._hooks.values()):
+                hook(self)
             return
         if tuple(g.shape) != tuple(self.data.shape):
             raise ValueError(

@@ -1,0 +1,110 @@
+"""FSDP's ``deterministic_chunk``: each unit's per-chunk gradients added exactly.
+
+With chunked gradients on (``nn.chunking``) a model parameter keeps one gradient per chunk of
+samples (``Parameter.chunk_grads``) instead of writing into the unit's unsharded gradient.
+When the unit's reduction is due, :func:`exact_reduction` lays every chunk out rank-major,
+exactly as ``Unit.launch_reduction`` lays out the one summed gradient, and adds all chunks of
+all ranks with ``comm.reproducible.sum_rows`` (a reduce-scatter of integer limbs over the
+shard group, then over the replicas for hybrid sharding), divided once by the number of chunks
+in the global batch. The shard gradient is then the same bits for every world size and every
+strategy. The reduction completes when posted (the exact sum's two exchanges depend on each
+other); the schedule around it is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._arrays import xp_of
+from ..comm import reproducible
+from ..errors import HpcdpError
+from ..nn import chunking
+
+__all__ = ["ChunkCount", "ExactReduction", "exact_reduction"]
+
+
+class ChunkCount:
+    """Chunks of samples seen by training forwards since the last synced backward, and the
+    global count that backward divides by."""
+
+    def __init__(self, chunk: int) -> None:
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"deterministic_chunk must be an int >= 1, got {chunk!r}")
+        self.chunk = int(chunk)
+        self.local = 0
+        self.total = 0
+
+    def begin_forward(self, args: Sequence[Any], kwargs: dict[str, Any], rank: int) -> None:
+        batch = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
+        if batch is None or not getattr(batch, "ndim", 0):
+            raise ValueError("FSDP(deterministic_chunk=...): the forward needs an array argument "
+                             "whose axis 0 is the samples")
+        n = int(batch.shape[0])
+        if n % self.chunk:
+            raise ValueError(f"FSDP(deterministic_chunk={self.chunk}) on rank {rank}: a local batch "
+                             f"of {n} samples does not split into chunks of {self.chunk}")
+        self.local += n // self.chunk
+        chunking.set_chunk_size(self.chunk)
+
+    def agree(self, group: Any) -> None:
+        """Collective: the number of chunks in the global batch (before a synced backward)."""
+        self.total = int(group.allreduce(np.asarray([self.local], dtype=np.int64), "sum")[0])
+        self.local = 0
+        if self.total == 0:
+            raise HpcdpError(f"FSDP (rank {group.rank}): a synced backward without any chunked "
+                             "forward on any rank")
+
+
+class ExactReduction:
+    """A finished reduction with ``Reduction``'s interface (the schedule polls and waits)."""
+
+    awaiting_second = False
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def advance(self) -> None:
+        return None
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def exact_reduction(unit: Any, chunks: int, staging: Any) -> ExactReduction:
+    """Add the chunk gradients of ``unit``'s parameters exactly; this rank's piece (S + flags)."""
+    comm = unit.comm
+    stacks = []
+    for i in unit.trainable:
+        p = unit.slots[i].param
+        got = p.chunk_grads or []
+        stacks.append(None if not got else (got[0] if len(got) == 1 else xp_of(got[0]).concatenate(got)))
+        p.chunk_grads = None
+    rows = max([s.shape[0] for s in stacks if s is not None], default=0)
+    xp = unit.xp
+    n, k = comm.n, len(unit.slots)
+    send = xp.zeros((max(rows, 1), n, unit.S + k), staging)
+    full = xp.zeros(unit.F, staging)
+    for j in range(rows):
+        full[...] = 0
+        for i, s in zip(unit.trainable, stacks):
+            if s is not None and j < s.shape[0]:
+                unit.slots[i].full_view(full)[...] = s[j]
+        if n == 1:
+            send[j, 0, :unit.F] = full
+        else:
+            for slot in unit.slots:
+                slot.copy_in(full, send[j])
+    flags = np.zeros(k, staging)
+    flags[sorted(unit.used)] = 1
+    send[0, :, unit.S:] = xp.asarray(flags)
+    if comm.shard is not None:
+        piece = reproducible.sum_rows(comm.shard, send, mode="scatter", divisor=chunks,
+                                      replicate=comm.replicate)[0]
+    else:
+        group = comm.replicate if comm.replicate is not None else comm.group
+        piece = reproducible.sum_rows(group, send[:, 0], divisor=chunks)
+    return ExactReduction(piece)

@@ -1,0 +1,113 @@
+"""Chunked gradients: the per-chunk arithmetic of deterministic training.
+
+A floating-point gradient summed over a batch depends on how the batch is cut: one rank adding
+8 samples rounds differently from two ranks adding 4 each. With ``chunked(c)`` active, every
+layer with parameters computes, instead of one gradient summed over the batch, one gradient
+per chunk of ``c`` consecutive samples (axis 0 of its input), stacked ``(k, *param.shape)``
+for the batch's ``k`` chunks; ``Parameter.accumulate_grad`` keeps those stacks in
+``chunk_grads`` and DDP or FSDP adds all chunks of all ranks exactly (``comm.reproducible``).
+A chunk's gradient is computed by the same floating-point operations whichever rank holds it
+and however many chunks that rank has, so the exact total is the same bits for any world size.
+
+What makes a chunk's arithmetic independent of its neighbours:
+
+* matrix products run batched, one BLAS call per chunk with the chunk's own row count (a
+  single call over the whole batch may pick another kernel, and other rounding, for another
+  number of rows: it does for float32 in OpenBLAS);
+* sums over samples stop at the chunk boundary;
+* a mean-reduced loss divides by the chunk's own count (the division by the number of chunks
+  happens once, after the exact sum).
+
+Row-wise operations (activations, softmax, normalisation over features, attention within a
+sample) need nothing: they never mix samples.
+
+The setting is per thread (simulated ranks are threads). DDP and FSDP turn it on at a training
+forward and off after the backward, so the loss computed between them sees it too.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+__all__ = ["chunk_size", "chunked", "set_chunk_size", "chunks_in", "matmul_t", "matmul",
+           "weight_grad", "sample_sum"]
+
+_tls = threading.local()
+
+
+def chunk_size() -> int | None:
+    """Samples per chunk while chunked gradients are on in this thread; None when off."""
+    return getattr(_tls, "c", None)
+
+
+def set_chunk_size(c: int | None) -> None:
+    """Turn chunked gradients on (``c`` samples per chunk) or off (None) in this thread."""
+    if c is not None:
+        c = int(c)
+        if c < 1:
+            raise ValueError(f"chunk size must be >= 1, got {c}")
+    _tls.c = c
+
+
+@contextlib.contextmanager
+def chunked(c: int | None) -> Iterator[None]:
+    """Compute per-chunk gradients of ``c`` samples inside (None: off); restores on exit."""
+    old = chunk_size()
+    set_chunk_size(c)
+    try:
+        yield
+    finally:
+        _tls.c = old
+
+
+def chunks_in(a: Any, what: str = "input") -> int:
+    """How many chunks axis 0 of ``a`` holds; ValueError unless the chunk size divides it."""
+    c = chunk_size()
+    n = int(a.shape[0]) if a.ndim else 0
+    if c is None or n % c:
+        raise ValueError(f"chunked gradients: {what} of shape {tuple(a.shape)} does not split into "
+                         f"chunks of {c} samples along axis 0")
+    return n // c
+
+
+def matmul_t(x: Any, w: Any) -> Any:
+    """``x @ w.T`` over the trailing axis, one product per chunk when chunked (see module doc)."""
+    c = chunk_size()
+    if c is None or x.ndim < 2:
+        return x @ w.T
+    k = chunks_in(x)
+    return (x.reshape(k, -1, x.shape[-1]) @ w.T).reshape(*x.shape[:-1], w.shape[0])
+
+
+def matmul(x: Any, w: Any) -> Any:
+    """``x @ w`` over the trailing axis, one product per chunk when chunked."""
+    c = chunk_size()
+    if c is None or x.ndim < 2:
+        return x @ w
+    k = chunks_in(x)
+    return (x.reshape(k, -1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[1])
+
+
+def weight_grad(g: Any, x: Any) -> Any:
+    """``sum over rows of outer(g, x)``: ``g2.T @ x2`` of shape (out, in); when chunked, one per
+    chunk, shape (k, out, in)."""
+    c = chunk_size()
+    if c is None:
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+    k = chunks_in(g, "gradient")
+    gk = g.reshape(k, -1, g.shape[-1])
+    xk = x.reshape(k, -1, x.shape[-1])
+    return gk.transpose(0, 2, 1) @ xk
+
+
+def sample_sum(a: Any, feature_ndim: int) -> Any:
+    """Sum of ``a`` over every axis but its trailing ``feature_ndim``; when chunked, one sum per
+    chunk, stacked on a new axis 0."""
+    c = chunk_size()
+    lead = a.ndim - feature_ndim
+    if c is None:
+        return a.reshape(-1, *a.shape[lead:]).sum(axis=0)
+    k = chunks_in(a, "gradient")
+    feat = a.shape[lead:]
+    return a.reshape(k, -1, *feat).sum(axis=1)
