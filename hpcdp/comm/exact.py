@@ -28,12 +28,16 @@ Every function takes the array module ``xp`` of its arrays (numpy or cupy).
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
 
+from .._arrays import xp_of
+
 __all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "limb_width", "nlimbs",
-           "to_limbs", "round_limbs", "apply_specials", "special_counts"]
+           "to_limbs", "round_limbs", "one_limb", "narrow", "Scales", "to_limb", "round_limb", "apply_specials",
+           "special_counts"]
 
 #: (significand bits, exponent of the smallest subnormal) of each float dtype summed exactly
 FORMATS: dict[np.dtype, tuple[int, int]] = {
@@ -42,8 +46,10 @@ FORMATS: dict[np.dtype, tuple[int, int]] = {
     np.dtype(np.float16): (11, -24),
 }
 
-# int16 codes of the first exchange: exponents of finite nonzero values lie in [-1073, 1024]
-NONFINITE = 32767   # inf or NaN somewhere: the element takes the IEEE rule, not the limbs
+# int16 codes of the first exchange: the exponent e of a finite nonzero value (|x| < 2**e, as
+# frexp gives it) lies in [-1073, 1024]; the float64 exponent field gives e - 1022 directly
+# (subnormals read as -1022: still a bound), and inf/NaN's all-ones field reads as 1025
+NONFINITE = 1025    # inf or NaN somewhere: the element takes the IEEE rule, not the limbs
 POS_ZERO = -32767   # only zeros, at least one +0
 NEG_ZERO = -32768   # only -0 (MAX picks POS_ZERO over it, as -0 + +0 = +0)
 _NO_LOW = -32768    # the "-low" code of an element with no nonzero finite value
@@ -51,27 +57,71 @@ _NO_LOW = -32768    # the "-low" code of an element with no nonzero finite value
 _MAX_SUMMANDS = 1 << 22   # w >= 40 bits: a float64 still needs at most two limbs
 
 
-def codes(rows: Any, xp: Any) -> Any:
-    """int16 array ``(2, n)``: per element, the max over ``rows`` (shape ``(m, n)``, float64) of
-    the exponent code and of minus the lowest set bit's exponent; both reduce by ``MAX``.
+class Workspace:
+    """Scratch arrays kept between calls, one set per thread (simulated ranks are threads).
 
-    The lowest bit is estimated as ``exponent - 53``, or -1074 for subnormals: a bound, not the
-    true last set bit, so ``L`` is sometimes one limb more than strictly needed, never less.
+    A large temporary allocated afresh on every call costs a page fault per 4 KiB on first
+    touch, more than the arithmetic done in it: the one-limb path takes its temporaries from
+    here. Results handed to callers never live here."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, Any] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        buf = self._bufs.get(name)
+        if buf is None or buf.nbytes < nbytes or xp_of(buf) is not xp:
+            buf = self._bufs[name] = xp.empty(max(nbytes, 1), dtype=np.uint8)
+        return buf[:nbytes].view(dt).reshape(shape)
+
+
+_tls = threading.local()
+
+
+def workspace() -> Workspace:
+    """This thread's :class:`Workspace`."""
+    ws = getattr(_tls, "ws", None)
+    if ws is None:
+        ws = _tls.ws = Workspace()
+    return ws
+
+
+def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
+    """int16 array ``(2, n)``: per element, the max over ``rows`` (shape ``(m, n)``, float64,
+    holding values of ``dtype``) of the exponent code and of minus the lowest bit a value of
+    ``dtype`` can have at that exponent; both reduce by ``MAX``.
+
+    Read from the float64 bits (no ``frexp``): the exponent field is all it takes. The lowest
+    bit is a bound (``exponent - precision``, or the format's smallest subnormal), not the true
+    last set bit, so ``L`` is sometimes one limb more than strictly needed, never less.
     """
+    prec, qmin = FORMATS[np.dtype(dtype)]
     m, n = rows.shape
-    out = xp.full((2, n), NEG_ZERO, dtype=np.int16)
+    if out is None:
+        out = xp.empty((2, n), dtype=np.int16)
     if m == 0:
+        out[...] = NEG_ZERO
         return out
-    mant, exp = xp.frexp(rows)
-    finite = xp.isfinite(rows)
-    nonzero = (rows != 0) & finite
-    exp = exp.astype(np.int32)
-    code = xp.where(nonzero, exp, xp.where(xp.signbit(rows), NEG_ZERO, POS_ZERO))
-    code = xp.where(finite, code, NONFINITE)
-    low = xp.maximum(exp - 53, -1074)
-    neg_low = xp.where(nonzero, -low, _NO_LOW)
-    out[0] = code.max(axis=0)
-    out[1] = neg_low.max(axis=0)
+    # the top 16 bits of each float64 (little-endian: the last uint16 of the four) hold the
+    # sign and the 11-bit exponent field
+    high = rows.view(np.uint16)[:, 3::4]
+    field = xp.right_shift(high, 4, out=workspace().take("field", (m, n), np.uint16, xp)).view(np.int16)
+    field &= 0x7FF
+    code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
+    neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
+    xp.subtract(field, 1022, out=code)
+    xp.subtract(prec + 1022, field, out=neg_low)      # prec - code
+    xp.clip(neg_low, -32768, -qmin, out=neg_low)   # (clip: numpy's int16 minimum is slow)
+    tiny = field == 0                     # zeros and float64 subnormals: sort them out
+    if bool(tiny.any()):
+        zero = tiny & (rows == 0)
+        if bool(zero.any()):
+            code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
+            neg_low[zero] = _NO_LOW
+    if m > 1:
+        code.max(axis=0, out=out[0])
+        neg_low.max(axis=0, out=out[1])
     return out
 
 
@@ -116,6 +166,101 @@ def to_limbs(rows: Any, code: Any, width: int, n_limbs: int, xp: Any, out: Any =
             if j + 1 < n_limbs:
                 r = r - xp.ldexp(v, -shifts[j])
     return acc
+
+
+def one_limb(code: Any, width: int, xp: Any) -> bool:
+    """Whether the one-limb fast path takes these (reduced) codes: every element fits one limb,
+    no inf/NaN, no bit below 2**-1022 (its powers of two are then normal floats).
+
+    ``top + neg_low`` is added in int16 on purpose: for a real element it is its depth (at most
+    2098); for an all-zero one the codes are -32767/-32768 twice and the sum wraps to 0 or 1.
+    """
+    top, neg_low = code[0], code[1]
+    if int(top.max(initial=POS_ZERO)) >= NONFINITE or int(neg_low.max(initial=_NO_LOW)) > 1022:
+        return False
+    with np.errstate(over="ignore"):
+        depth = top + neg_low
+    return int(depth.max(initial=0)) <= width
+
+
+def narrow(code: Any, width: int) -> Any:
+    """Which elements the one-limb path takes: depth at most ``width`` bits, no inf/NaN, no bit
+    below 2**-1022 (the powers of two it scales by are then normal floats). The others go the
+    general way; every rank decides alike, from the reduced codes."""
+    top, neg_low = code[0], code[1]
+    with np.errstate(over="ignore"):
+        depth = top + neg_low   # int16 on purpose: see one_limb
+    return (depth <= width) & (neg_low <= 1022) & (top < NONFINITE)
+
+
+class Scales:
+    """The one-limb grid of every element: ``-low`` (to scale values up to integers) and
+    ``low`` (to scale sums back), as int32 exponents for ``ldexp`` (exact for normal results);
+    all-zero elements get a harmless ``low`` (their values are 0)."""
+
+    def __init__(self, code: Any, xp: Any) -> None:
+        ws = workspace()
+        n = code.shape[1]
+        self.down = ws.take("down", (n,), np.int32, xp)
+        xp.clip(code[1], -1000, 1022, out=self.down, casting="unsafe")   # -low
+        self.up = xp.negative(self.down, out=ws.take("up", (n,), np.int32, xp))   # low
+        self.neg_zero = code[0] == NEG_ZERO
+
+
+def to_limb(rows: Any, scales: Scales, xp: Any, out: Any = None) -> Any:
+    """The one-limb path of :func:`to_limbs`: ``sum over rows of x * 2**-low`` as int64 ``(n,)``
+    (into ``out``), each product an exact integer below ``2**w`` (what :func:`narrow` checked;
+    other elements get garbage, for the caller to overwrite)."""
+    m, n = rows.shape
+    if out is None:
+        out = xp.empty(n, dtype=np.int64)
+    scaled = workspace().take("scaled", (m, n), np.float64, xp)
+    with np.errstate(over="ignore", invalid="ignore"):
+        xp.ldexp(rows, scales.down, out=scaled)
+        if m == 1:
+            xp.copyto(out, scaled[0], casting="unsafe")   # float to int64 truncates: exact here
+        else:
+            out[...] = scaled.astype(np.int64).sum(axis=0)
+    return out
+
+
+def round_limb(total: Any, scales: Scales, dtype: Any, xp: Any, part: slice = slice(None),
+               out: Any = None) -> Any:
+    """The one-limb path of :func:`round_limbs`: ``total * 2**low`` correctly rounded (for the
+    elements ``part`` of the scales).
+
+    int64 to float64 conversion rounds to nearest even in hardware, and the power of two is
+    exact (the result is normal: ``low >= -1022``), so float64 needs nothing else. A narrower
+    format would round twice where the sum has more than 53 bits; those elements (rare: it takes
+    float32 values cancelling over 30 binades) round to odd first, which makes the second
+    rounding the correct one.
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.float64 and out is not None:
+        f = out
+    else:
+        f = workspace().take("rounded", total.shape, np.float64, xp)
+    xp.copyto(f, total, casting="unsafe")   # int64 to float64: round to nearest even
+    if dtype != np.float64:
+        big = xp.abs(total) >= (1 << 53)
+        if bool(big.any()):
+            t = total[big]
+            g = f[big]
+            back = g.astype(np.int64)
+            bits = g.view(np.uint64)
+            bits -= (xp.abs(back) > xp.abs(t)).astype(np.uint64)   # toward zero ...
+            bits |= (back != t).astype(np.uint64)                   # ... then odd if inexact
+            f[big] = bits.view(np.float64)
+    with np.errstate(over="ignore"):
+        xp.ldexp(f, scales.up[part], out=f)
+        if out is None:
+            out = f.astype(dtype)   # a copy: f is scratch
+        elif out is not f:
+            xp.copyto(out, f, casting="unsafe")
+    neg = scales.neg_zero[part]
+    if bool(neg.any()):
+        out[neg] = -0.0
+    return out
 
 
 def _normalize(a: Any, width: int) -> None:

@@ -274,16 +274,14 @@ class ProcessGroup:
             call["root"] = root
         seq, tok = self._begin(opname, t, True, **call)
         try:
-            value = reproducible.sum_rows(self, x.reshape(1, *x.shape), mode=mode, root=root,
-                                          divisor=self.size if rop is ReduceOp.MEAN else 1,
-                                          dtype=x.dtype, timeout=t)
+            reproducible.sum_rows(self, x.reshape(1, *x.shape), mode=mode, root=root,
+                                  divisor=self.size if rop is ReduceOp.MEAN else 1,
+                                  dtype=x.dtype, timeout=t, out=result)
         except Exception as exc:
             trace.on_error(self._rec, tok, exc)
             raise
         if self._rec is not None:
             self._rec.end(tok)
-        if result is not None:
-            result[...] = value
         return self._done(opname, seq, result, async_op)
 
     def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:

@@ -44,15 +44,22 @@ def reducible(rop: ReduceOp, dtype: Any) -> bool:
     return rop in (ReduceOp.SUM, ReduceOp.MEAN) and np.dtype(dtype).kind in "fc"
 
 
-def _as_rows(x: Any, xp: Any) -> Any:
+def _as_rows(x: Any, xp: Any, ws: Any = None) -> Any:
     """``x`` as float64 rows of real numbers: complex values are (real, imag) pairs."""
     if x.dtype.kind == "c":
         x = x.view(np.float64 if x.dtype == np.complex128 else np.float32)
-    return x.astype(np.float64, copy=False)
+    if x.dtype == np.float64:
+        return x
+    if ws is None:
+        return x.astype(np.float64)
+    wide = ws.take("rows", x.shape, np.float64, xp)
+    xp.copyto(wide, x)
+    return wide
 
 
 def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor: int = 1,
-             dtype: Any = None, timeout: float | None = None, replicate: Any = None) -> Any:
+             dtype: Any = None, timeout: float | None = None, replicate: Any = None,
+             out: Any = None) -> Any:
     """Exact sum over axis 0 of ``rows`` and over the ranks of ``group``, rounded once.
 
     Args:
@@ -66,6 +73,7 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         replicate: a second group whose ranks hold the same part (FSDP's hybrid sharding: the
             sum runs over ``group`` x ``replicate``, still exactly: the grid is agreed over both,
             the limbs are added over ``group`` then over ``replicate``, and rounded once).
+        out: a C-contiguous array of the result's shape and dtype to write into.
 
     Returns:
         The array of ``shape`` (or its part), or None off the root in "root" mode.
@@ -86,48 +94,77 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         raise ValueError(f"deterministic sum: {m} rows per rank exceeds {_MAX_ROWS}")
     shape = tuple(rows.shape[1:])
     count = int(np.prod(shape, dtype=np.int64))
-    flat = _as_rows(xp.ascontiguousarray(rows).reshape(m, count), xp).reshape(m, -1)
+    in_dtype = np.dtype(rows.dtype)
+    if in_dtype.kind == "c":
+        in_dtype = np.dtype(np.float64 if in_dtype == np.complex128 else np.float32)
+    if in_dtype not in exact.FORMATS:
+        in_dtype = np.dtype(np.float64)
+    ws = exact.workspace()
+    flat = _as_rows(xp.ascontiguousarray(rows).reshape(m, count), xp, ws).reshape(m, -1)
     n = flat.shape[1]
     size = group.size
     # pass 1: the grid (top exponent, lowest bit) per element and the most rows on any rank
-    local = exact.codes(flat, xp)
-    head = xp.concatenate([local.reshape(-1), xp.asarray([m], dtype=np.int16)])
-    agreed = group.allreduce(head, "max", timeout=timeout)
+    head = ws.take("head", (2 * n + 1,), np.int16, xp)
+    exact.codes(flat, xp, in_dtype, out=head[:2 * n].reshape(2, n))
+    head[-1] = m
+    agreed = group.allreduce(head, "max", out=head, timeout=timeout)
     if replicate is not None:
         agreed = replicate.allreduce(agreed, "max", timeout=timeout)
         size *= replicate.size
     code = agreed[:2 * n].reshape(2, n)
     width = exact.limb_width(max(int(agreed[-1]), 1) * size)
-    n_limbs = exact.nlimbs(code, xp, width)
-    acc = exact.to_limbs(flat, code, width, n_limbs, xp)
     specials = code[0] == exact.NONFINITE
     counts = None
     if bool(specials.any()):  # every rank sees the same codes, so every rank comes here
         counts = group.allreduce(exact.special_counts(flat, xp), "sum", timeout=timeout)
         if replicate is not None:
             counts = replicate.allreduce(counts, "sum", timeout=timeout)
-    # pass 2: the limbs, exactly
+    # pass 2: the limbs, exactly: one int64 for every element that fits one (the common case),
+    # then, per part, the L limbs of each element that does not
+    parts = group.size if mode == "scatter" else 1
+    if mode not in ("all", "root", "scatter"):
+        raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
+    per = n // parts
+    narrow = exact.narrow(code, width)
+    wide = [xp.flatnonzero(~narrow[p * per:(p + 1) * per]) for p in range(parts)]
+    kmax = max(int(w.shape[0]) for w in wide)
+    n_limbs = exact.nlimbs(code[:, ~narrow], xp, width) if kmax else 0
+    scales = exact.Scales(code, xp)
+    buf = ws.take("limbs", (parts, per + kmax * n_limbs), np.int64, xp)
+    exact.to_limb(flat, scales, xp, out=buf[:, :per].reshape(-1) if kmax == 0 else None)
+    if kmax:
+        buf[:, :per] = exact.to_limb(flat, scales, xp).reshape(parts, per)
+        buf[:, per:] = 0
+    for p, w in enumerate(wide):
+        if w.shape[0]:
+            cols = p * per + w
+            buf[p, w] = 0
+            buf[p, per:per + w.shape[0] * n_limbs] = exact.to_limbs(
+                flat[:, cols], code[:, cols], width, n_limbs, xp).reshape(-1)
     if mode == "all":
-        total = group.allreduce(acc, "sum", timeout=timeout)
-        lo, hi = 0, n
+        total = group.allreduce(buf, "sum", out=buf, timeout=timeout)
+        lo, hi, mine_part = 0, n, 0
     elif mode == "root":
-        total = group.reduce(acc, "sum", root=root, timeout=timeout)
+        total = group.reduce(buf, "sum", root=root, timeout=timeout)
         if total is None:
             return None
-        lo, hi = 0, n
-    elif mode == "scatter":
-        per = n // group.size
-        total = group.reduce_scatter(acc, "sum", timeout=timeout)
-        lo, hi = group.rank * per, (group.rank + 1) * per
+        lo, hi, mine_part = 0, n, 0
     else:
-        raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
+        total = group.reduce_scatter(buf, "sum", timeout=timeout)
+        lo, hi, mine_part = group.rank * per, (group.rank + 1) * per, group.rank
     if replicate is not None:
         total = replicate.allreduce(total, "sum", timeout=timeout)
-    mine = code[:, lo:hi]
-    if divisor == 1:
-        result = exact.round_limbs(total, mine, width, part_dtype, xp)
-    else:  # the sum in float64 (no overflow of a narrower format on the way), then the mean
-        result = exact.round_limbs(total, mine, width, np.float64, xp)
+    row = total.reshape(-1)
+    # a mean: the sum in float64 (no overflow of a narrower format on the way), then divided
+    rounded = part_dtype if divisor == 1 else np.dtype(np.float64)
+    direct = (out is not None and divisor == 1 and out_dtype.kind != "c" and out.dtype == part_dtype
+              and out.flags.c_contiguous)
+    result = exact.round_limb(row[:per], scales, rounded, xp, slice(lo, hi),
+                              out=out.reshape(-1) if direct else None)
+    w = wide[mine_part]
+    if w.shape[0]:
+        limbs = row[per:per + w.shape[0] * n_limbs].reshape(-1, n_limbs).copy()
+        result[w] = exact.round_limbs(limbs, code[:, lo + w], width, rounded, xp)
     if counts is not None:
         bad = specials[lo:hi]
         if bool(bad.any()):
@@ -136,9 +173,11 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         result = xp.divide(result, divisor).astype(part_dtype)
     if out_dtype.kind == "c":
         result = result.view(out_dtype)
-    if mode == "scatter":
-        return result.reshape((shape[0] // group.size, *shape[1:]))
-    return result.reshape(shape)
+    result = result.reshape((shape[0] // group.size, *shape[1:]) if mode == "scatter" else shape)
+    if out is not None and not direct:
+        out[...] = result
+        return out
+    return out if direct else result
 
 
 def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
@@ -171,8 +210,9 @@ def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
     whole = 0
     block = 1 << 20
     for i in range(0, n, block):
-        part = v[0, i:i + block].reshape(-1, 1)
-        acc = exact.to_limbs(part, xp.asarray(code), width, n_limbs, xp).sum(axis=0)
+        part = v[:, i:i + block]   # one row: every element a column on the same grid
+        grid = xp.broadcast_to(xp.asarray(code), (2, part.shape[1]))
+        acc = exact.to_limbs(part, grid, width, n_limbs, xp).sum(axis=0)
         for j, a in enumerate(np.asarray(acc).tolist()):
             whole += int(a) << (width * (n_limbs - 1 - j))
     # the ranks' integers as limbs of 40 bits (two's complement digits, sign in the top one)

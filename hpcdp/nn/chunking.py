@@ -23,6 +23,13 @@ sample) need nothing: they never mix samples.
 
 The setting is per thread (simulated ranks are threads). DDP and FSDP turn it on at a training
 forward and off after the backward, so the loss computed between them sees it too.
+
+Randomness must not depend on which rank holds a sample either: inside ``sample_keys(keys,
+step)`` a ``Dropout`` draws each sample's mask from a generator seeded by (its own seed, the
+step, the sample's key, how many times it ran in this context), so the same sample gets the
+same mask on any rank. Keys are global sample identities: the dataset indices a
+``DistributedSampler`` hands out, or a window's position in the global batch. In chunked
+training a ``Dropout`` without keys raises rather than silently depending on the rank.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import threading
 from typing import Any, Iterator
 
 __all__ = ["chunk_size", "chunked", "set_chunk_size", "chunks_in", "matmul_t", "matmul",
-           "weight_grad", "sample_sum"]
+           "weight_grad", "sample_sum", "sample_keys", "current_sample_keys", "next_call"]
 
 _tls = threading.local()
 
@@ -111,3 +118,36 @@ def sample_sum(a: Any, feature_ndim: int) -> Any:
     k = chunks_in(a, "gradient")
     feat = a.shape[lead:]
     return a.reshape(k, -1, *feat).sum(axis=1)
+
+
+@contextlib.contextmanager
+def sample_keys(keys: Any, step: int) -> Iterator[None]:
+    """Key the randomness of the forwards inside by sample (see module doc).
+
+    Args:
+        keys: one int per sample of the batch (axis 0), unique within the step, the same for a
+            sample whichever rank holds it (e.g. its dataset index).
+        step: the training step (or any int that changes between steps).
+    """
+    import numpy as np
+
+    old = getattr(_tls, "keys", None)
+    _tls.keys = (np.asarray(keys, dtype=np.int64).reshape(-1), int(step), {})
+    try:
+        yield
+    finally:
+        _tls.keys = old
+
+
+def current_sample_keys() -> tuple[Any, int] | None:
+    """(keys, step) inside ``sample_keys``; None outside."""
+    got = getattr(_tls, "keys", None)
+    return None if got is None else (got[0], got[1])
+
+
+def next_call(owner: int) -> int:
+    """How many times ``owner`` (a module's id) drew inside the current ``sample_keys`` before."""
+    calls = _tls.keys[2]
+    n = calls.get(owner, 0)
+    calls[owner] = n + 1
+    return n

@@ -5,11 +5,12 @@
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
 
-from . import init
+from . import chunking, init
 from .backend import xp_of
 from .linear import Embedding, Linear
 from .module import Module
@@ -25,6 +26,11 @@ class Dropout(Module):
     (``self.generator``, seeded by ``seed`` or drawn from the global one), sampled on the host, so a
     run is reproducible given the seed whatever the array module. Backward reuses the mask of the
     forward of the same microbatch.
+
+    Inside ``nn.chunking.sample_keys(keys, step)`` each sample's mask comes instead from a
+    generator seeded by (this module's seed, step, the sample's key, the call's number), so a
+    sample gets the same mask whichever rank holds it: what world-size-independent training
+    (``deterministic_chunk``) needs, and requires while chunked gradients are on.
     """
 
     def __init__(self, p: float = 0.5, seed: int | np.random.Generator | None = None) -> None:
@@ -34,9 +40,12 @@ class Dropout(Module):
         self.p = float(p)
         if isinstance(seed, np.random.Generator):
             self.generator = seed
+            self.key_seed = zlib.crc32(repr(seed.bit_generator.state).encode())
         elif seed is None:
-            self.generator = np.random.default_rng(init.default_generator().integers(2**63))
+            self.key_seed = int(init.default_generator().integers(2**63))
+            self.generator = np.random.default_rng(self.key_seed)
         else:
+            self.key_seed = int(seed)
             self.generator = np.random.default_rng(seed)
 
     def forward(self, x: Any) -> Any:
@@ -44,11 +53,27 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.save_for_backward(None)
             return x
-        keep = self.generator.random(x.shape) >= self.p
+        keyed = chunking.current_sample_keys()
+        if keyed is not None:
+            keep = self._keyed_keep(x, *keyed)
+        elif chunking.chunk_size() is not None:
+            raise ValueError("Dropout in chunked (deterministic) training needs its samples' keys: "
+                             "run the forward inside hpcdp.nn.chunking.sample_keys(keys, step)")
+        else:
+            keep = self.generator.random(x.shape) >= self.p
         scale = 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
         mask = xp_of(x).asarray((keep * scale).astype(x.dtype))
         self.save_for_backward(mask)
         return x * mask
+
+    def _keyed_keep(self, x: Any, keys: Any, step: int) -> Any:
+        """Per sample, a mask drawn from (seed, step, key, call): the same on every rank."""
+        if keys.shape[0] != x.shape[0]:
+            raise ValueError(f"Dropout: {keys.shape[0]} sample keys for a batch of {x.shape[0]} samples")
+        call = chunking.next_call(id(self))
+        rows = [np.random.default_rng([self.key_seed, step, int(k), call]).random(x.shape[1:])
+                for k in keys.tolist()]
+        return (np.stack(rows) if rows else np.zeros(x.shape)) >= self.p
 
     def backward_input(self, grad_output: Any) -> Any:
         """Apply the same mask (and scale) as this microbatch's forward."""

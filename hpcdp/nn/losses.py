@@ -173,9 +173,10 @@ class CrossEntropyLoss(_Loss):
         if self.label_smoothing:
             grad -= self.label_smoothing / grad.shape[1]
         grad *= valid[:, None]
-        if not isinstance(count, int):   # chunked: each row divided by its chunk's count
-            grad /= count[:, None]
-            grad *= self._grad_scale(grad_output, 1)
+        if not isinstance(count, int):   # chunked: each row times 1/its chunk's count (as below)
+            grad *= (1.0 / count).astype(grad.dtype)[:, None]
+            if grad_output is not None:
+                grad *= self._grad_scale(grad_output, 1)
             return self._shaped(grad, shape, class_last)
         # All targets ignored: no gradient (rather than 0/0).
         scale = self._grad_scale(grad_output, max(count, 1))

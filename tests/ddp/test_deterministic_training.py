@@ -150,3 +150,22 @@ def body_buckets_and_no_sync(rank: int) -> list[str]:
 @pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "mpi"), indirect=True)
 def test_bucket_sizes_and_no_sync_change_no_bit(world: World) -> None:
     check(world.run(body_buckets_and_no_sync))
+
+
+def test_the_checker_agrees_across_launchers() -> None:
+    """``python -m hpcdp.bench determinism``'s check, small: the GPT example on simulated
+    ranks, hpcdp-run (TCP) and mpirun, 1 and 2 ranks, DDP (two bucket sizes), ZeRO-1 and FSDP,
+    with dropout on; one hash for every run."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdp.bench", "determinism", "--part", "check", "--steps", "3",
+         "--worlds", "1,2", "--launchers", "sim,tcp,mpi", "--layers", "ddp,ddp:0.001,zero1,fsdp:full_shard",
+         "--example-args", "--dim 16 --layers 1 --context 16 --heads 2"],
+        capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "24 runs, 1 distinct hash(es): bit-identical" in out, out[-3000:]
