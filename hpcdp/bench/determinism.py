@@ -12,7 +12,8 @@ Three parts (``--part``; default all that apply where it runs):
   ``deterministic_chunk=2`` against the same step with the mode off, same world size, one
   process, interleaved trials (target <= 1.2x).
 * ``H2`` (under ``mpirun -n 2``): deterministic allreduce busbw against the plain allreduce on
-  the same buffers, 1-16 MiB, float64 and float32 (target >= 0.3), with the bytes each moves.
+  the same buffers, 1-16 MiB, float64 and float32 (target >= 0.3), with the bytes each moves:
+  4 bytes of codes per element, then 8 (float32 data: one float64) or 16 (float64 data: two).
 
     python -m hpcdp.bench determinism --part check
     OMP_NUM_THREADS=1 mpirun -n 2 --bind-to core python -m hpcdp.bench determinism --part H1,H2
@@ -206,7 +207,8 @@ def part_h2(args: argparse.Namespace, g: Any) -> bool:
             ratio = 1.0 / t.median_ratio   # busbw ratio = time ratio inverted
             ok &= ratio >= 0.3
             if g.rank == 0:
-                wire = 4 + 8   # int16 codes x2, one int64 limb (elements needing more: few)
+                # int16 codes x2, then one float64 per element, or two (hi, lo) for float64 data
+                wire = 4 + (8 if np.dtype(dtype).itemsize < 8 else 16)
                 print(f"  {fmt_size(nbytes):>8} {np.dtype(dtype).name:>8} {t.base_median * 1e6:>10.0f} "
                       f"{t.cand_median * 1e6:>10.0f} {ratio:>7.3f}  {wire} vs {np.dtype(dtype).itemsize}",
                       flush=True)

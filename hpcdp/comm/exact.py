@@ -36,7 +36,7 @@ import numpy as np
 from .._arrays import xp_of
 
 __all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "limb_width", "nlimbs",
-           "to_limbs", "round_limbs", "one_limb", "narrow", "Scales", "to_limb", "round_limb", "apply_specials",
+           "to_limbs", "round_limbs", "float_width", "float_layout", "split2", "combine2", "apply_specials",
            "special_counts"]
 
 #: (significand bits, exponent of the smallest subnormal) of each float dtype summed exactly
@@ -106,19 +106,25 @@ def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
     # the top 16 bits of each float64 (little-endian: the last uint16 of the four) hold the
     # sign and the 11-bit exponent field
     high = rows.view(np.uint16)[:, 3::4]
-    field = xp.right_shift(high, 4, out=workspace().take("field", (m, n), np.uint16, xp)).view(np.int16)
-    field &= 0x7FF
+    field = workspace().take("field", (m, n), np.uint16, xp)
+    xp.copyto(field, high)                           # (a strided copy, then in place: faster)
+    xp.right_shift(field, np.uint16(4), out=field)
+    xp.bitwise_and(field, np.uint16(0x7FF), out=field)
+    f = field.view(np.int16)
     code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
     neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
-    xp.subtract(field, 1022, out=code)
-    xp.subtract(prec + 1022, field, out=neg_low)      # prec - code
-    xp.clip(neg_low, -32768, -qmin, out=neg_low)   # (clip: numpy's int16 minimum is slow)
-    tiny = field == 0                     # zeros and float64 subnormals: sort them out
-    if bool(tiny.any()):
-        zero = tiny & (rows == 0)
-        if bool(zero.any()):
-            code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
-            neg_low[zero] = _NO_LOW
+    xp.subtract(f, np.int16(1022), out=code)
+    xp.subtract(np.int16(prec + 1022), f, out=neg_low)      # prec - code
+    least = int(f.min()) if f.size else 1
+    below = prec + 1022 + qmin        # exponent fields whose lowest bit is under the format's
+    if least < below:                 # (subnormals: rare, so only then the masks)
+        small = f < below
+        neg_low[small] = -qmin
+        if least == 0:
+            zero = (f == 0) & (rows == 0)
+            if bool(zero.any()):
+                code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
+                neg_low[zero] = _NO_LOW
     if m > 1:
         code.max(axis=0, out=out[0])
         neg_low.max(axis=0, out=out[1])
@@ -168,99 +174,76 @@ def to_limbs(rows: Any, code: Any, width: int, n_limbs: int, xp: Any, out: Any =
     return acc
 
 
-def one_limb(code: Any, width: int, xp: Any) -> bool:
-    """Whether the one-limb fast path takes these (reduced) codes: every element fits one limb,
-    no inf/NaN, no bit below 2**-1022 (its powers of two are then normal floats).
+# -- the fast path: exact sums in float64 itself --------------------------------------------------
+# Values that are all multiples of 2**q, added in any order, give an exact float64 sum as long as
+# every partial sum stays below 2**(q + 53): each one is then a representable integer times 2**q.
+# With N summands below 2**E each that holds when E - q <= 53 - ceil(log2 N) =: w'. So an element
+# whose depth (E - low) is at most w' is summed exactly by the plain float64 SUM of the backend,
+# in any order; one of depth up to 2 w' is split first into hi (a multiple of 2**(E - w')) and
+# lo = x - hi (exact), two float64 sums, and hi + lo rounded once. No integer conversion at all:
+# float32 data (24 bits) spans 27 binades per element in one float64, float64 data ~50 in two.
 
-    ``top + neg_low`` is added in int16 on purpose: for a real element it is its depth (at most
-    2098); for an all-zero one the codes are -32767/-32768 twice and the sum wraps to 0 or 1.
-    """
+
+def float_width(summands: int) -> int:
+    """w': bits of a grid that ``summands`` float64 values can be added on exactly."""
+    return 53 - max(0, math.ceil(math.log2(max(int(summands), 1))))
+
+
+def float_layout(code: Any, summands: int, xp: Any) -> tuple[int, Any]:
+    """(1 or 2 float64 per element, mask of the elements neither takes or None) from the
+    reduced codes: the same decision on every rank. The others (deeper than 2 w', inf/NaN, or
+    so large that a partial sum could overflow) take the integer limbs."""
+    wp = float_width(summands)
     top, neg_low = code[0], code[1]
-    if int(top.max(initial=POS_ZERO)) >= NONFINITE or int(neg_low.max(initial=_NO_LOW)) > 1022:
-        return False
     with np.errstate(over="ignore"):
-        depth = top + neg_low
-    return int(depth.max(initial=0)) <= width
+        depth = top + neg_low   # int16 on purpose: all-zero elements wrap to 0 or 1
+    ceiling = min(NONFINITE, 1023 - (53 - wp))
+    if int(top.max(initial=POS_ZERO)) < ceiling:
+        dmax = int(depth.max(initial=0))
+        if dmax <= wp:
+            return 1, None
+        if dmax <= 2 * wp:
+            return 2, None
+    bad = (depth > 2 * wp) | (top >= ceiling)
+    return 2, (bad if bool(bad.any()) else None)
 
 
-def narrow(code: Any, width: int) -> Any:
-    """Which elements the one-limb path takes: depth at most ``width`` bits, no inf/NaN, no bit
-    below 2**-1022 (the powers of two it scales by are then normal floats). The others go the
-    general way; every rank decides alike, from the reduced codes."""
-    top, neg_low = code[0], code[1]
-    with np.errstate(over="ignore"):
-        depth = top + neg_low   # int16 on purpose: see one_limb
-    return (depth <= width) & (neg_low <= 1022) & (top < NONFINITE)
-
-
-class Scales:
-    """The one-limb grid of every element: ``-low`` (to scale values up to integers) and
-    ``low`` (to scale sums back), as int32 exponents for ``ldexp`` (exact for normal results);
-    all-zero elements get a harmless ``low`` (their values are 0)."""
-
-    def __init__(self, code: Any, xp: Any) -> None:
-        ws = workspace()
-        n = code.shape[1]
-        self.down = ws.take("down", (n,), np.int32, xp)
-        xp.clip(code[1], -1000, 1022, out=self.down, casting="unsafe")   # -low
-        self.up = xp.negative(self.down, out=ws.take("up", (n,), np.int32, xp))   # low
-        self.neg_zero = code[0] == NEG_ZERO
-
-
-def to_limb(rows: Any, scales: Scales, xp: Any, out: Any = None) -> Any:
-    """The one-limb path of :func:`to_limbs`: ``sum over rows of x * 2**-low`` as int64 ``(n,)``
-    (into ``out``), each product an exact integer below ``2**w`` (what :func:`narrow` checked;
-    other elements get garbage, for the caller to overwrite)."""
-    m, n = rows.shape
-    if out is None:
-        out = xp.empty(n, dtype=np.int64)
-    scaled = workspace().take("scaled", (m, n), np.float64, xp)
+def split2(x: Any, code: Any, summands: int, xp: Any, hi: Any, lo: Any) -> None:
+    """``x = hi + lo`` exactly, hi on the grid 2**(E - w') of each element (see above)."""
+    k = code[0].astype(np.int32)
+    k -= float_width(summands)
     with np.errstate(over="ignore", invalid="ignore"):
-        xp.ldexp(rows, scales.down, out=scaled)
-        if m == 1:
-            xp.copyto(out, scaled[0], casting="unsafe")   # float to int64 truncates: exact here
-        else:
-            out[...] = scaled.astype(np.int64).sum(axis=0)
-    return out
+        xp.ldexp(x, -k, out=hi)
+        xp.trunc(hi, out=hi)
+        xp.ldexp(hi, k, out=hi)
+        xp.subtract(x, hi, out=lo)
 
 
-def round_limb(total: Any, scales: Scales, dtype: Any, xp: Any, part: slice = slice(None),
-               out: Any = None) -> Any:
-    """The one-limb path of :func:`round_limbs`: ``total * 2**low`` correctly rounded (for the
-    elements ``part`` of the scales).
+def combine2(hi: Any, lo: Any, dtype: Any, xp: Any, out: Any = None) -> Any:
+    """``hi + lo`` (two exact float64 sums) correctly rounded to ``dtype``.
 
-    int64 to float64 conversion rounds to nearest even in hardware, and the power of two is
-    exact (the result is normal: ``low >= -1022``), so float64 needs nothing else. A narrower
-    format would round twice where the sum has more than 53 bits; those elements (rare: it takes
-    float32 values cancelling over 30 binades) round to odd first, which makes the second
-    rounding the correct one.
-    """
+    One float64 addition rounds correctly; for a narrower format it would round twice, so
+    there the float64 sum is rounded to odd first (its error from TwoSum decides the last bit),
+    which makes the final rounding the correct one."""
     dtype = np.dtype(dtype)
-    if dtype == np.float64 and out is not None:
-        f = out
-    else:
-        f = workspace().take("rounded", total.shape, np.float64, xp)
-    xp.copyto(f, total, casting="unsafe")   # int64 to float64: round to nearest even
-    if dtype != np.float64:
-        big = xp.abs(total) >= (1 << 53)
-        if bool(big.any()):
-            t = total[big]
-            g = f[big]
-            back = g.astype(np.int64)
-            bits = g.view(np.uint64)
-            bits -= (xp.abs(back) > xp.abs(t)).astype(np.uint64)   # toward zero ...
-            bits |= (back != t).astype(np.uint64)                   # ... then odd if inexact
-            f[big] = bits.view(np.float64)
-    with np.errstate(over="ignore"):
-        xp.ldexp(f, scales.up[part], out=f)
-        if out is None:
-            out = f.astype(dtype)   # a copy: f is scratch
-        elif out is not f:
-            xp.copyto(out, f, casting="unsafe")
-    neg = scales.neg_zero[part]
-    if bool(neg.any()):
-        out[neg] = -0.0
-    return out
+    s = xp.add(hi, lo, out=out if (out is not None and dtype == np.float64) else None)
+    if dtype == np.float64:
+        return s
+    bb = s - hi                                    # TwoSum: err = exact(hi + lo) - s
+    err = (hi - (s - bb)) + (lo - bb)
+    inexact = err != 0
+    if bool(inexact.any()):
+        bits = s.view(np.uint64)
+        even = (bits & np.uint64(1)) == 0
+        fix = inexact & even & xp.isfinite(s)
+        toward = (err > 0) == (s > 0)              # away from zero when err has s's sign
+        step = xp.where(toward, np.uint64(1), np.uint64(0)) - xp.where(toward, np.uint64(0), np.uint64(1))
+        bits[fix] += step[fix]
+    res = s.astype(dtype)
+    if out is not None:
+        out[...] = res
+        return out
+    return res
 
 
 def _normalize(a: Any, width: int) -> None:

@@ -316,7 +316,7 @@ class ProcessGroup:
             check_array(where, x)
             be = self._transport(x)
             check_op_dtype(rop, x.dtype, where)
-            if self._deterministic and self._exact_op(rop, x.dtype, where):
+            if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
                 return self._exact("allreduce", x, rop, out, async_op, timeout, "all")
             xp = xp_of(x)
             result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
@@ -436,7 +436,7 @@ class ProcessGroup:
         check_array(where, x)
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
-        if self._deterministic and self._exact_op(rop, x.dtype, where):
+        if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
             return self._exact("reduce", x, rop, out, async_op, timeout, "root", root)
         xp = xp_of(x)
         is_root = self.rank == root
@@ -576,7 +576,7 @@ class ProcessGroup:
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
-        if self._deterministic and self._exact_op(rop, x.dtype, where):
+        if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
             return self._exact("reduce_scatter", x, rop, out, async_op, timeout, "scatter")
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)

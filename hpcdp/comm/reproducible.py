@@ -23,8 +23,10 @@ depend on each other, and a deterministic run is about the bits, not overlap.
 """
 from __future__ import annotations
 
+import functools
+import threading
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -33,9 +35,29 @@ from ..errors import CollectiveMismatchError
 from ..ops import ReduceOp
 from . import exact
 
-__all__ = ["sum_rows", "exact_total", "reducible", "check_agreement"]
+__all__ = ["sum_rows", "exact_total", "reducible", "routes", "check_agreement"]
 
 _MAX_ROWS = 32767       # the rows count travels as an int16 code
+_tls = threading.local()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def routes() -> bool:
+    """Whether a deterministic group's float sum goes to this module: not from inside it,
+    where the float64 sums of exactly representable values are the plain backend's to do."""
+    return not getattr(_tls, "inside", 0)
+
+
+def _plain_inside(fn: _F) -> _F:
+    """Run ``fn`` with this thread's float sums on the plain path (see :func:`routes`)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _tls.inside = getattr(_tls, "inside", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _tls.inside -= 1
+    return wrapper  # type: ignore[return-value]
 
 
 def reducible(rop: ReduceOp, dtype: Any) -> bool:
@@ -57,6 +79,7 @@ def _as_rows(x: Any, xp: Any, ws: Any = None) -> Any:
     return wide
 
 
+@_plain_inside
 def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor: int = 1,
              dtype: Any = None, timeout: float | None = None, replicate: Any = None,
              out: Any = None) -> Any:
@@ -101,6 +124,7 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         in_dtype = np.dtype(np.float64)
     ws = exact.workspace()
     flat = _as_rows(xp.ascontiguousarray(rows).reshape(m, count), xp, ws).reshape(m, -1)
+    ours = in_dtype != np.float64   # flat is then a float64 copy in the workspace
     n = flat.shape[1]
     size = group.size
     # pass 1: the grid (top exponent, lowest bit) per element and the most rows on any rank
@@ -112,63 +136,98 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         agreed = replicate.allreduce(agreed, "max", timeout=timeout)
         size *= replicate.size
     code = agreed[:2 * n].reshape(2, n)
-    width = exact.limb_width(max(int(agreed[-1]), 1) * size)
     specials = code[0] == exact.NONFINITE
     counts = None
     if bool(specials.any()):  # every rank sees the same codes, so every rank comes here
         counts = group.allreduce(exact.special_counts(flat, xp), "sum", timeout=timeout)
         if replicate is not None:
             counts = replicate.allreduce(counts, "sum", timeout=timeout)
-    # pass 2: the limbs, exactly: one int64 for every element that fits one (the common case),
-    # then, per part, the L limbs of each element that does not
-    parts = group.size if mode == "scatter" else 1
+    # pass 2: the values themselves (or hi/lo halves) as float64, which the plain SUM adds
+    # exactly (exact.float_layout); the rare elements that do not fit, as integer limbs
     if mode not in ("all", "root", "scatter"):
         raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
+    summands = max(int(agreed[-1]), 1) * size
+    parts = group.size if mode == "scatter" else 1
     per = n // parts
-    narrow = exact.narrow(code, width)
-    wide = [xp.flatnonzero(~narrow[p * per:(p + 1) * per]) for p in range(parts)]
-    kmax = max(int(w.shape[0]) for w in wide)
-    n_limbs = exact.nlimbs(code[:, ~narrow], xp, width) if kmax else 0
-    scales = exact.Scales(code, xp)
-    buf = ws.take("limbs", (parts, per + kmax * n_limbs), np.int64, xp)
-    exact.to_limb(flat, scales, xp, out=buf[:, :per].reshape(-1) if kmax == 0 else None)
+    halves, bad = exact.float_layout(code, summands, xp)
+    main = ws.take("main", (halves, n), np.float64, xp)
+    if halves == 1:
+        if m == 1 and ours:   # our own float64 copy: sent as it is
+            main = flat
+        elif m == 1:
+            main[0] = flat[0]
+        else:
+            flat.sum(axis=0, out=main[0])
+    elif m == 1:
+        exact.split2(flat[0], code, summands, xp, main[0], main[1])
+    else:
+        part = ws.take("split", (2, n), np.float64, xp)
+        main[...] = 0
+        for x in flat:   # each row's halves, added exactly
+            exact.split2(x, code, summands, xp, part[0], part[1])
+            main += part
+    wide = []
+    if bad is not None:
+        main[:, bad] = 0
+        wide = [xp.flatnonzero(bad[p * per:(p + 1) * per]) for p in range(parts)]
+    kmax = max((int(w.shape[0]) for w in wide), default=0)
     if kmax:
-        buf[:, :per] = exact.to_limb(flat, scales, xp).reshape(parts, per)
-        buf[:, per:] = 0
-    for p, w in enumerate(wide):
-        if w.shape[0]:
-            cols = p * per + w
-            buf[p, w] = 0
-            buf[p, per:per + w.shape[0] * n_limbs] = exact.to_limbs(
-                flat[:, cols], code[:, cols], width, n_limbs, xp).reshape(-1)
+        limb_w = exact.limb_width(summands)
+        n_limbs = exact.nlimbs(code[:, bad], xp, limb_w)
+    # (halves, n) -> part-major (parts, halves * per): each rank's part contiguous for the scatter
+    send = main.reshape(halves, parts, per).transpose(1, 0, 2).reshape(parts, halves * per) \
+        if parts > 1 and halves > 1 else main.reshape(parts, halves * per)
+    if kmax:
+        limbs = xp.zeros((parts, kmax * n_limbs), dtype=np.int64)
+        for p, w in enumerate(wide):
+            if w.shape[0]:
+                cols = p * per + w
+                limbs[p, :w.shape[0] * n_limbs] = exact.to_limbs(
+                    flat[:, cols], code[:, cols], limb_w, n_limbs, xp).reshape(-1)
     if mode == "all":
-        total = group.allreduce(buf, "sum", out=buf, timeout=timeout)
-        lo, hi, mine_part = 0, n, 0
+        total = group.allreduce(send, "sum", out=send, timeout=timeout)   # parts == 1: a view
+        tail = group.allreduce(limbs, "sum", timeout=timeout) if kmax else None
+        lo, hi, mine = 0, n, 0
     elif mode == "root":
-        total = group.reduce(buf, "sum", root=root, timeout=timeout)
+        total = group.reduce(send, "sum", root=root, timeout=timeout)
+        tail = group.reduce(limbs, "sum", root=root, timeout=timeout) if kmax else None
         if total is None:
             return None
-        lo, hi, mine_part = 0, n, 0
+        lo, hi, mine = 0, n, 0
     else:
-        total = group.reduce_scatter(buf, "sum", timeout=timeout)
-        lo, hi, mine_part = group.rank * per, (group.rank + 1) * per, group.rank
+        total = group.reduce_scatter(send, "sum", timeout=timeout)
+        tail = group.reduce_scatter(limbs, "sum", timeout=timeout) if kmax else None
+        lo, hi, mine = group.rank * per, (group.rank + 1) * per, group.rank
     if replicate is not None:
         total = replicate.allreduce(total, "sum", timeout=timeout)
-    row = total.reshape(-1)
+        if kmax:
+            tail = replicate.allreduce(tail, "sum", timeout=timeout)
+    sums = total.reshape(halves, per)
     # a mean: the sum in float64 (no overflow of a narrower format on the way), then divided
     rounded = part_dtype if divisor == 1 else np.dtype(np.float64)
     direct = (out is not None and divisor == 1 and out_dtype.kind != "c" and out.dtype == part_dtype
               and out.flags.c_contiguous)
-    result = exact.round_limb(row[:per], scales, rounded, xp, slice(lo, hi),
-                              out=out.reshape(-1) if direct else None)
-    w = wide[mine_part]
-    if w.shape[0]:
-        limbs = row[per:per + w.shape[0] * n_limbs].reshape(-1, n_limbs).copy()
-        result[w] = exact.round_limbs(limbs, code[:, lo + w], width, rounded, xp)
+    target = out.reshape(-1) if direct else None
+    with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
+        if halves == 1:
+            if target is not None:
+                xp.copyto(target, sums[0], casting="unsafe")
+                result = target
+            else:
+                result = sums[0].astype(rounded)
+        else:
+            result = exact.combine2(sums[0], sums[1], rounded, xp, out=target)
+    neg = code[0, lo:hi] == exact.NEG_ZERO   # all -0: the halves' +0 must not win
+    if halves == 2 and bool(neg.any()):
+        result[neg] = -0.0
+    w = wide[mine] if kmax else None
+    if w is not None and w.shape[0]:
+        mine_limbs = tail.reshape(-1)[:w.shape[0] * n_limbs].reshape(-1, n_limbs).copy()
+        result[w] = exact.round_limbs(mine_limbs, code[:, lo + w], limb_w, rounded, xp)
     if counts is not None:
-        bad = specials[lo:hi]
-        if bool(bad.any()):
-            result[bad] = exact.apply_specials(result[bad], counts[lo:hi][bad], xp)
+        bad_here = specials[lo:hi]
+        if bool(bad_here.any()):
+            result[bad_here] = exact.apply_specials(result[bad_here], counts[lo:hi][bad_here], xp)
     if divisor != 1:
         result = xp.divide(result, divisor).astype(part_dtype)
     if out_dtype.kind == "c":
@@ -180,6 +239,7 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     return out if direct else result
 
 
+@_plain_inside
 def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
     """The exact sum of every element of ``x`` on every rank, correctly rounded to a float.
 
