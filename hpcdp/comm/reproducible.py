@@ -31,7 +31,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from .._arrays import xp_of
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, CommTimeoutError
 from ..ops import ReduceOp
 from . import exact
 
@@ -302,13 +302,21 @@ def _local(x: Any, op: str, *, timeout: float | None = None) -> Any:
 
 def check_agreement(group: Any, deterministic: bool, *, timeout: float | None = None) -> None:
     """Collective: raise ``CollectiveMismatchError`` on every rank unless every rank runs in the
-    same mode (one rank summing exactly and another plainly would give garbage silently)."""
-    flags = group.allreduce(np.asarray([int(deterministic), -int(deterministic)], dtype=np.int8),
-                            "max", timeout=timeout)
-    if int(flags[0]) == -int(flags[1]):
+    same mode (one rank summing exactly and another plainly would give garbage silently).
+
+    Straight on the backend, so that the user's calls keep their sequence numbers (#1 is the
+    program's first collective in every message and flight record)."""
+    flag = int(bool(deterministic))
+    send = np.asarray([flag, -flag], dtype=np.int64)
+    seen = np.empty_like(send)
+    t = group.timeout if timeout is None else timeout
+    if not group.backend.allreduce(send, seen, ReduceOp.MAX).wait(t):
+        raise CommTimeoutError(f"init on rank {group.rank}: the ranks did not all compare their "
+                               f"deterministic setting within {t:g} s")
+    if int(seen[0]) == -int(seen[1]):
         return
-    seen = group.all_gather(np.asarray([int(deterministic)], dtype=np.int8), timeout=timeout)
-    on = [i for i, f in enumerate(np.asarray(seen).reshape(-1).tolist()) if f]
+    every = group.all_gather(np.asarray([flag], dtype=np.int8), timeout=timeout)
+    on = [i for i, f in enumerate(np.asarray(every).reshape(-1).tolist()) if f]
     off = [i for i in range(group.size) if i not in on]
     raise CollectiveMismatchError(
         f"init on rank {group.rank}: deterministic mode differs across ranks: deterministic=True "
