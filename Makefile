@@ -1,7 +1,8 @@
 # hpcdp developer Makefile.
 #
 #   make demo     DDP example on 4 MPI ranks
-#   make test     whole test suite: single process, mpirun -n 2 and -n 4, then jobs/ under Slurm
+#   make test     whole test suite: single process, mpirun -n 2 and -n 4, jobs/ under Slurm, then
+#                 the simulated multi-node cluster
 #   make help     every target
 #
 # Works as root with no stdin (CI runs `bash .ci/run` on a fresh clone).
@@ -83,12 +84,12 @@ MPI_TIMEOUT ?= 900
 MPIRUN := timeout --kill-after=30 $(MPI_TIMEOUT) mpirun --oversubscribe
 
 PYTEST_ARGS ?=
-# Stage [1/4] of `make test` runs on this many pytest-xdist workers: its tests spend much of
+# Stage [1/5] of `make test` runs on this many pytest-xdist workers: its tests spend much of
 # their time waiting (timeouts, spawned ranks, launched jobs), so two overlap well even on two
 # cores.  PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: help install sysdeps check test test-slurm test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline \
+.PHONY: help install sysdeps check test test-slurm test-multinode test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline \
         bench-deps bench info clean distclean
 
 help:
@@ -98,6 +99,7 @@ help:
 	@echo "  make test-fast         single-process pytest only (sim + TCP backends)"
 	@echo "  make test-mpi          only the MPI runs (-n 2 and -n 4)"
 	@echo "  make test-slurm        every jobs/*.sbatch under a real one-node Slurm (sbatch --wait)"
+	@echo "  make test-multinode    a simulated 2-node cluster (namespaces): mpirun, hpcdp-run, Slurm across nodes"
 	@echo "  make test-gpu          the GPU check on a machine with CUDA + cupy (ci/gpu/run.sh; GPU_ARGS=--dry-run)"
 	@echo "  make gpu-wheels        fetch the wheels test-gpu may need on an offline GPU machine into .whl/"
 	@echo "  make demo-collectives  collectives tour on 4 MPI ranks (examples/01_collectives.py)"
@@ -250,18 +252,20 @@ export SUMMARY_PY
 
 test: install
 	@mkdir -p .pytest-mpi; rm -f .pytest-mpi/*.out; start=$$(date +%s); \
-	echo "== [1/4] pytest (no mpirun: sim + TCP backends, fault tests; $(PYTEST_WORKERS) workers)"; \
+	echo "== [1/5] pytest (no mpirun: sim + TCP backends, fault tests; $(PYTEST_WORKERS) workers)"; \
 	rc1=0; $(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
-	echo "== [2/4] mpirun -n 2 pytest --with-mpi -m mpi"; \
+	echo "== [2/5] mpirun -n 2 pytest --with-mpi -m mpi"; \
 	rc2=0; PY_COLORS=0 $(MPIRUN) -n 2 $(PY) tests/run_mpi.py --min-tests 165 $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi2.out || rc2=$$?; \
-	echo "== [3/4] mpirun -n 4 pytest --with-mpi -m mpi"; \
+	echo "== [3/5] mpirun -n 4 pytest --with-mpi -m mpi"; \
 	rc3=0; PY_COLORS=0 $(MPIRUN) -n 4 $(PY) tests/run_mpi.py --min-tests 165 $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/mpi4.out || rc3=$$?; \
-	echo "== [4/4] make test-slurm: every jobs/*.sbatch under a real one-node Slurm"; \
+	echo "== [4/5] make test-slurm: every jobs/*.sbatch under a real one-node Slurm"; \
 	rc4=0; ci/slurm/test.sh 2>&1 | tee .pytest-mpi/slurm.out || rc4=$$?; \
+	echo "== [5/5] make test-multinode: a simulated cluster of $(MN_NODES) nodes (ci/multinode)"; \
+	rc5=0; HPCDP_MN_NODES=$(MN_NODES) ci/multinode/test.sh 2>&1 | tee .pytest-mpi/multinode.out || rc5=$$?; \
 	echo "== summary ($$(( $$(date +%s) - start )) s)"; \
 	$(PY) -c "$$SUMMARY_PY" .pytest-mpi/single.out:$$rc1 .pytest-mpi/mpi2.out:$$rc2 .pytest-mpi/mpi4.out:$$rc3 \
-	  .pytest-mpi/slurm.out:$$rc4; \
-	[ $$rc1 = 0 ] && [ $$rc2 = 0 ] && [ $$rc3 = 0 ] && [ $$rc4 = 0 ]
+	  .pytest-mpi/slurm.out:$$rc4 .pytest-mpi/multinode.out:$$rc5; \
+	[ $$rc1 = 0 ] && [ $$rc2 = 0 ] && [ $$rc3 = 0 ] && [ $$rc4 = 0 ] && [ $$rc5 = 0 ]
 
 # Every jobs/*.sbatch under a real one-node Slurm (ci/slurm/README.md): installs slurm-wlm and
 # munge when missing, starts munged, slurmctld and slurmd as root, submits each job with
@@ -269,6 +273,14 @@ test: install
 # machine cannot run them (not root, no apt, daemons refused) it says so and fails: never skips.
 test-slurm: install
 	ci/slurm/test.sh
+
+# A simulated cluster of MN_NODES (2-4) nodes on this one kernel (ci/multinode/README.md): network,
+# UTS and mount namespaces joined by a bridge on 10.213.0.0/24, removed afterwards (also on failure
+# or Ctrl-C).  Runs tests/multinode under mpirun --host, hpcdp-run --nnodes and a per-node slurmd
+# (sbatch --nodes=2), every jobs/*.sbatch on 2 nodes, and cuts a node's link mid-step.  Needs root.
+MN_NODES ?= 2
+test-multinode: install
+	HPCDP_MN_NODES=$(MN_NODES) ci/multinode/test.sh
 
 test-fast test-single: install
 	$(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS)

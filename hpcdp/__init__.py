@@ -8,7 +8,8 @@ from typing import Any
 
 from .launch import spawn
 from .comm.world import (
-    finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
+    finalize, get_default_group, init, is_initialized, local_rank, local_world_size, new_group, rank,
+    world_size,
 )
 from .backends import available_backends, register_backend
 from .comm.collectives import (
@@ -65,7 +66,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "init", "finalize", "is_initialized", "rank", "world_size", "local_rank", "new_group",
+    "init", "finalize", "is_initialized", "rank", "world_size", "local_rank", "local_world_size", "new_group",
     "get_default_group", "spawn", "available_backends", "register_backend", "ProcessGroup",
     "ReduceOp", "Work", "allreduce", "all_reduce", "broadcast", "reduce", "all_gather",
     "allgather", "gather", "scatter", "reduce_scatter", "all_to_all", "alltoall", "barrier",

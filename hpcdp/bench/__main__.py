@@ -20,6 +20,7 @@ DESCRIPTIONS = {
     "ddp": "D1, D2, D4 and the share of communication hidden by backward",
     "checkpoint": "G1, G2 against raw MPI-IO (under mpirun)",
     "fsdp": "E1-E4: FSDP/ZeRO memory, bytes moved and step time against DDP",
+    "multinode": "M1, M2: allreduce busbw across nodes vs the link, hierarchical vs flat, DDP over nodes",
     "gpu": "A6: cupy allreduce against MPI on the same device buffers, staging cost, DDP/FSDP on cupy",
     "p2p": "A7: send/recv latency, halo-exchange steps and batch_isend_irecv against mpi4py (under mpirun)",
     "pipeline": "F1, F2: pipeline step time and bubble against theory, stashed activations",

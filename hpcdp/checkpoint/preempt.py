@@ -157,10 +157,12 @@ class Preemption:
             group.barrier(timeout=self.timeout)
         error: str | None = None
         if rank == 0:
+            # said before asking: Slurm may end this step while scontrol is still returning
+            print(f"hpcdp: job {job} requeued; its next run resumes from the checkpoint",
+                  file=sys.stderr, flush=True)
             error = _run_requeue(job, rank)
-            if error is None:
-                print(f"hpcdp: job {job} requeued; its next run resumes from the checkpoint",
-                      file=sys.stderr, flush=True)
+            if error is not None:
+                print(f"hpcdp: the requeue of job {job} failed: {error}", file=sys.stderr, flush=True)
         if group is not None and group.size > 1:
             error = group.broadcast_object(error, 0, timeout=self.timeout)
         if error is not None:

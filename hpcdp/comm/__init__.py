@@ -11,8 +11,9 @@ from .group import ProcessGroup
 from .topology import CartGroup, dims_create
 from .work import Work
 from .world import (
-    finalize, get_default_group, init, is_initialized, local_rank, new_group, rank, world_size,
+    finalize, get_default_group, init, is_initialized, local_rank, local_world_size, new_group, rank,
+    world_size,
 )
 
 __all__ = ["ProcessGroup", "Work", "init", "finalize", "is_initialized", "get_default_group",
-           "new_group", "rank", "world_size", "local_rank", "CartGroup", "dims_create"]
+           "new_group", "rank", "world_size", "local_rank", "local_world_size", "CartGroup", "dims_create"]

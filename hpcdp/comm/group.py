@@ -249,9 +249,13 @@ class ProcessGroup:
     def _exact_op(rop: ReduceOp, dtype: Any, where: str) -> bool:
         """Whether deterministic mode sums this reduction exactly; ``prod`` of floats raises
         (its bits would depend on the order, which this mode promises they do not)."""
-        if rop is ReduceOp.PROD and np.dtype(dtype).kind in "fc":
-            raise ValueError(f"{where}: op 'prod' on {np.dtype(dtype)} is not reproducible, and "
+        dt = np.dtype(dtype)
+        if rop is ReduceOp.PROD and dt.kind in "fc":
+            raise ValueError(f"{where}: op 'prod' on {dt} is not reproducible, and "
                              "this group is in deterministic mode (sum, mean, max and min are)")
+        if rop in (ReduceOp.SUM, ReduceOp.MEAN) and dt.kind not in "fciub":
+            raise TypeError(f"{where}: deterministic mode sums float16/32/64 and complex exactly, "
+                            f"not {dt} (bfloat16: sum a float32 copy)")
         return reproducible.reducible(rop, dtype)
 
     def _exact(self, opname: str, x: Any, rop: ReduceOp, out: Any, async_op: bool,

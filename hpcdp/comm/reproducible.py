@@ -304,15 +304,20 @@ def check_agreement(group: Any, deterministic: bool, *, timeout: float | None = 
     """Collective: raise ``CollectiveMismatchError`` on every rank unless every rank runs in the
     same mode (one rank summing exactly and another plainly would give garbage silently).
 
-    Straight on the backend, so that the user's calls keep their sequence numbers (#1 is the
-    program's first collective in every message and flight record)."""
+    On a duplicate of the backend's context, so that the user's calls keep their numbers on
+    the group and on the backend (#1 is the program's first collective in every message and
+    flight record)."""
     flag = int(bool(deterministic))
     send = np.asarray([flag, -flag], dtype=np.int64)
     seen = np.empty_like(send)
     t = group.timeout if timeout is None else timeout
-    if not group.backend.allreduce(send, seen, ReduceOp.MAX).wait(t):
-        raise CommTimeoutError(f"init on rank {group.rank}: the ranks did not all compare their "
-                               f"deterministic setting within {t:g} s")
+    side = group.backend.dup()
+    try:
+        if not side.allreduce(send, seen, ReduceOp.MAX).wait(t):
+            raise CommTimeoutError(f"init on rank {group.rank}: the ranks did not all compare "
+                                   f"their deterministic setting within {t:g} s")
+    finally:
+        side.shutdown()
     if int(seen[0]) == -int(seen[1]):
         return
     every = group.all_gather(np.asarray([flag], dtype=np.int8), timeout=timeout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import threading
 import weakref
@@ -293,6 +294,32 @@ def local_rank() -> int:
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
     return 0
+
+
+def local_world_size() -> int | None:
+    """Processes on this node, from the launcher's environment; None when it does not say.
+
+    Open MPI, MPICH and torchrun-style launchers name it directly; srun's direct launch
+    (``--mpi=pmix``) gives only the tasks of every node (``SLURM_STEP_TASKS_PER_NODE``, e.g.
+    ``2(x3),1``), read at this node's ``SLURM_NODEID``."""
+    for key in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"):
+        v = os.environ.get(key, "").strip()
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    node = os.environ.get("SLURM_NODEID", "").strip()
+    if not spec or not node.isdigit():
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = _TASKS.fullmatch(part.strip())
+        if m is None:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[int(node)] if int(node) < len(counts) and counts[int(node)] > 0 else None
+
+
+_TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 
 
 def new_group(ranks: Sequence[int], *, name: str | None = None, timeout: float | None = None) -> ProcessGroup:

@@ -32,7 +32,7 @@ from ..comm.reproducible import exact_total
 from ..nn import chunking
 from ._unit import Unit
 from ._wrap import plan_units
-from ..comm.world import group_or_default
+from ..comm.world import group_or_default, local_world_size
 
 __all__ = ["FSDP"]
 
@@ -40,12 +40,8 @@ _BCAST_CHUNK = 64 << 20
 
 
 def _local_size() -> int | None:
-    """Ranks per node as the launcher tells it (Open MPI, MPICH, torchrun-style), if it does."""
-    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"):
-        v = os.environ.get(var, "").strip()
-        if v.isdigit() and int(v) > 0:
-            return int(v)
-    return None
+    """Ranks per node as the launcher tells it (``comm.world.local_world_size``), if it does."""
+    return local_world_size()
 
 
 def _spec(module: Any, config: tuple) -> dict[str, Any]:

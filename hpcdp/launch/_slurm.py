@@ -92,7 +92,9 @@ def node_layout(nnodes: int | None, node_rank: int | None, master_addr: str | No
                     and tasks > count:
                 raise SystemExit(
                     f"hpcdp-run: this srun step runs {tasks} tasks on {count} node(s); start one "
-                    f"launcher per node (srun --ntasks-per-node=1 hpcdp-run -n RANKS_PER_NODE ...)")
+                    f"launcher per node (srun -n {count} --ntasks-per-node=1 hpcdp-run -n "
+                    f"RANKS_PER_NODE ...: inside a batch job srun takes the job's task count, "
+                    f"and --ntasks-per-node=1 alone is ignored)")
         else:
             count = _slurm_int(environ, "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
         if nnodes is None:

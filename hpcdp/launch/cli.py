@@ -5,7 +5,7 @@
     hpcdp-run -n 4 train.py --lr 0.1            # 4 local ranks, output lines prefixed "[rank N] "
     hpcdp-run -n 4 --max-restarts 3 train.py    # restart all ranks when one fails (up to 3 times)
     hpcdp-run -n 4 --nnodes 2 --node-rank 0 --master-addr node01 train.py
-    srun --ntasks-per-node=1 hpcdp-run -n 4 train.py   # nodes, node rank, master from SLURM
+    srun -n $SLURM_JOB_NUM_NODES --ntasks-per-node=1 hpcdp-run -n 4 train.py   # layout from SLURM
     mpirun -n 4 python -m hpcdp.run train.py    # in-process; an unhandled error aborts the job
 
 When one rank exits non-zero the launcher stops the others (SIGTERM, then SIGKILL after a grace

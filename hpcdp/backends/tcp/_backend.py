@@ -92,8 +92,8 @@ class _GroupP2P:
     def irecv(self, buf: np.ndarray, src: int, tag: int) -> Any:
         g = self.ranks[src]
         return self.t.irecv(buf, g, COLL, self.channel, tag,
-                            ("no collective message from rank %d (tag %d) on group %d", g, tag,
-                             self.channel), self.sig)
+                            ("no collective message from rank %d%s (tag %d) on group %d", g,
+                             self.t.where.get(g, ""), tag, self.channel), self.sig)
 
     def wait(self, reqs: Sequence[Any]) -> None:
         try:
@@ -171,7 +171,8 @@ class TCPBackend(P2PBackend):
     def recv(self, buf: np.ndarray, src: int, tag: int) -> Request:
         g = self.ranks[src]
         return self.transport.irecv(buf, g, P2P, self.channel, tag,
-                                    f"no message from rank {g} with tag {tag}")
+                                    ("no message from rank %d%s with tag %d", g,
+                                     self.transport.where.get(g, ""), tag))
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source, tag, nbytes) of a message waiting for this rank, else None."""

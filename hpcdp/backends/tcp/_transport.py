@@ -71,6 +71,9 @@ class Transport:
         #: largest message sent as one frame on the caller's thread
         self.inline = min(INLINE_BYTES, cap)
         self.peers: dict[int, _Peer] = {}
+        #: rank -> " at ADDRESS (HOST)" for peers on another host, "" for loopback ones: what
+        #: a timeout names, so that an operator sees which node went missing, not only a rank
+        self.where: dict[int, _Where | str] = {}
         self.lock = threading.Lock()
         self.posted: dict[tuple, collections.deque[_Req]] = {}
         self.unexpected: dict[tuple, collections.deque[tuple[Any, tuple]]] = {}
@@ -104,6 +107,9 @@ class Transport:
                         struct.pack("ll", sec, int((RECV_TICK - sec) * 1e6)))
         _set_send_tick(sock, min(self.send_limits.values(), default=0.0))
         peer = _Peer(rank, sock)
+        addr = _addr(sock)
+        if isinstance(addr, tuple) and not str(addr[0]).startswith("127."):
+            self.where[rank] = _Where(str(addr[0]))
         self.peers[rank] = peer
         threading.Thread(target=self._recv_loop, args=(peer,), daemon=True,
                          name=f"hpcdp-recv-{self.rank}<{rank}").start()
@@ -637,6 +643,26 @@ def _set_send_tick(sock: socket.socket, seconds: float) -> None:
     sec = int(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                     struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+
+
+class _Where:
+    """`` at 10.0.0.2 (node02)``: a peer's address and, looked up only when an error message is
+    formatted (never while ranks connect: a slow resolver must not delay the mesh), its name."""
+
+    __slots__ = ("ip", "_text")
+
+    def __init__(self, ip: str) -> None:
+        self.ip = ip
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            try:
+                name = socket.gethostbyaddr(self.ip)[0]
+            except (OSError, UnicodeError):
+                name = ""
+            self._text = f" at {self.ip}" + (f" ({name})" if name and name != self.ip else "")
+        return self._text
 
 
 def _addr(sock: socket.socket) -> object:
