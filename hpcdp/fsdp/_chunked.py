@@ -87,17 +87,14 @@ def exact_reduction(unit: Any, chunks: int, staging: Any) -> ExactReduction:
     xp = unit.xp
     n, k = comm.n, len(unit.slots)
     send = xp.zeros((max(rows, 1), n, unit.S + k), staging)
-    full = xp.zeros(unit.F, staging)
-    for j in range(rows):
-        full[...] = 0
-        for i, s in zip(unit.trainable, stacks):
-            if s is not None and j < s.shape[0]:
-                unit.slots[i].full_view(full)[...] = s[j]
-        if n == 1:
-            send[j, 0, :unit.F] = full
+    for i, s in zip(unit.trainable, stacks):
+        if s is None:
+            continue
+        slot = unit.slots[i]
+        if n == 1:   # no_shard: the flat shard is the whole unit, parameter-major
+            send[:s.shape[0], 0, slot.full_offset:slot.full_offset + slot.numel] = s.reshape(s.shape[0], -1)
         else:
-            for slot in unit.slots:
-                slot.copy_in(full, send[j])
+            slot.copy_in_stack(s, send[:s.shape[0]])
     flags = np.zeros(k, staging)
     flags[sorted(unit.used)] = 1
     send[0, :, unit.S:] = xp.asarray(flags)

@@ -101,6 +101,21 @@ class ParamSlot:
         if rem:
             dst[k * c:] = src[k, :rem]
 
+    def copy_in_stack(self, stack: Any, send: Any) -> None:
+        """``copy_in`` for ``m`` gradients at once: ``stack`` (m, *shape) into the rank-major
+        ``send`` (m, n, S'), whose padding is already zero."""
+        c, rs = self.chunk, self.row_size
+        if c == 0 or rs == 0:
+            return
+        m = stack.shape[0]
+        dst = send[:, :, self.shard_offset:self.shard_offset + self.padded].reshape(m, self.n, c, rs)
+        src = stack.reshape(m, self.rows, rs)
+        k, rem = self._split()
+        if k:
+            dst[:, :k] = src[:, :k * c].reshape(m, k, c, rs)
+        if rem:
+            dst[:, k, :rem] = src[:, k * c:]
+
     def copy_in(self, full: Any, send: Any) -> None:
         """This parameter's rows of ``full`` (1-D, parameter-major) into the rank-major ``send``
         (n, S), zeroing its padding."""

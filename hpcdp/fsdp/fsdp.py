@@ -363,9 +363,11 @@ class FSDP:
         grads = [p.grad for _, p in self._named_shards if p.grad is not None]
         inf = norm_type == math.inf
         if not inf and (self._chunks is not None or self.group.deterministic):
-            # exact: the partition of the elements among shards changes no bit of the norm
-            powers = [(np.abs(g.astype(np.float64)) ** norm_type).reshape(-1) for g in grads]
-            flat = np.concatenate(powers) if powers else np.zeros(0)
+            # the same bits for any partition: a shard holds whole rows, so each row's sum is
+            # the same whatever rank computes it; the rows' sums are then added exactly
+            rows = [(np.abs(g.astype(np.float64)) ** norm_type).reshape(max(g.shape[:1] or (1,)), -1).sum(axis=1)
+                    for g in grads if g.size]
+            flat = np.concatenate(rows) if rows else np.zeros(0)
             total = exact_total(self.comm.shard, flat) ** (1.0 / norm_type)
             coef = float(max_norm) / (total + 1e-6)
             if coef < 1.0:
