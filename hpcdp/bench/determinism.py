@@ -56,13 +56,15 @@ def _example() -> Any:
 
 
 # -- check: the hashes ------------------------------------------------------------------------
-def _example_args(args: argparse.Namespace, layer: str) -> list[str]:
+def _example_args(args: argparse.Namespace, layer: str, n: int) -> list[str]:
     parallel, _, option = layer.partition(":")
     out = ["--steps", str(args.steps), "--global-batch", str(args.global_batch),
            "--deterministic-chunk", str(args.chunk), "--dropout", str(args.dropout), "--sha",
            "--no-progress", "--no-ckpt", "--eval-windows", "4", "--parallel", parallel]
     if option:   # fsdp:STRATEGY, ddp:BUCKET_MB
         out += ["--strategy", option] if parallel == "fsdp" else ["--bucket-mb", option]
+    if option == "hybrid_shard":   # shard groups of 2 ranks, replicated across them
+        out += ["--shard-size", str(2 if n % 2 == 0 else 1)]
     return out + args.example_args.split()
 
 
@@ -76,7 +78,7 @@ def _run_sim(args: argparse.Namespace, layer: str, n: int) -> str | None:
     os.environ["HPCDP_DETERMINISTIC"] = "1"
     try:
         with contextlib.redirect_stdout(io.StringIO()):   # the ranks' own printing
-            res = hpcdp.spawn(lambda r: gpt.main(_example_args(args, layer)), world_size=n,
+            res = hpcdp.spawn(lambda r: gpt.main(_example_args(args, layer, n)), world_size=n,
                               backend="sim", timeout=600)
     finally:
         os.environ.pop("HPCDP_DETERMINISTIC", None)
@@ -113,10 +115,10 @@ def part_check(args: argparse.Namespace) -> bool:
                     text = ""
                 elif launcher == "tcp":
                     sha, text = _run_proc([py, "-m", "hpcdp.run", "-n", str(n), str(_EXAMPLE),
-                                           *_example_args(args, layer)])
+                                           *_example_args(args, layer, n)])
                 else:
                     sha, text = _run_proc(["mpirun", "--oversubscribe", "-n", str(n), py, "-m", "hpcdp.run",
-                                           str(_EXAMPLE), *_example_args(args, layer)])
+                                           str(_EXAMPLE), *_example_args(args, layer, n)])
                 dt = time.perf_counter() - t0
                 rows.append((launcher, n, layer, sha, dt))
                 print(f"{launcher:>4} {n:>2} ranks  {layer:<22} {sha or 'FAILED'}  ({dt:.1f} s)", flush=True)
