@@ -203,7 +203,7 @@ def part_h2(args: argparse.Namespace, g: Any) -> bool:
                 return time_loop(lambda: g.allreduce(x, out=out), iters, sync=g.barrier)
 
             def det() -> float:
-                return time_loop(lambda: reproducible.sum_rows(g, x[None]), iters, sync=g.barrier)
+                return time_loop(lambda: reproducible.sum_rows(g, x[None], out=out), iters, sync=g.barrier)
 
             t = interleaved(plain, det, args.trials)
             ratio = 1.0 / t.median_ratio   # busbw ratio = time ratio inverted

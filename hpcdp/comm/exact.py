@@ -35,7 +35,7 @@ import numpy as np
 
 from .._arrays import xp_of
 
-__all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "limb_width", "nlimbs",
+__all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "codes32", "limb_width", "nlimbs",
            "to_limbs", "round_limbs", "float_width", "float_layout", "split2", "combine2", "apply_specials",
            "special_counts"]
 
@@ -131,6 +131,40 @@ def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
     return out
 
 
+def codes32(rows: Any, xp: Any, out: Any) -> Any:
+    """:func:`codes` straight from float32 rows (no float64 copy): the same codes, read from
+    float32's 8-bit exponent field (a subnormal reads as exponent -126, a bound; its lowest bit
+    is 2**-149)."""
+    m, n = rows.shape
+    if m == 0:
+        out[...] = NEG_ZERO
+        return out
+    high = rows.view(np.uint16)[:, 1::2]
+    field = workspace().take("field", (m, n), np.uint16, xp)
+    xp.copyto(field, high)
+    xp.right_shift(field, np.uint16(7), out=field)
+    xp.bitwise_and(field, np.uint16(0xFF), out=field)
+    f = field.view(np.int16)
+    code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
+    neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
+    xp.subtract(f, np.int16(126), out=code)
+    xp.subtract(np.int16(150), f, out=neg_low)      # 24 - code; at most 149 for normal values
+    if int(f.max(initial=0)) == 0xFF:                 # inf or NaN
+        code[f == 0xFF] = NONFINITE
+    if int(f.min(initial=1)) == 0:                    # zeros and subnormals
+        tiny = f == 0
+        code[tiny] = -126
+        neg_low[tiny] = 149
+        zero = tiny & (rows == 0)
+        if bool(zero.any()):
+            code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
+            neg_low[zero] = _NO_LOW
+    if m > 1:
+        code.max(axis=0, out=out[0])
+        neg_low.max(axis=0, out=out[1])
+    return out
+
+
 def limb_width(summands: int) -> int:
     """Bits per limb when ``summands`` values are added: ``|sum| < summands * 2**w <= 2**62``."""
     summands = int(summands)
@@ -195,8 +229,9 @@ def float_layout(code: Any, summands: int, xp: Any) -> tuple[int, Any]:
     so large that a partial sum could overflow) take the integer limbs."""
     wp = float_width(summands)
     top, neg_low = code[0], code[1]
+    depth = workspace().take("depth", top.shape, np.int16, xp)
     with np.errstate(over="ignore"):
-        depth = top + neg_low   # int16 on purpose: all-zero elements wrap to 0 or 1
+        xp.add(top, neg_low, out=depth)   # int16 on purpose: all-zero elements wrap to 0 or 1
     ceiling = min(NONFINITE, 1023 - (53 - wp))
     if int(top.max(initial=POS_ZERO)) < ceiling:
         dmax = int(depth.max(initial=0))
@@ -210,10 +245,12 @@ def float_layout(code: Any, summands: int, xp: Any) -> tuple[int, Any]:
 
 def split2(x: Any, code: Any, summands: int, xp: Any, hi: Any, lo: Any) -> None:
     """``x = hi + lo`` exactly, hi on the grid 2**(E - w') of each element (see above)."""
-    k = code[0].astype(np.int32)
-    k -= float_width(summands)
+    ws = workspace()
+    k = ws.take("k", code[0].shape, np.int32, xp)
+    xp.subtract(code[0], np.int32(float_width(summands)), out=k, casting="unsafe")
+    neg_k = xp.negative(k, out=ws.take("neg_k", k.shape, np.int32, xp))
     with np.errstate(over="ignore", invalid="ignore"):
-        xp.ldexp(x, -k, out=hi)
+        xp.ldexp(x, neg_k, out=hi)
         xp.trunc(hi, out=hi)
         xp.ldexp(hi, k, out=hi)
         xp.subtract(x, hi, out=lo)

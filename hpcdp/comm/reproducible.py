@@ -66,6 +66,13 @@ def reducible(rop: ReduceOp, dtype: Any) -> bool:
     return rop in (ReduceOp.SUM, ReduceOp.MEAN) and np.dtype(dtype).kind in "fc"
 
 
+def _real(x: Any) -> Any:
+    """Complex values as (real, imag) pairs of their real dtype; real arrays unchanged."""
+    if x.dtype.kind == "c":
+        return x.view(np.float64 if x.dtype == np.complex128 else np.float32)
+    return x
+
+
 def _as_rows(x: Any, xp: Any, ws: Any = None) -> Any:
     """``x`` as float64 rows of real numbers: complex values are (real, imag) pairs."""
     if x.dtype.kind == "c":
@@ -123,23 +130,28 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     if in_dtype not in exact.FORMATS:
         in_dtype = np.dtype(np.float64)
     ws = exact.workspace()
-    flat = _as_rows(xp.ascontiguousarray(rows).reshape(m, count), xp, ws).reshape(m, -1)
-    ours = in_dtype != np.float64   # flat is then a float64 copy in the workspace
-    n = flat.shape[1]
+    real = _real(xp.ascontiguousarray(rows).reshape(m, count)).reshape(m, -1)
+    n = real.shape[1]
     size = group.size
     # pass 1: the grid (top exponent, lowest bit) per element and the most rows on any rank
     head = ws.take("head", (2 * n + 1,), np.int16, xp)
-    exact.codes(flat, xp, in_dtype, out=head[:2 * n].reshape(2, n))
+    if real.dtype == np.float32:   # read from the float32 bits: no float64 copy for the codes
+        exact.codes32(real, xp, out=head[:2 * n].reshape(2, n))
+        flat = None
+    else:
+        flat = _as_rows(real, xp, ws)
+        exact.codes(flat, xp, in_dtype, out=head[:2 * n].reshape(2, n))
     head[-1] = m
     agreed = group.allreduce(head, "max", out=head, timeout=timeout)
     if replicate is not None:
         agreed = replicate.allreduce(agreed, "max", timeout=timeout)
         size *= replicate.size
     code = agreed[:2 * n].reshape(2, n)
-    specials = code[0] == exact.NONFINITE
+    specials = None
     counts = None
-    if bool(specials.any()):  # every rank sees the same codes, so every rank comes here
-        counts = group.allreduce(exact.special_counts(flat, xp), "sum", timeout=timeout)
+    if int(code[0].max(initial=exact.POS_ZERO)) >= exact.NONFINITE:   # the same on every rank
+        specials = code[0] == exact.NONFINITE
+        counts = group.allreduce(exact.special_counts(real, xp), "sum", timeout=timeout)
         if replicate is not None:
             counts = replicate.allreduce(counts, "sum", timeout=timeout)
     # pass 2: the values themselves (or hi/lo halves) as float64, which the plain SUM adds
@@ -151,21 +163,27 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
     per = n // parts
     halves, bad = exact.float_layout(code, summands, xp)
     main = ws.take("main", (halves, n), np.float64, xp)
-    if halves == 1:
-        if m == 1 and ours:   # our own float64 copy: sent as it is
-            main = flat
-        elif m == 1:
-            main[0] = flat[0]
+    if halves == 1 and bad is None:   # every value on the grid: add the rows as they are
+        if m == 1:
+            xp.copyto(main[0], real[0])
         else:
-            flat.sum(axis=0, out=main[0])
-    elif m == 1:
-        exact.split2(flat[0], code, summands, xp, main[0], main[1])
+            real.sum(axis=0, dtype=np.float64, out=main[0])
     else:
-        part = ws.take("split", (2, n), np.float64, xp)
-        main[...] = 0
-        for x in flat:   # each row's halves, added exactly
-            exact.split2(x, code, summands, xp, part[0], part[1])
-            main += part
+        if flat is None:
+            flat = _as_rows(real, xp, ws)
+        if halves == 1:
+            if m == 1:
+                main[0] = flat[0]
+            else:
+                flat.sum(axis=0, out=main[0])
+        elif m == 1:
+            exact.split2(flat[0], code, summands, xp, main[0], main[1])
+        else:
+            part = ws.take("split", (2, n), np.float64, xp)
+            main[...] = 0
+            for x in flat:   # each row's halves, added exactly
+                exact.split2(x, code, summands, xp, part[0], part[1])
+                main += part
     wide = []
     if bad is not None:
         main[:, bad] = 0
@@ -217,9 +235,8 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
                 result = sums[0].astype(rounded)
         else:
             result = exact.combine2(sums[0], sums[1], rounded, xp, out=target)
-    neg = code[0, lo:hi] == exact.NEG_ZERO   # all -0: the halves' +0 must not win
-    if halves == 2 and bool(neg.any()):
-        result[neg] = -0.0
+    if halves == 2 and int(code[0, lo:hi].min(initial=0)) == exact.NEG_ZERO:
+        result[code[0, lo:hi] == exact.NEG_ZERO] = -0.0   # all -0: the halves' +0 must not win
     w = wide[mine] if kmax else None
     if w is not None and w.shape[0]:
         mine_limbs = tail.reshape(-1)[:w.shape[0] * n_limbs].reshape(-1, n_limbs).copy()
