@@ -121,11 +121,21 @@ def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
         small = f < below
         neg_low[small] = -qmin
         if least == 0:
-            zero = (f == 0) & (rows == 0)
-            if bool(zero.any()):
-                code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
-                neg_low[zero] = _NO_LOW
-    if m > 1:
+            _mark_zeros(rows, high, f == 0, code, neg_low, xp)
+    return _over_rows(code, neg_low, out)
+
+
+def _mark_zeros(rows: Any, high: Any, tiny: Any, code: Any, neg_low: Any, xp: Any) -> None:
+    """Zeros among the ``tiny`` exponent fields (zeros and subnormals) get the zero codes."""
+    zero = tiny & (rows == 0)
+    if bool(zero.any()):
+        code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
+        neg_low[zero] = _NO_LOW
+
+
+def _over_rows(code: Any, neg_low: Any, out: Any) -> Any:
+    """The codes of several rows reduced by ``MAX`` into ``out`` (one row: already there)."""
+    if code.shape[0] > 1:
         code.max(axis=0, out=out[0])
         neg_low.max(axis=0, out=out[1])
     return out
@@ -155,14 +165,8 @@ def codes32(rows: Any, xp: Any, out: Any) -> Any:
         tiny = f == 0
         code[tiny] = -126
         neg_low[tiny] = 149
-        zero = tiny & (rows == 0)
-        if bool(zero.any()):
-            code[zero] = xp.where((high[zero] >> 15) != 0, NEG_ZERO, POS_ZERO)
-            neg_low[zero] = _NO_LOW
-    if m > 1:
-        code.max(axis=0, out=out[0])
-        neg_low.max(axis=0, out=out[1])
-    return out
+        _mark_zeros(rows, high, tiny, code, neg_low, xp)
+    return _over_rows(code, neg_low, out)
 
 
 def limb_width(summands: int) -> int:

@@ -21,7 +21,6 @@ import numpy as np
 
 from .._arrays import xp_of
 from ..comm import reproducible
-from ..errors import HpcdpError
 from ..nn import chunking
 
 __all__ = ["ChunkedGradients"]
@@ -37,25 +36,13 @@ class ChunkedGradients:
     """
 
     def __init__(self, chunk: int, group: Any, buckets: Sequence[Any]) -> None:
-        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"deterministic_chunk must be an int >= 1, got {chunk!r}")
-        self.chunk = int(chunk)
+        self.count = chunking.ChunkCount(chunk, "DDP")
         self.group = group
         self.buckets = buckets
-        self.local_chunks = 0   # chunks this rank processed since the last synced reduction
 
     def begin_forward(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Count the chunks of this forward's batch and turn chunked gradients on."""
-        batch = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
-        if batch is None or not getattr(batch, "ndim", 0):
-            raise ValueError("DDP(deterministic_chunk=...): the forward needs an array argument "
-                             "whose axis 0 is the samples")
-        n = int(batch.shape[0])
-        if n % self.chunk:
-            raise ValueError(f"DDP(deterministic_chunk={self.chunk}) on rank {self.group.rank}: a "
-                             f"local batch of {n} samples does not split into chunks of {self.chunk}")
-        self.local_chunks += n // self.chunk
-        chunking.set_chunk_size(self.chunk)
+        self.count.begin_forward(args, kwargs, self.group.rank)
 
     @staticmethod
     def end_backward() -> None:
@@ -64,11 +51,7 @@ class ChunkedGradients:
     def reduce(self, timeout: float | None = None) -> None:
         """Collective: every chunk of every rank added exactly; the mean over chunks into .grad."""
         g = self.group
-        total = g.allreduce(np.asarray([self.local_chunks], dtype=np.int64), "sum", timeout=timeout)
-        chunks = int(total[0])
-        if chunks == 0:
-            raise HpcdpError(f"DDP (rank {g.rank}): a synced backward without any chunked forward "
-                             "on any rank")
+        chunks = self.count.agree(g)
         for b in self.buckets:
             params = list(b.params)
             stacks = [_stack(p) for p in params]
@@ -92,7 +75,6 @@ class ChunkedGradients:
                     v[...] = piece
                     p.grad = v
                 p.chunk_grads = None
-        self.local_chunks = 0
 
 
 def _stack(p: Any) -> Any:

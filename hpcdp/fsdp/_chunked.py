@@ -18,42 +18,8 @@ import numpy as np
 
 from .._arrays import xp_of
 from ..comm import reproducible
-from ..errors import HpcdpError
-from ..nn import chunking
 
-__all__ = ["ChunkCount", "ExactReduction", "exact_reduction"]
-
-
-class ChunkCount:
-    """Chunks of samples seen by training forwards since the last synced backward, and the
-    global count that backward divides by."""
-
-    def __init__(self, chunk: int) -> None:
-        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"deterministic_chunk must be an int >= 1, got {chunk!r}")
-        self.chunk = int(chunk)
-        self.local = 0
-        self.total = 0
-
-    def begin_forward(self, args: Sequence[Any], kwargs: dict[str, Any], rank: int) -> None:
-        batch = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
-        if batch is None or not getattr(batch, "ndim", 0):
-            raise ValueError("FSDP(deterministic_chunk=...): the forward needs an array argument "
-                             "whose axis 0 is the samples")
-        n = int(batch.shape[0])
-        if n % self.chunk:
-            raise ValueError(f"FSDP(deterministic_chunk={self.chunk}) on rank {rank}: a local batch "
-                             f"of {n} samples does not split into chunks of {self.chunk}")
-        self.local += n // self.chunk
-        chunking.set_chunk_size(self.chunk)
-
-    def agree(self, group: Any) -> None:
-        """Collective: the number of chunks in the global batch (before a synced backward)."""
-        self.total = int(group.allreduce(np.asarray([self.local], dtype=np.int64), "sum")[0])
-        self.local = 0
-        if self.total == 0:
-            raise HpcdpError(f"FSDP (rank {group.rank}): a synced backward without any chunked "
-                             "forward on any rank")
+__all__ = ["ExactReduction", "exact_reduction"]
 
 
 class ExactReduction:

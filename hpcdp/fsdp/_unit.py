@@ -26,7 +26,8 @@ from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.parameter import Parameter
 from ._api import BF16, is_low_precision
-from ._chunked import ChunkCount, exact_reduction
+from ._chunked import exact_reduction
+from ..nn.chunking import ChunkCount
 from ._collectives import Reduction, ShardComm, comm_dtype, decode, encode
 from ._param import FreedGrad, ParamSlot
 from ._wrap import UnitSpec

@@ -27,9 +27,9 @@ from ._api import STRATEGIES, Event, MixedPrecision
 from ._collectives import ShardComm
 from ._memory import MemoryStats, Tracker, optimizer_state_bytes
 from ._state import Schedule
-from ._chunked import ChunkCount
 from ..comm.reproducible import exact_total
 from ..nn import chunking
+from ..nn.chunking import ChunkCount
 from ._unit import Unit
 from ._wrap import plan_units
 from ..comm.world import group_or_default, local_world_size
@@ -186,7 +186,7 @@ class FSDP:
                                prefetch=prefetch, limit_all_gathers=limit_all_gathers,
                                mixed=mixed_precision, rank=rank)
         self._require_sync = True
-        self._chunks = None if deterministic_chunk is None else ChunkCount(deterministic_chunk)
+        self._chunks = None if deterministic_chunk is None else ChunkCount(deterministic_chunk, "FSDP")
         for u in self.units:
             u.chunks = self._chunks
         self._handles: list[Any] = []

@@ -38,7 +38,8 @@ import threading
 from typing import Any, Iterator
 
 __all__ = ["chunk_size", "chunked", "set_chunk_size", "chunks_in", "matmul_t", "matmul",
-           "weight_grad", "sample_sum", "sample_keys", "current_sample_keys", "next_call"]
+           "weight_grad", "sample_sum", "sample_keys", "current_sample_keys", "next_call",
+           "ChunkCount"]
 
 _tls = threading.local()
 
@@ -151,3 +152,48 @@ def next_call(owner: int) -> int:
     n = calls.get(owner, 0)
     calls[owner] = n + 1
     return n
+
+
+class ChunkCount:
+    """The chunks a data-parallel layer (DDP, FSDP) saw since its last synced backward: each
+    training forward counts its batch's chunks and turns chunked gradients on; before the
+    reduction every rank learns the global count, which the exact sum is divided by.
+
+    Args:
+        chunk: samples per chunk.
+        owner: the layer's name, for messages ("DDP", "FSDP").
+    """
+
+    def __init__(self, chunk: int, owner: str) -> None:
+        import numpy as np
+
+        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"{owner}: deterministic_chunk must be an int >= 1, got {chunk!r}")
+        self.chunk = int(chunk)
+        self.owner = owner
+        self.local = 0   # this rank's chunks since the last synced backward
+        self.total = 0   # every rank's, as of the last agree()
+
+    def begin_forward(self, args: Any, kwargs: dict[str, Any], rank: int) -> None:
+        """Count the chunks of the forward's batch (axis 0 of its first array argument)."""
+        batch = next((a for a in list(args) + list(kwargs.values()) if hasattr(a, "shape")), None)
+        if batch is None or not getattr(batch, "ndim", 0):
+            raise ValueError(f"{self.owner}(deterministic_chunk=...): the forward needs an array "
+                             "argument whose axis 0 is the samples")
+        n = int(batch.shape[0])
+        if n % self.chunk:
+            raise ValueError(f"{self.owner}(deterministic_chunk={self.chunk}) on rank {rank}: a "
+                             f"local batch of {n} samples does not split into chunks of {self.chunk}")
+        self.local += n // self.chunk
+        set_chunk_size(self.chunk)
+
+    def agree(self, group: Any) -> int:
+        """Collective over ``group``: the chunks of the global batch (then counted afresh)."""
+        import numpy as np
+
+        self.total = int(group.allreduce(np.asarray([self.local], dtype=np.int64), "sum")[0])
+        self.local = 0
+        if self.total == 0:
+            raise ValueError(f"{self.owner} (rank {group.rank}): a synced backward without any "
+                             "chunked forward on any rank")
+        return self.total

@@ -4,7 +4,6 @@ as the same global batch trained on one rank. The one-rank reference runs on eve
 group of that rank alone, so the comparison needs no second process and works under mpirun."""
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import pathlib
 from typing import Any
@@ -58,14 +57,7 @@ def train(kind: str, group: Any, batch: int, chunk: int | None, bucket_mb: float
             par.clip_grad_norm_(0.5)
         opt.step()
         opt.zero_grad()
-    state = model.state_dict() if kind in ("ddp", "zero1") else par.full_state_dict()
-    if not state:
-        return None
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(np.ascontiguousarray(state[k]).tobytes())
-    return h.hexdigest()
+    return gpt.parameters_sha(par, "ddp" if kind in ("ddp", "zero1") else "fsdp")
 
 
 def body_same_bits(rank: int, kind: str, chunk: int | None) -> list[str]:
