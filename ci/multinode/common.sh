@@ -53,15 +53,21 @@ mn_exec() {
     local node="$1" wd="$2"; shift 2
     nsenter --net="/run/netns/$node" --uts="$(mn_uts "$node")" -- \
         unshare --mount --propagation private -- /bin/sh -euc '
-            node="$1" dir="$2" wd="$3"; shift 3
+            node="$1" dir="$2" wd="$3" repo="$4"; shift 4
             mount --rbind /sys/fs/cgroup "$dir/cgroup"     # kept across the new sysfs
             umount -l /sys && mount -t sysfs sysfs /sys
             mount --move "$dir/cgroup" /sys/fs/cgroup
             mount --bind "$dir/etc/hosts" /etc/hosts
-            mount --bind "$dir/nodes/$node/tmp" /tmp
+            # a checkout (and its .venv) under /tmp stays visible at its path on every node, as
+            # a cluster home directory would be: bound into the node tmp before that hides /tmp
+            case "$repo" in /tmp/?*)
+                mkdir -p "$dir/nodes/$node/tmp/${repo#/tmp/}"
+                mount --bind "$repo" "$dir/nodes/$node/tmp/${repo#/tmp/}" ;;
+            esac
+            mount --rbind "$dir/nodes/$node/tmp" /tmp
             mount --bind "$dir/nodes/$node/shm" /dev/shm
             cd "$wd"
-            exec "$@"' sh "$node" "$MN_DIR" "$wd" "$@"
+            exec "$@"' sh "$node" "$MN_DIR" "$wd" "$MN_REPO" "$@"
 }
 
 # Whether address $1 answers (no ping here): a TCP connect to port 9, where nothing listens, is

@@ -18,6 +18,7 @@ import hpcdp.bench as _pkg
 DESCRIPTIONS = {
     "collectives": "A1-A5 (under mpirun), B1/B2 with --backend tcp, C1 with --backend sim",
     "ddp": "D1, D2, D4 and the share of communication hidden by backward",
+    "determinism": "H1, H2 (under mpirun) and the bit-for-bit check of deterministic training (outside it)",
     "checkpoint": "G1, G2 against raw MPI-IO (under mpirun)",
     "fsdp": "E1-E4: FSDP/ZeRO memory, bytes moved and step time against DDP",
     "multinode": "M1, M2: allreduce busbw across nodes vs the link, hierarchical vs flat, DDP over nodes",

@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--example-args", default="",
                    help="check: more options for the example (a quick run: '--dim 16 --layers 1 --context 16')")
     p.add_argument("--layer", default="fsdp", choices=["fsdp", "ddp"], help="H1: the example's FSDP or DDP")
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--trials", type=int, default=5, help="H1, H2: interleaved trials per figure")
     p.add_argument("--iters", type=int, default=5, help="H1: steps per trial; H2: calls per trial at 1 MiB")
     return p
 
