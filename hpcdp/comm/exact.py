@@ -1,27 +1,30 @@
-"""Exact floating-point sums as integers: the arithmetic of deterministic mode (no communication).
+"""Exact floating-point sums: the arithmetic of deterministic mode (no communication).
 
-A floating-point sum depends on its order; an integer sum does not. So each value is cut into
-fixed-point integer *limbs* on a grid every contributor agrees on, the limbs are added as
-int64 (by any algorithm, in any order, on any backend: integer addition is associative), and
-the exact total is rounded to the float format once, correctly (round to nearest, ties to
-even). The result's bits depend only on the multiset of values contributed.
+A floating-point sum depends on its order, unless no addition ever rounds. Every value of an
+element is put on a grid all contributors agree on, and the sums of values on that grid are
+made exact by construction; the exact total is then rounded to the float format once,
+correctly (round to nearest, ties to even). The result's bits depend only on the multiset of
+values contributed.
 
 The grid is per element. A first exchange (``MAX`` over int16 *codes*) gives, for element i,
 the exponent ``E_i`` above every contribution (``|x| < 2**E_i``) and the lowest bit any
-contribution has, ``low_i``. Every value of element i is then an integer multiple of
-``2**(E_i - L*w)`` below ``2**E_i``, written as ``L`` limbs of ``w`` bits (most significant
-first), where ``w = 62 - ceil(log2(N))`` leaves room for ``N`` summands in an int64 without
-overflow and ``L = ceil(max_i(E_i - low_i) / w)`` covers the widest element. Nothing is cut
-off: the integer sum is the exact sum. Values of the same magnitude need one limb (for up to
-16 summands a float64 of any exponent fits in 58 bits with room to spare); values that cancel
-across magnitudes need more, up to 36 limbs for 1e308 beside a subnormal.
+contribution has, ``low_i``; ``E_i - low_i`` is the element's depth. Then, with ``N`` summands:
+
+* depth <= 53 - ceil(log2 N): the values themselves; float64 additions of them are exact in
+  any order (every partial sum is a multiple of ``2**low_i`` below ``2**(low_i + 53)``). This
+  holds for float32 data within ~27 binades per element.
+* depth <= twice that: each value split into hi (on the grid ``2**(E_i - w')``) and lo, two
+  float64 sums, exact the same way; hi + lo rounded once (float64 data within ~50 binades).
+* deeper, inf/NaN, or near the top of the range: integer *limbs* of ``w = 62 - ceil(log2 N)``
+  bits, added as int64 (exact, associative), any depth (36 limbs for 1e308 beside a
+  subnormal), rounded from the integers.
 
 Accuracy: a sum is the exact sum correctly rounded (error <= 0.5 ulp), so never less accurate
-than any order of plain float additions. A mean is that sum divided by the count in the same
-dtype (a second rounding: <= 1 ulp; exact when the count is a power of two and the result is
-normal). Special values follow IEEE arithmetic the same way on every rank: any NaN, or +inf
-with -inf, gives NaN; +inf (-inf) otherwise wins; an exact sum beyond the format's range
-rounds to +-inf; an exact zero is +0 unless every contribution was -0.
+than any order of plain float additions. A mean is that sum in float64 divided by the count,
+then cast (<= 1 ulp; exact when the count is a power of two and the result is normal). Special
+values follow IEEE arithmetic the same way on every rank: any NaN, or +inf with -inf, gives
+NaN; +inf (-inf) otherwise wins; an exact sum beyond the format's range rounds to +-inf; an
+exact zero is +0 unless every contribution was -0.
 
 Every function takes the array module ``xp`` of its arrays (numpy or cupy).
 """

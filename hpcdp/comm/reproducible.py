@@ -5,18 +5,20 @@ and ``mean`` of floating-point arrays in ``allreduce``, ``reduce`` and ``reduce_
 here; the layers above (DDP, ZeRO, FSDP, gradient clipping) call :func:`sum_rows` and
 :func:`exact_total` directly to add their per-chunk gradients in the same exact way.
 
-Each reduction is two ordinary collectives on integers, which any backend and any algorithm
-add exactly (``comm.exact`` has the arithmetic and its accuracy bound):
+Each reduction is two ordinary collectives, both of which any backend and any algorithm
+compute exactly (``comm.exact`` has the arithmetic and its accuracy bound):
 
 1. ``allreduce(MAX)`` of int16 codes, two per element (the top exponent and the lowest bit of
    any contribution) plus one for the number of rows: every rank learns the same grid;
-2. ``allreduce``/``reduce``/``reduce_scatter(SUM)`` of the int64 limbs on that grid,
+2. ``allreduce``/``reduce``/``reduce_scatter(SUM)`` of the values on that grid as float64 (or
+   their hi/lo halves), whose sums cannot round, and int64 limbs for the rare elements that do
+   not fit two halves,
 
-then every rank rounds the exact sums once. Bytes on the wire per float64 element: 4 for the
-codes and 8 per limb (one limb unless values of one element cancel across about 60 binades),
-against 8 for the plain sum. Non-finite values cost one more small exchange, only when some
-element has one (the codes say so on every rank). ``max`` and ``min`` need nothing (they do
-not depend on order); ``prod`` is refused in this mode rather than silently order-dependent.
+then every rank rounds the exact sums once. Bytes on the wire per element: 4 for the codes,
+then 8 (float32 data) or 16 (float64 data), against 4 or 8 for the plain sum. Non-finite
+values cost one more small exchange, only when some element has one (the codes say so on
+every rank). ``max`` and ``min`` need nothing (they do not depend on order); ``prod`` is
+refused in this mode rather than silently order-dependent.
 
 Asynchronous calls complete before they return (the Work is already done): the two passes
 depend on each other, and a deterministic run is about the bits, not overlap.

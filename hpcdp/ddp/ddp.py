@@ -308,12 +308,17 @@ class DDP:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients (None by default; zeros in place keeps bucket views)."""
+        """Clear the gradients (None by default; zeros in place keeps bucket views), and with
+        ``deterministic_chunk`` the chunk gradients that ``no_sync`` passes kept."""
         for _, p in self._named:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad[...] = 0
+            if self._chunks is not None:
+                p.chunk_grads = None
+        if self._chunks is not None:
+            self._chunks.count.local = 0
 
     # -- features ----------------------------------------------------------------------------
     @contextlib.contextmanager

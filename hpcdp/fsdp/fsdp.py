@@ -328,6 +328,11 @@ class FSDP:
                 p.grad[...] = 0
         for u in self.units:
             u.drop_local_grads()
+        if self._chunks is not None:   # chunks kept by no_sync passes go too
+            self._chunks.local = 0
+            for u in self.units:
+                for slot in u.slots:
+                    slot.param.chunk_grads = None
 
     @property
     def events(self) -> list[Event]:

@@ -161,3 +161,39 @@ def test_the_checker_agrees_across_launchers() -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "24 runs, 1 distinct hash(es): bit-identical" in out, out[-3000:]
+
+
+def body_zero_grad_drops_kept_chunks(rank: int) -> list[str]:
+    """A no_sync pass whose gradients are thrown away (zero_grad) leaves nothing behind: the next
+    synced pass gives the gradient of its own batch alone, under DDP and FSDP."""
+    world = hpcdp.get_default_group()
+    n = world.size
+    text = np.random.default_rng(1).integers(0, VOCAB, 500)
+    x, y = gpt.windows(text, np.random.default_rng([7, 0]).integers(0, 480, 8), CONTEXT)
+    lo, hi = rank * 8 // n, (rank + 1) * 8 // n
+    fails = []
+    for kind in ("ddp", "fsdp"):
+        grads = []
+        for skip_first in (False, True):
+            nn.manual_seed(0)
+            model = gpt.GPT(VOCAB, CONTEXT, 16, 2, 2, 0)
+            par = hpcdp.DDP(model, deterministic_chunk=CHUNK) if kind == "ddp" else \
+                FSDP(model, deterministic_chunk=CHUNK)
+            loss_fn = nn.CrossEntropyLoss()
+            if skip_first:
+                with par.no_sync():
+                    loss_fn(par(x[lo:hi][::-1].copy()), y[lo:hi][::-1].copy())
+                    par.backward(loss_fn.backward())
+                par.zero_grad()
+            loss_fn(par(x[lo:hi]), y[lo:hi])
+            par.backward(loss_fn.backward())
+            grads.append([p.grad.copy() for p in par.parameters() if p.grad is not None])
+        if len(grads[0]) != len(grads[1]) or any(
+                not np.array_equal(a, b) for a, b in zip(grads[0], grads[1])):
+            fails.append(f"{kind}: a discarded no_sync pass changed the next gradient")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_zero_grad_drops_kept_chunks(world: World) -> None:
+    check(world.run(body_zero_grad_drops_kept_chunks))
