@@ -770,6 +770,10 @@ class ProcessGroup:
         members = [self.ranks[r] for r in ranks]
         child = ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
                              members=members)
+        return self._adopt(child)
+
+    def _adopt(self, child: "ProcessGroup") -> "ProcessGroup":
+        """A sub-group made here takes this group's checks and mode, and is shut down with it."""
         if self.debug == "detail":
             child.debug = "detail"
         child.deterministic = self._deterministic
@@ -815,11 +819,7 @@ class ProcessGroup:
             gname = f"{name}.{mine}" if len(layout) > 1 else name
         child = ProcessGroup(sub, name=gname, timeout=self.timeout if timeout is None else timeout,
                              members=[self.ranks[r] for r in ranks])
-        if self.debug == "detail":
-            child.debug = "detail"
-        child.deterministic = self._deterministic
-        self._children = [c for c in self._children if c() is not None] + [weakref.ref(child)]
-        return child
+        return self._adopt(child)
 
     @public
     def cart(self, dims: Sequence[int], periods: bool | Sequence[bool] = False, *,
