@@ -106,7 +106,20 @@ def _body_addresses(rank: int) -> list[str]:
         f"bind_address({master!r}) is {addr}, want this node's {mine}"]
 
 
-def test_tcp_ranks_listen_on_the_node_interface(layout: Layout) -> None:
-    if layout.backend != "tcp":
-        pytest.skip("the TCP backend's addresses (this job runs on MPI)")
-    check(run_mpi(_body_addresses))
+def _body_node_address(rank: int) -> list[str]:
+    """Under MPI: each rank's host name resolves to its node's own address on the virtual
+    network (what Open MPI's TCP transport between the nodes runs over), never loopback, and
+    ranks of different nodes have different addresses."""
+    mine = socket.gethostbyname(socket.gethostname())
+    every = hpcdp.get_default_group().all_gather_object((socket.gethostname(), mine))
+    fails = [] if not mine.startswith("127.") else [f"{socket.gethostname()} resolves to {mine}"]
+    by_host = {h: a for h, a in every}
+    if len(set(by_host.values())) != len(by_host):
+        fails.append(f"nodes share an address: {by_host}")
+    return fails
+
+
+def test_ranks_address_their_node_interface(layout: Layout) -> None:
+    """TCP: ranks listen on the interface that routes to the master; MPI: every node has its
+    own address on the virtual network."""
+    check(run_mpi(_body_addresses if layout.backend == "tcp" else _body_node_address))
