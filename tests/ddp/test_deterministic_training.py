@@ -197,3 +197,39 @@ def body_zero_grad_drops_kept_chunks(rank: int) -> list[str]:
 @pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
 def test_zero_grad_drops_kept_chunks(world: World) -> None:
     check(world.run(body_zero_grad_drops_kept_chunks))
+
+
+def body_mode_under_plain_layers(rank: int) -> list[str]:
+    """A deterministic group under DDP and FSDP without chunks: their asynchronous bucket and
+    shard reductions take the exact path (complete at the call) and train as the plain mode
+    does, up to rounding."""
+    g = hpcdp.get_default_group()
+    fails: list[str] = []
+    for kind in ("ddp", "full_shard", "no_shard"):
+        finals = []
+        for mode in (False, True):
+            g.deterministic = mode
+            try:
+                nn.manual_seed(0)
+                model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+                par = hpcdp.DDP(model) if kind == "ddp" else FSDP(model, strategy=kind)
+                opt = optim.SGD(par.parameters(), lr=0.1)
+                loss_fn = nn.CrossEntropyLoss()
+                rng = np.random.default_rng(rank)
+                for _ in range(3):
+                    x, y = rng.standard_normal((4, 8)), rng.integers(0, 4, 4)
+                    loss_fn(par(x), y)
+                    par.backward(loss_fn.backward())
+                    opt.step()
+                    opt.zero_grad()
+                finals.append([p.data.copy() for p in par.parameters()])
+            finally:
+                g.deterministic = False
+        if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*finals)):
+            fails.append(f"{kind}: deterministic mode trained differently from the plain one")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "tcp-2", "mpi"), indirect=True)
+def test_deterministic_group_under_plain_ddp_and_fsdp(world: World) -> None:
+    check(world.run(body_mode_under_plain_layers))
