@@ -210,8 +210,8 @@ def body_mode_under_plain_layers(rank: int) -> list[str]:
         for mode in (False, True):
             g.deterministic = mode
             try:
-                nn.manual_seed(0)
-                model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+                # own seeds: simulated ranks are threads, and the global generator is shared
+                model = nn.Sequential(nn.Linear(8, 16, seed=1), nn.ReLU(), nn.Linear(16, 4, seed=2))
                 par = hpcdp.DDP(model) if kind == "ddp" else FSDP(model, strategy=kind)
                 opt = optim.SGD(par.parameters(), lr=0.1)
                 loss_fn = nn.CrossEntropyLoss()
