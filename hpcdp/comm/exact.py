@@ -109,13 +109,7 @@ def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
     # the top 16 bits of each float64 (little-endian: the last uint16 of the four) hold the
     # sign and the 11-bit exponent field
     high = rows.view(np.uint16)[:, 3::4]
-    field = workspace().take("field", (m, n), np.uint16, xp)
-    xp.copyto(field, high)                           # (a strided copy, then in place: faster)
-    xp.right_shift(field, np.uint16(4), out=field)
-    xp.bitwise_and(field, np.uint16(0x7FF), out=field)
-    f = field.view(np.int16)
-    code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
-    neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
+    f, code, neg_low = _fields(high, 4, 0x7FF, out, xp)
     xp.subtract(f, np.int16(1022), out=code)
     xp.subtract(np.int16(prec + 1022), f, out=neg_low)      # prec - code
     least = int(f.min()) if f.size else 1
@@ -126,6 +120,19 @@ def codes(rows: Any, xp: Any, dtype: Any = np.float64, out: Any = None) -> Any:
         if least == 0:
             _mark_zeros(rows, high, f == 0, code, neg_low, xp)
     return _over_rows(code, neg_low, out)
+
+
+def _fields(high: Any, shift: int, mask: int, out: Any, xp: Any) -> tuple[Any, Any, Any]:
+    """(exponent field of every value as int16, its code rows, its -low rows) from the top 16
+    bits of each float (sign and exponent); one row writes straight into ``out``."""
+    m, n = high.shape
+    field = workspace().take("field", (m, n), np.uint16, xp)
+    xp.copyto(field, high)                  # a strided copy, then in place: faster than shifting
+    xp.right_shift(field, np.uint16(shift), out=field)
+    xp.bitwise_and(field, np.uint16(mask), out=field)
+    code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
+    neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
+    return field.view(np.int16), code, neg_low
 
 
 def _mark_zeros(rows: Any, high: Any, tiny: Any, code: Any, neg_low: Any, xp: Any) -> None:
@@ -153,13 +160,7 @@ def codes32(rows: Any, xp: Any, out: Any) -> Any:
         out[...] = NEG_ZERO
         return out
     high = rows.view(np.uint16)[:, 1::2]
-    field = workspace().take("field", (m, n), np.uint16, xp)
-    xp.copyto(field, high)
-    xp.right_shift(field, np.uint16(7), out=field)
-    xp.bitwise_and(field, np.uint16(0xFF), out=field)
-    f = field.view(np.int16)
-    code = out[0:1] if m == 1 else xp.empty((m, n), np.int16)
-    neg_low = out[1:2] if m == 1 else xp.empty((m, n), np.int16)
+    f, code, neg_low = _fields(high, 7, 0xFF, out, xp)
     xp.subtract(f, np.int16(126), out=code)
     xp.subtract(np.int16(150), f, out=neg_low)      # 24 - code; at most 149 for normal values
     if int(f.max(initial=0)) == 0xFF:                 # inf or NaN

@@ -245,49 +245,6 @@ class ProcessGroup:
             return work
         return work._wait()
 
-    @staticmethod
-    def _exact_op(rop: ReduceOp, dtype: Any, where: str) -> bool:
-        """Whether deterministic mode sums this reduction exactly; ``prod`` of floats raises
-        (its bits would depend on the order, which this mode promises they do not)."""
-        dt = np.dtype(dtype)
-        if rop is ReduceOp.PROD and dt.kind in "fc":
-            raise ValueError(f"{where}: op 'prod' on {dt} is not reproducible, and "
-                             "this group is in deterministic mode (sum, mean, max and min are)")
-        if rop in (ReduceOp.SUM, ReduceOp.MEAN) and dt.kind not in "fciub":
-            raise TypeError(f"{where}: deterministic mode sums float16/32/64 and complex exactly, "
-                            f"not {dt} (bfloat16: sum a float32 copy)")
-        return reproducible.reducible(rop, dtype)
-
-    def _exact(self, opname: str, x: Any, rop: ReduceOp, out: Any, async_op: bool,
-               timeout: float | None, mode: str, root: int = 0) -> Any:
-        """A float sum or mean of deterministic mode (``comm.reproducible``): two integer
-        collectives inside one recorded call; complete before it returns, also when asked
-        for asynchronously."""
-        where = self._where(opname)
-        xp = xp_of(x)
-        shape = x.shape if mode != "scatter" else (x.shape[0] // self.size, *x.shape[1:])
-        mine = mode != "root" or self.rank == root
-        result = None
-        if mine:
-            result, _ = result_buffer(where, out, shape, x.dtype, xp, x)
-        elif out is not None:  # checked here too: a bad out= must not leave only the root raising
-            check_out(where, out, shape, x.dtype, xp)
-        t = self._timeout_of(opname, timeout)
-        call: dict[str, Any] = {"op": rop.value, "shape": x.shape, "dtype": x.dtype}
-        if mode == "root":
-            call["root"] = root
-        seq, tok = self._begin(opname, t, True, **call)
-        try:
-            reproducible.sum_rows(self, x.reshape(1, *x.shape), mode=mode, root=root,
-                                  divisor=self.size if rop is ReduceOp.MEAN else 1,
-                                  dtype=x.dtype, timeout=t, out=result)
-        except Exception as exc:
-            trace.on_error(self._rec, tok, exc)
-            raise
-        if self._rec is not None:
-            self._rec.end(tok)
-        return self._done(opname, seq, result, async_op)
-
     def _done(self, op: str, seq: int, result: Any, async_op: bool) -> Any:
         return CompletedWork(self, op, seq, result) if async_op else result
 
@@ -320,8 +277,8 @@ class ProcessGroup:
             check_array(where, x)
             be = self._transport(x)
             check_op_dtype(rop, x.dtype, where)
-            if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
-                return self._exact("allreduce", x, rop, out, async_op, timeout, "all")
+            if self._deterministic and reproducible.takes(rop, x.dtype, where):
+                return reproducible.run(self, "allreduce", x, rop, out, async_op, timeout, "all")
             xp = xp_of(x)
             result, buf = result_buffer(where, out, x.shape, x.dtype, xp, x)
             t = self._timeout_of("allreduce", timeout)
@@ -440,8 +397,8 @@ class ProcessGroup:
         check_array(where, x)
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
-        if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
-            return self._exact("reduce", x, rop, out, async_op, timeout, "root", root)
+        if self._deterministic and reproducible.takes(rop, x.dtype, where):
+            return reproducible.run(self, "reduce", x, rop, out, async_op, timeout, "root", root)
         xp = xp_of(x)
         is_root = self.rank == root
         if is_root:
@@ -580,8 +537,8 @@ class ProcessGroup:
         be = self._transport(x)
         check_op_dtype(rop, x.dtype, where)
         part = check_divisible(where, x, self.size)
-        if self._deterministic and reproducible.routes() and self._exact_op(rop, x.dtype, where):
-            return self._exact("reduce_scatter", x, rop, out, async_op, timeout, "scatter")
+        if self._deterministic and reproducible.takes(rop, x.dtype, where):
+            return reproducible.run(self, "reduce_scatter", x, rop, out, async_op, timeout, "scatter")
         xp = xp_of(x)
         result, buf = result_buffer(where, out, (part, *x.shape[1:]), x.dtype, xp, x)
         t = self._timeout_of("reduce_scatter", timeout)

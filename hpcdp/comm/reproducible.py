@@ -33,11 +33,14 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from .._arrays import xp_of
+from ..trace import hooks as trace
+from ._buffers import result_buffer
+from .validation import check_out
 from ..errors import CollectiveMismatchError, CommTimeoutError
 from ..ops import ReduceOp
 from . import exact
 
-__all__ = ["sum_rows", "exact_total", "reducible", "routes", "check_agreement"]
+__all__ = ["sum_rows", "exact_total", "reducible", "routes", "takes", "run", "check_agreement"]
 
 _MAX_ROWS = 32767       # the rows count travels as an int16 code
 _tls = threading.local()
@@ -48,6 +51,50 @@ def routes() -> bool:
     """Whether a deterministic group's float sum goes to this module: not from inside it,
     where the float64 sums of exactly representable values are the plain backend's to do."""
     return not getattr(_tls, "inside", 0)
+
+
+def takes(rop: ReduceOp, dtype: Any, where: str) -> bool:
+    """Whether a deterministic group's reduction of ``rop`` on ``dtype`` comes here (float sum
+    and mean, not from inside this module); ``prod`` of floats and sums of dtypes without an
+    exact method (bfloat16) raise: their bits would depend on the order."""
+    dt = np.dtype(dtype)
+    if rop is ReduceOp.PROD and dt.kind in "fc":
+        raise ValueError(f"{where}: op 'prod' on {dt} is not reproducible, and "
+                         "this group is in deterministic mode (sum, mean, max and min are)")
+    if rop in (ReduceOp.SUM, ReduceOp.MEAN) and dt.kind not in "fciub":
+        raise TypeError(f"{where}: deterministic mode sums float16/32/64 and complex exactly, "
+                        f"not {dt} (bfloat16: sum a float32 copy)")
+    return reducible(rop, dtype) and routes()
+
+
+def run(group: Any, opname: str, x: Any, rop: ReduceOp, out: Any, async_op: bool,
+        timeout: float | None, mode: str, root: int = 0) -> Any:
+    """``group.<opname>(x, ...)`` in deterministic mode: the exchanges of :func:`sum_rows` as
+    one recorded call of the group; complete before it returns, also when asked for
+    asynchronously (then a completed Work)."""
+    where = group._where(opname)
+    xp = xp_of(x)
+    shape = x.shape if mode != "scatter" else (x.shape[0] // group.size, *x.shape[1:])
+    result = None
+    if mode != "root" or group.rank == root:
+        result, _ = result_buffer(where, out, shape, x.dtype, xp, x)
+    elif out is not None:  # checked here too: a bad out= must not leave only the root raising
+        check_out(where, out, shape, x.dtype, xp)
+    t = group._timeout_of(opname, timeout)
+    call: dict[str, Any] = {"op": rop.value, "shape": x.shape, "dtype": x.dtype}
+    if mode == "root":
+        call["root"] = root
+    seq, tok = group._begin(opname, t, True, **call)
+    try:
+        sum_rows(group, x.reshape(1, *x.shape), mode=mode, root=root,
+                 divisor=group.size if rop is ReduceOp.MEAN else 1, dtype=x.dtype, timeout=t,
+                 out=result)
+    except Exception as exc:
+        trace.on_error(group._rec, tok, exc)
+        raise
+    if group._rec is not None:
+        group._rec.end(tok)
+    return group._done(opname, seq, result, async_op)
 
 
 def _plain_inside(fn: _F) -> _F:
@@ -76,9 +123,7 @@ def _real(x: Any) -> Any:
 
 
 def _as_rows(x: Any, xp: Any, ws: Any = None) -> Any:
-    """``x`` as float64 rows of real numbers: complex values are (real, imag) pairs."""
-    if x.dtype.kind == "c":
-        x = x.view(np.float64 if x.dtype == np.complex128 else np.float32)
+    """Real ``x`` as float64 (a copy in the workspace ``ws`` when it is not float64 already)."""
     if x.dtype == np.float64:
         return x
     if ws is None:
@@ -270,7 +315,7 @@ def exact_total(group: Any, x: Any, *, timeout: float | None = None) -> float:
     the ranks' integers are added as fixed-width limbs in one more exchange.
     """
     xp = xp_of(x)
-    v = _as_rows(x, xp).reshape(1, -1)
+    v = _as_rows(_real(x), xp).reshape(1, -1)
     n = v.shape[1]
     c = exact.codes(v.reshape(-1, 1), xp).reshape(2)   # one element: all of x as rows
     allreduce = _local if group is None else group.allreduce
