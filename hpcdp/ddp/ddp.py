@@ -45,6 +45,7 @@ from ..trace.hooks import pinned_line
 from .._arrays import xp_of
 from ..errors import HpcdpError, public
 from ..nn.module import Module
+from ..nn.torch_module import TorchModule, from_torch, is_torch_module
 from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
@@ -86,8 +87,13 @@ class DDP:
     def __init__(self, module: Any, *, bucket_cap_mb: float = 25, group: Any = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = True, deterministic_chunk: int | None = None) -> None:
+        if is_torch_module(module):
+            module = from_torch(module)
         if not hasattr(module, "named_parameters"):
             raise TypeError(f"DDP needs an object with named_parameters(), got {type(module).__name__}")
+        if deterministic_chunk is not None and isinstance(module, TorchModule):
+            raise TypeError("DDP: deterministic_chunk needs an hpcdp.nn model (its layers compute one "
+                            "gradient per chunk); torch modules are not supported")
         if bucket_cap_mb <= 0:
             raise ValueError(f"DDP: bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.module = module
@@ -116,6 +122,7 @@ class DDP:
                                 find_unused_parameters=self.find_unused_parameters,
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
+        self._torch_pass: bool | None = None   # a torch backward is awaited (loss.backward())
         self._chunks = (None if deterministic_chunk is None else
                         ChunkedGradients(deterministic_chunk, self.group, self._reducer.buckets))
         # A weak reference: the model's parameters must not keep a dropped DDP alive (and
@@ -208,6 +215,7 @@ class DDP:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward (in training mode: prepare buckets, join handshake, buffers)."""
         self._check_open("forward")
+        self._check_torch_pass()
         training = bool(getattr(self.module, "training", True))
         if training and self._chunks is not None:
             self._chunks.begin_forward(args, kwargs)
@@ -221,8 +229,49 @@ class DDP:
             self._sync_buffers()
         # An hpcdp.nn module's __call__ fires its forward hooks; a foreign object may offer only forward.
         if isinstance(self.module, Module) or getattr(self.module, "forward", None) is None:
-            return self.module(*args, **kwargs)
-        return self.module.forward(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        else:
+            out = self.module.forward(*args, **kwargs)
+        if training and self._torch_pass is None and isinstance(self.module, TorchModule):
+            self._expect_torch_backward(out)
+        return out
+
+    # -- the torch user's loss.backward() ---------------------------------------------------------
+    def _expect_torch_backward(self, out: Any) -> None:
+        """Tensors out of a torch model: the user runs ``loss.backward()``; when its last parameter
+        gradient has accumulated (``TorchModule.expect_backward``), the buckets still pending are
+        reduced and every gradient is averaged before ``loss.backward()`` returns."""
+        reducer, sync = self._reducer, self._require_sync
+        reducer.begin_pass(sync)
+
+        def done() -> None:
+            self._torch_pass = None
+            try:
+                if sync:
+                    reducer.finish_sync_pass()
+            finally:
+                reducer.in_backward = False
+
+        self._torch_pass = True
+        if not self.module.expect_backward(out, done):
+            self._torch_pass = None
+            reducer.in_backward = False   # nothing to differentiate (torch.no_grad, frozen model)
+
+    def _check_torch_pass(self) -> None:
+        """A new forward while the previous forward's backward is awaited: a forward without
+        backward is forgotten; a backward that reached only some parameters is an error (as
+        torch's DDP: "Expected to have finished reduction in the prior iteration")."""
+        if self._torch_pass is None:
+            return
+        self._torch_pass = None
+        arrived, missing = self.module.cancel_expected()
+        self._reducer.in_backward = False
+        if arrived:
+            raise HpcdpError(
+                f"DDP forward (rank {self.group.rank}): the previous backward gave gradients to some "
+                f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, which the "
+                "forward's outputs reach, so their buckets were never reduced (a loss that used only "
+                "part of the outputs?). Make the loss use every output, or call backward on all of them.")
 
     @public
     def backward(self, grad_output: Any) -> Any:
@@ -261,11 +310,13 @@ class DDP:
         return out
 
     def parameters(self) -> Iterator[Any]:
-        """Yield the module's parameters."""
-        return iter([p for _, p in self.module.named_parameters()])
+        """Yield the module's parameters (a torch model's: its torch parameters, for ``torch.optim``)."""
+        return iter([p for _, p in self.named_parameters()])
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
         """Yield the module's ``(name, parameter)`` pairs."""
+        if isinstance(self.module, TorchModule):
+            return iter([(n, p.tensor) for n, p in self.module.named_parameters()])
         return iter(list(self.module.named_parameters()))
 
     def state_dict(self) -> dict[str, Any]:
