@@ -48,7 +48,11 @@ PINS := \
   msgpack==1.2.4 \
   matplotlib==3.11.2
 H5PY_VERSION := $(patsubst h5py==%,%,$(filter h5py==%,$(PINS)))
-# torch is for benchmarks only (`make bench-deps`); never installed by install/test.
+# torch (CPU build) serves the torch adapter (hpcdp.nn.from_torch, DDP/FSDP/pipelines of torch
+# models), its tests and examples, and the gloo baselines of the benchmarks.  `make test`,
+# `make demo-torch` and `make bench` install it; `make install` and `make demo` do not.  Pinned:
+# pip takes this version from the wheel on local disk, while an unpinned "torch" would download
+# a CUDA build of several GB.
 TORCH_VERSION := 2.13.0
 
 # System packages (Debian/Ubuntu).  libhdf5-openmpi-dev brings the parallel HDF5 that h5py is
@@ -89,8 +93,8 @@ PYTEST_ARGS ?=
 # cores.  PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: help install sysdeps check test test-slurm test-multinode test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline \
-        bench-deps bench info clean distclean
+.PHONY: help install sysdeps check test test-slurm test-multinode test-fast test-single test-mpi test-gpu gpu-wheels demo demo-collectives demo-fsdp demo-pipeline demo-torch torch bench-deps \
+        bench info clean distclean
 
 help:
 	@echo "hpcdp make targets"
@@ -107,7 +111,8 @@ help:
 	@echo "  make demo-pipeline     GPT in 4 pipeline stages on 4 MPI ranks (examples/04_pipeline_gpt.py)"
 	@echo "  make install           .venv with MPI-enabled h5py, mpi4py and hpcdp (editable, [dev,examples])"
 	@echo "  make check             verify parallel h5py and that mpirun ranks see one MPI world"
-	@echo "  make bench-deps        install torch $(TORCH_VERSION) (CPU) for baseline benchmarks"
+	@echo "  make demo-torch        a torch CNN on digits: hpcdp.DDP, then FSDP, on 4 MPI ranks (examples/07_torch_cnn.py)"
+	@echo "  make torch             install torch $(TORCH_VERSION) (CPU): the adapter's tests, examples and baselines"
 	@echo "  make bench             every PERF.md benchmark vs its baseline (JSON in .bench/; BENCH_ARGS=...)"
 	@echo "  make clean|distclean   remove caches | also the venv"
 
@@ -186,7 +191,7 @@ $(VENV)/.stamp-h5py: $(VENV)/.stamp-build
 	fi
 	@touch $@
 
-# hpcdp itself, editable, with the test and example dependencies (never torch).
+# hpcdp itself, editable, with the test and example dependencies (torch: the `torch` target).
 # --no-build-isolation: setuptools is already in the venv; saves a download and ~5 s per run.
 $(VENV)/.stamp-pkg: $(VENV)/.stamp-h5py setup.cfg pyproject.toml
 	$(PIP_I) -q --no-build-isolation -e ".[dev,examples]"
@@ -250,7 +255,7 @@ print(f"make test: {passed} passed, {failed} failed")
 endef
 export SUMMARY_PY
 
-test: install
+test: install torch
 	@mkdir -p .pytest-mpi; rm -f .pytest-mpi/*.out; start=$$(date +%s); \
 	echo "== [1/5] pytest (no mpirun: sim + TCP backends, fault tests; $(PYTEST_WORKERS) workers)"; \
 	rc1=0; $(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS) 2>&1 | tee .pytest-mpi/single.out || rc1=$$?; \
@@ -271,7 +276,7 @@ test: install
 # munge when missing, starts munged, slurmctld and slurmd as root, submits each job with
 # `sbatch --wait`, checks its exit code and output, and stops the daemons it started.  Where the
 # machine cannot run them (not root, no apt, daemons refused) it says so and fails: never skips.
-test-slurm: install
+test-slurm: install torch
 	ci/slurm/test.sh
 
 # A simulated cluster of MN_NODES (2-4) nodes on this one kernel (ci/multinode/README.md): network,
@@ -279,13 +284,13 @@ test-slurm: install
 # or Ctrl-C).  Runs tests/multinode under mpirun --host, hpcdp-run --nnodes and a per-node slurmd
 # (sbatch --nodes=2), every jobs/*.sbatch on 2 nodes, and cuts a node's link mid-step.  Needs root.
 MN_NODES ?= 2
-test-multinode: install
+test-multinode: install torch
 	HPCDP_MN_NODES=$(MN_NODES) ci/multinode/test.sh
 
-test-fast test-single: install
+test-fast test-single: install torch
 	$(PY) -m pytest -q -m "not mpi" -n $(PYTEST_WORKERS) tests $(PYTEST_ARGS)
 
-test-mpi: install
+test-mpi: install torch
 	$(MPIRUN) -n 2 $(PY) tests/run_mpi.py $(PYTEST_ARGS)
 	$(MPIRUN) -n 4 $(PY) tests/run_mpi.py $(PYTEST_ARGS)
 
@@ -324,9 +329,8 @@ demo-pipeline: install
 info: install
 	$(PY) -m hpcdp info
 
-# torch comes from the CPU wheel on local disk (pip's find-links); only the benchmarks use it
-# (torch.distributed gloo is baseline B2 in PERF.md).
-bench-deps: $(VENV)/.stamp-torch
+# torch comes from the CPU wheel on local disk (pip's find-links); see TORCH_VERSION above.
+torch bench-deps: $(VENV)/.stamp-torch
 
 $(VENV)/.stamp-torch: $(VENV)/.stamp-pkg
 	$(PIP_I) "torch==$(TORCH_VERSION)"
@@ -337,7 +341,7 @@ $(VENV)/.stamp-torch: $(VENV)/.stamp-pkg
 # ranks too, as its issue asks.  One benchmark alone: make bench BENCH_ARGS="ddp --trials 9".
 BENCH_ARGS ?=
 BENCH_OUT ?= .bench
-bench: bench-deps
+bench: torch
 	@mkdir -p $(BENCH_OUT)
 ifeq ($(strip $(BENCH_ARGS)),)
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench collectives --json $(BENCH_OUT)/collectives.jsonl

@@ -18,10 +18,12 @@ from .module import IncompatibleKeys, Module
 from .normalization import LayerNorm, RMSNorm
 from . import chunking
 from .parameter import Parameter, RemovableHandle
+from .torch_module import TorchModule, TorchParameter, from_torch
 
 __all__ = [
     "Parameter", "RemovableHandle", "Module", "IncompatibleKeys", "Sequential", "ModuleList", "ModuleDict",
     "Linear", "LayerNorm", "RMSNorm", "Embedding", "Dropout", "Flatten", "MultiheadAttention",
     "ReLU", "GELU", "Tanh", "Sigmoid", "SiLU", "Identity", "Softmax", "LogSoftmax",
     "MSELoss", "CrossEntropyLoss", "manual_seed", "init", "utils", "microbatch", "current_microbatch",
+    "from_torch", "TorchModule", "TorchParameter",
 ]

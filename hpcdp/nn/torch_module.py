@@ -34,6 +34,7 @@ Only torch's public API is used. Tested with torch 2.13 (CPU build).
 """
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from typing import Any, Callable, Iterator
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .._arrays import is_cupy
+from ..trace.hooks import hide_package
 from .hooks import _as_args
 from .microbatch import enter_call, exit_call
 from .module import Module
@@ -165,8 +167,7 @@ class TorchParameter(Parameter):
             t.grad = None
         elif is_tensor(value):
             t.grad = value
-        elif hasattr(value, "shape") and hasattr(value, "dtype") and (isinstance(value, np.ndarray)
-                                                                       or is_cupy(value)):
+        elif isinstance(value, np.ndarray) or is_cupy(value):   # no hasattr: FSDP's FreedGrad raises
             if value is self._grad_view and t.grad is self._grad_key:
                 return
             g = to_tensor(value)
@@ -305,7 +306,14 @@ class TorchModule(Module):
         for name, t in module.named_parameters(recurse=False):
             w = params.get(id(t))
             if w is None:
-                w = params[id(t)] = TorchParameter(t, name)
+                # one wrapper per tensor for its life (its torch hook keeps it alive), so that
+                # adapters made again for the same model do not stack gradient hooks
+                ref = getattr(t, "_hpcdp_param", None)
+                w = ref() if ref is not None else None
+                if w is None or w.tensor is not t:   # (a deepcopy carries the weak reference)
+                    w = TorchParameter(t, name)
+                    t._hpcdp_param = weakref.ref(w)
+                params[id(t)] = w
                 w._arrival = self._root_arrival
             self._parameters[name] = w
         for name, child in module.named_children():
@@ -323,7 +331,11 @@ class TorchModule(Module):
         raise AttributeError(f"TorchModule: set attributes on the torch module (adapter.torch.{name} = ...)")
 
     def _root_arrival(self, p: TorchParameter) -> None:
-        for m in list(self._root._watching):
+        try:
+            watching = self._root._watching
+        except ReferenceError:   # a dropped adapter (say, from_torch(m).state_dict()): nothing waits
+            return
+        for m in list(watching):
             m._arrived(p)
 
     def _watch(self, bw: _Backward) -> None:
@@ -508,6 +520,8 @@ class TorchModule(Module):
 
     def _arrived(self, p: Any) -> None:
         for bw in list(self._passes):
+            if bw not in self._passes:
+                continue   # ended by an earlier pass's callback (its _end_backward) in this loop
             if bw.waiting.pop(id(p), None) is not None:
                 bw.arrived += 1
                 if not bw.waiting:
@@ -572,9 +586,11 @@ def from_torch(module: Any, *, split_backward: bool = False) -> TorchModule:
         return module
     if not is_torch_module(module):
         raise TypeError(f"from_torch needs a torch.nn.Module, got {type(module).__name__}")
+    # collectives started from torch's autograd engine record the user's loss.backward() line
+    hide_package(os.path.dirname(sys.modules["torch"].__file__))
     cached = getattr(module, "_hpcdp_adapter", None)
     adapter = cached() if cached is not None else None
-    if adapter is None or adapter.split_backward != bool(split_backward):
+    if adapter is None or adapter.torch is not module or adapter.split_backward != bool(split_backward):
         adapter = TorchModule(module, split_backward=split_backward)
         object.__setattr__(module, "_hpcdp_adapter", weakref.ref(adapter))
     return adapter

@@ -76,6 +76,20 @@ def hide_frames(fn: Any) -> Any:
     return fn
 
 
+#: directories of frameworks whose frames lines skip too (``hide_package``): a torch backward
+#: runs hpcdp's hooks from inside torch's autograd engine, and the line worth naming is the
+#: user's ``loss.backward()``, not torch's
+_hidden_dirs: list[str] = []
+
+
+def hide_package(directory: str) -> None:
+    """Source lines skip frames of code under ``directory`` (a framework's package, e.g. torch's)."""
+    d = os.path.abspath(directory) + os.sep
+    if d not in _hidden_dirs:
+        _hidden_dirs.append(d)
+        _inside.clear()
+
+
 def user_frame(f: Any) -> Any:
     """The first frame at or above ``f`` whose code lies outside hpcdp (and ``hide_frames``)."""
     inside, hidden = _inside, _hidden
@@ -84,7 +98,8 @@ def user_frame(f: Any) -> Any:
         fn = code.co_filename
         hit = inside.get(fn)
         if hit is None:
-            hit = inside[fn] = os.path.abspath(fn).startswith(_PKG_DIR)
+            path = os.path.abspath(fn)
+            hit = inside[fn] = path.startswith(_PKG_DIR) or any(path.startswith(d) for d in _hidden_dirs)
         if not hit and id(code) not in hidden:
             return f
         f = f.f_back
