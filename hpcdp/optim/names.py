@@ -22,9 +22,11 @@ import weakref
 from typing import Any, Mapping, Sequence
 
 from .state_check import check_groups, load_param_state
+from .torch_state import check_torch_state, group_out, install_torch_state, is_torch_optimizer, state_out
 
 __all__ = ["name_keyed", "is_name_keyed", "names_of", "tag_names", "by_name", "optimizer_names",
-           "state_by_name", "load_by_name", "index_keyed", "whole"]
+           "state_by_name", "load_by_name", "index_keyed", "whole", "get_optimizer_state_dict",
+           "set_optimizer_state_dict"]
 
 #: what an error says to do with name-keyed state and an optimizer that has no names
 NAME_HINT = ("build the optimizer on model.named_parameters() (or on ddp.parameters() of a DDP), so "
@@ -143,7 +145,12 @@ def optimizer_names(where: str, named: Any, optimizer: Any, build_on: str) -> di
     """``id(param) -> name`` for every parameter ``optimizer`` holds, from the layer's
     ``named`` (name, parameter) pairs; a parameter the layer does not own is an error that says
     what the optimizer should have been built on (``build_on``, e.g. "ddp.parameters()")."""
-    names = {id(p): n for n, p in named}
+    names = {}
+    for n, p in named:
+        names[id(p)] = n
+        tensor = getattr(p, "tensor", None)   # a torch model's adapter parameter: what torch.optim holds
+        if tensor is not None:
+            names[id(tensor)] = n
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in names:
@@ -154,14 +161,17 @@ def optimizer_names(where: str, named: Any, optimizer: Any, build_on: str) -> di
 
 
 def state_by_name(optimizer: Any, names: Mapping[int, str]) -> dict[str, Any]:
-    """``optimizer``'s state keyed by ``names[id(param)]`` (live arrays, not copies)."""
+    """``optimizer``'s state keyed by ``names[id(param)]`` (live arrays, not copies; a torch
+    optimizer's tensors as numpy views of them)."""
+    torch_opt = is_torch_optimizer(optimizer)
     state, groups = {}, []
     for g in optimizer.param_groups:
         for p in g["params"]:
             if optimizer.state.get(p):
-                state[names[id(p)]] = dict(optimizer.state[p])
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [names[id(p)] for p in g["params"]]})
+                st = optimizer.state[p]
+                state[names[id(p)]] = state_out(st) if torch_opt else dict(st)
+        settings = group_out(g) if torch_opt else {k: v for k, v in g.items() if k != "params"}
+        groups.append({**settings, "params": [names[id(p)] for p in g["params"]]})
     return {"state": state, "param_groups": groups}
 
 
@@ -199,6 +209,7 @@ def load_by_name(where: str, optimizer: Any, names: Mapping[int, str], state_dic
                              f"holds {want} (the state lacks {lacking}, has no parameter for {extra})")
         by.update({n: p for n, p in zip(want, mine["params"])})
     listed = {str(n) for g in groups for n in g.get("params", [])}
+    torch_opt = is_torch_optimizer(optimizer)
     spec = getattr(type(optimizer), "state_spec", None)
     new_state: dict[Any, dict[str, Any]] = {}
     for name, st in state_dict["state"].items():
@@ -213,7 +224,60 @@ def load_by_name(where: str, optimizer: Any, names: Mapping[int, str], state_dic
         if not isinstance(st, Mapping):
             raise TypeError(f"{where}: state of {name!r} must be a dict, got {type(st).__name__}")
         entry = {k: whole(where, f"{name}[{k!r}]", v) for k, v in st.items()}
-        new_state[p] = load_param_state(where, repr(name), spec, entry, p.data)
+        new_state[p] = (check_torch_state(where, repr(name), optimizer, entry, p) if torch_opt
+                        else load_param_state(where, repr(name), spec, entry, p.data))
+    if torch_opt:
+        install_torch_state(optimizer, settings, new_state)
+        return
     for mine, typed in zip(optimizer.param_groups, settings):
         mine.update(typed)
     optimizer.state = new_state
+
+
+# -- the user's calls --------------------------------------------------------------------------
+def get_optimizer_state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
+    """Return ``optimizer``'s state keyed by ``model``'s parameter names (as torch's
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``).
+
+    The result holds arrays and scalars only (a torch optimizer's tensors as numpy views, live:
+    ``checkpoint.save`` copies them), so ``hpcdp.checkpoint.save`` writes it and it loads under
+    any layer and world size.
+
+    Args:
+        model: what the optimizer was built on: a ``torch.nn.Module`` (the optimizer holds its
+            ``parameters()``), an hpcdp.nn module, or a layer (``DDP``, ``FSDP``, a pipeline
+            stage), whose own ``optim_state_dict`` is used.
+        optimizer: a ``torch.optim`` or ``hpcdp.optim`` optimizer over those parameters.
+    """
+    own = getattr(model, "optim_state_dict", None)
+    if callable(own):
+        return own(optimizer)
+    names = optimizer_names("get_optimizer_state_dict", _named(model), optimizer, "model.parameters()")
+    return state_by_name(optimizer, names)
+
+
+def set_optimizer_state_dict(model: Any, optimizer: Any, state_dict: Any) -> None:
+    """Load name-keyed (or, in the optimizer's parameter order, index-keyed) ``state_dict`` into
+    ``optimizer``, built on ``model``'s parameters; everything is checked before anything changes.
+
+    Args:
+        model: as for :func:`get_optimizer_state_dict`.
+        optimizer: the optimizer to load into (its param groups must match the saved ones).
+        state_dict: what :func:`get_optimizer_state_dict` or a layer's ``optim_state_dict``
+            returned, e.g. from ``hpcdp.checkpoint.load``.
+    """
+    own = getattr(model, "load_optim_state_dict", None)
+    if callable(own):
+        own(optimizer, state_dict)
+        return
+    where = "set_optimizer_state_dict"
+    names = optimizer_names(where, _named(model), optimizer, "model.parameters()")
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    load_by_name(where, optimizer, names, by_name(where, state_dict, order))
+
+
+def _named(model: Any) -> Any:
+    named = getattr(model, "named_parameters", None)
+    if not callable(named):
+        raise TypeError(f"expected a model with named_parameters(), got {type(model).__name__}")
+    return named()
