@@ -5,6 +5,9 @@
     loss = pipe.step(x, y)                                 # the full batch's loss, on every rank
     s = hpcdp.pipeline.schedule("zero_bubble", stages=4, microbatches=8); print(s)
     hpcdp.pipeline.verify(s)                               # deadlocks, order, memory, bubble
+
+A ``torch.nn.Sequential`` works the same way: ``PipelineStage(torch_model)``, a torch loss
+(``loss_fn=torch.nn.CrossEntropyLoss()``), ``torch.optim`` on ``stage.parameters()``.
 """
 from __future__ import annotations
 
@@ -14,10 +17,11 @@ from ._dp import Grid, grid
 from ._runtime import Pipeline
 from ._schedule import Schedule
 from ._stage import PipelineStage, balanced_split
+from ._torch import TorchLoss
 from ._verify import Costs, Report, ScheduleError, verify
 
 __all__ = [
     "PipelineStage", "Pipeline", "Schedule", "Action", "Op", "schedule", "verify", "Report",
     "Costs", "ScheduleError", "register_schedule", "available_schedules", "grid", "Grid",
-    "balanced_split",
+    "balanced_split", "TorchLoss",
 ]

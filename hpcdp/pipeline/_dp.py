@@ -66,7 +66,7 @@ class DataParallelGrads:
                 last[a.stage] = i
         self._launch_at: dict[int, int] = {i: s for s, i in last.items()}
         if group.size > 1:
-            for p in stage.parameters():   # replicas start equal, as with DDP
+            for _, p in stage._named_params():   # replicas start equal, as with DDP
                 group.broadcast(p.data, 0)
 
     def after(self, index: int) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..optim.names import by_name, load_by_name, optimizer_names
+from ..optim.torch_state import group_out, is_torch_optimizer, state_out
 
 __all__ = ["optim_state_dict", "load_optim_state_dict"]
 
@@ -58,16 +59,18 @@ def optim_state_dict(stage: Any, optimizer: Any, owner: bool) -> dict[str, Any]:
     if optimizer is not None:
         names = _names(stage, optimizer, where)
         groups = []
+        torch_opt = is_torch_optimizer(optimizer)   # its tensors as numpy views, as DDP's are
         for grp in optimizer.param_groups:
-            groups.append((_settings(grp), [names[id(p)] for p in grp["params"]]))
+            settings = _settings(group_out(grp) if torch_opt else grp)
+            groups.append((settings, [names[id(p)] for p in grp["params"]]))
             for p in grp["params"]:
                 st = optimizer.state.get(p)
                 if not st:
                     continue
                 n = names[id(p)]
-                local[n] = dict(st)
+                local[n] = state_out(st) if torch_opt else dict(st)
                 desc[n] = {k: (("a", tuple(v.shape), np.dtype(v.dtype).str) if _is_array(v)
-                               else ("s", _plain(v))) for k, v in st.items()}
+                               else ("s", _plain(v))) for k, v in local[n].items()}
     seen = g.all_gather_object((desc, groups)) if g.size > 1 else [(desc, groups)]
     order = {n: i for i, n in enumerate(stage.param_names)}
     merged: list[tuple[dict[str, Any], list[str]]] = []

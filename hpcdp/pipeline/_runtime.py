@@ -27,6 +27,7 @@ from .. import nn
 from .._arrays import xp_of
 from ..comm.validation import check_timeout
 from ..errors import CollectiveMismatchError, HpcdpError
+from ..nn.torch_module import is_tensor, to_array
 from ..trace import span
 from ..trace.hooks import state as trace_state
 from ._actions import Action, Op
@@ -37,6 +38,7 @@ from ._channel import (
 from ._dp import DataParallelGrads
 from ._schedule import Schedule
 from ._stage import PipelineStage
+from ._torch import as_pipeline_loss
 from ._verify import Report, ScheduleError, verify
 
 __all__ = ["Pipeline", "loss_weights"]
@@ -88,7 +90,8 @@ class Pipeline:
             ``Schedule`` (checked with ``verify`` first: an invalid one raises ``ScheduleError``).
         n_microbatches: microbatches per step; the batch size must be a multiple of it.
         loss_fn: an ``nn`` loss (``loss_fn(out, y)``, then ``loss_fn.backward(scale)``), reduction
-            "mean" or "sum".
+            "mean" or "sum"; for a torch model also a torch loss (``loss_fn(output, target) -> 0-d
+            tensor``, e.g. ``torch.nn.CrossEntropyLoss()``), which is wrapped in ``TorchLoss``.
         dp_group: data-parallel replicas of this stage (see ``hpcdp.pipeline.grid``): parameters
             are broadcast from its rank 0 now, gradients and the loss averaged over it every step.
         timeout: seconds any wait may take (default: the stage group's timeout).
@@ -104,8 +107,7 @@ class Pipeline:
         m = n_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"Pipeline: n_microbatches must be a positive int, got {m!r}")
-        if not callable(loss_fn) or not callable(getattr(loss_fn, "backward", None)):
-            raise TypeError("Pipeline: loss_fn must be callable and have backward() (an nn loss)")
+        loss_fn = as_pipeline_loss(loss_fn, stage.is_torch)
         if getattr(loss_fn, "reduction", "mean") not in ("mean", "sum"):
             raise ValueError(f"Pipeline: loss_fn reduction must be 'mean' or 'sum', got "
                              f"{loss_fn.reduction!r}")
@@ -151,8 +153,8 @@ class Pipeline:
         self._meta_recv: dict[int, tuple[Any, np.ndarray]] = {}
         self._doing: Action | None = None
         self._mods = {s: list(mod.modules()) for s, mod in stage.modules.items()}
-        xp_param = next(iter(stage.parameters()), None)
-        self._xp = xp_of(xp_param.data) if xp_param is not None else np
+        xp_param = next(iter(stage._named_params()), None)
+        self._xp = xp_of(xp_param[1].data) if xp_param is not None else np
         self._dp = DataParallelGrads(stage, self._actions, dp_group) if dp_group is not None else None
         if dp_group is not None:
             stage.dp_group = dp_group   # stage.state_dict() and opt.state_dict(): replica 0 writes
@@ -190,7 +192,8 @@ class Pipeline:
         """Forward and backward of one batch; gradients accumulate into the stages' parameters.
 
         Args:
-            x: the batch (read by the rank of stage 0; others may pass it or None).
+            x: the batch (read by the rank of stage 0; others may pass it or None): an array, or
+                a CPU torch tensor (read through a numpy view, not copied).
             y: the targets (read by the rank of the last stage; others may pass them or None).
 
         Returns:
@@ -198,6 +201,8 @@ class Pipeline:
         """
         if self._broken:
             raise HpcdpError(f"{self._where}: {self._broken}")
+        x = to_array(x) if is_tensor(x) else x
+        y = to_array(y) if is_tensor(y) else y
         ch = self._channel
         ch.begin_step()
         st = _Step()

@@ -5,6 +5,9 @@ count unless ``split_points`` says where; stage ``s`` runs on rank ``s % group.s
 an ``nn.Sequential`` whose children keep their names in the whole model (``"3"``, ``"4"``), so
 ``named_parameters()`` and ``state_dict()`` use the unsplit names and a checkpoint written by one
 split loads into another, or into the plain model.
+
+A ``torch.nn.Sequential`` is cut the same way (``_torch``): each stage is a torch Sequential of the
+model's own child modules, and ``parameters()`` yields their torch tensors, for ``torch.optim``.
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ import numpy as np
 from .. import nn
 from ..comm.world import get_default_group
 from ..errors import CollectiveMismatchError
+from ..nn.torch_module import TorchModule, is_torch_module
 from . import _optim
+from ._torch import torch_children, torch_entries, torch_stage
 
 __all__ = ["PipelineStage", "balanced_split"]
 
@@ -52,19 +57,31 @@ class PipelineStage:
     """This rank's part of ``model`` for a pipeline over ``group``.
 
     Args:
-        model: an ``nn.Sequential`` (its children are the units that get split); every rank builds
-            the same model (same seed) and keeps only its stages.
+        model: an ``nn.Sequential`` or a ``torch.nn.Sequential`` (its children are the units that
+            get split); every rank builds the same model (same seed) and keeps only its stages.
         split_points: child indices where stages ``1 .. n-1`` start (``n = group.size * virtual``);
             None balances parameter counts.
         virtual: stages per rank (for ``interleaved_1f1b``); stage ``s`` runs on rank ``s % size``.
         group: the pipeline's ranks (default: the default group); collective over it.
+        split_backward: for a torch model: the zero-bubble schedule's input gradient (``I``) and
+            weight gradient (``W``) are separate torch backward passes, so weight work really is
+            deferred (a second traversal of the kept graph). False: ``I`` does both and ``W``
+            nothing, one traversal, no deferral; either gives the same gradients.
+
+    For a torch model, ``parameters()`` and ``named_parameters()`` yield the torch parameters (give
+    them to a ``torch.optim`` optimizer), and the stages' modules are ``hpcdp.nn.from_torch``
+    adapters of torch Sequentials holding the model's own child modules.
     """
 
-    def __init__(self, model: nn.Module, split_points: Sequence[int] | None = None, virtual: int = 1,
-                 group: Any = None) -> None:
+    def __init__(self, model: Any, split_points: Sequence[int] | None = None, virtual: int = 1,
+                 group: Any = None, *, split_backward: bool = True) -> None:
         if group is None:
             group = get_default_group()
-        if not isinstance(model, nn.Sequential):
+        if isinstance(model, TorchModule):
+            model = model.torch   # a from_torch adapter: its torch model is what gets split
+        #: whether the model is a torch one (parameters() then yields torch tensors)
+        self.is_torch = is_torch_module(model)
+        if not self.is_torch and not isinstance(model, nn.Sequential):
             raise TypeError(f"PipelineStage: the model must be an nn.Sequential (its children are split "
                             f"into stages), got {type(model).__name__}")
         if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
@@ -72,19 +89,22 @@ class PipelineStage:
         if not getattr(group, "is_member", True) or group.rank < 0:
             raise ValueError(f"PipelineStage: this rank is not a member of group {group.name}; "
                              f"only the group's ranks build its stages")
-        own = [n for n, _ in model.named_parameters(recurse=False)] + list(model._buffers)
-        if own:
-            raise ValueError(f"PipelineStage: the Sequential holds parameters or buffers of its own "
-                             f"({own}); move them into a child module")
+        where = f"PipelineStage (rank {group.rank} of {group.size})"
+        if self.is_torch:
+            children = torch_children(model, where)
+        else:
+            own = [n for n, _ in model.named_parameters(recurse=False)] + list(model._buffers)
+            if own:
+                raise ValueError(f"PipelineStage: the Sequential holds parameters or buffers of its "
+                                 f"own ({own}); move them into a child module")
+            children = list(model.named_children())
         self.group = group
         self.virtual = virtual
         self.n_stages = group.size * virtual
-        children = list(model.named_children())
-        where = f"PipelineStage (rank {group.rank} of {group.size})"
         if len(children) < self.n_stages:
             raise ValueError(f"{where}: {len(children)} layers cannot fill {self.n_stages} stages "
                              f"({group.size} ranks x {virtual} virtual)")
-        sizes = [sum(int(p.data.size) for p in c.parameters()) for _, c in children]
+        sizes = [sum(int(np.prod(p.shape)) for p in c.parameters()) for _, c in children]
         if split_points is None:
             points = balanced_split(sizes, self.n_stages)
         else:
@@ -105,31 +125,36 @@ class PipelineStage:
         self.bounds: tuple[tuple[int, int], ...] = tuple(bounds)
         self.stage_ids: tuple[int, ...] = tuple(range(group.rank, self.n_stages, group.size))
         owner: dict[int, int] = {}  # id(parameter) -> stage, to refuse weights tied across stages
-        self.modules: dict[int, nn.Sequential] = {}
+        self.modules: dict[int, Any] = {}   # stage -> nn.Sequential, or a from_torch adapter
         for s, (lo, hi) in enumerate(bounds):
-            for _, child in children[lo:hi]:
-                for p in child.parameters():
+            for cname, child in children[lo:hi]:
+                for pname, p in child.named_parameters():
                     if owner.setdefault(id(p), s) != s:
-                        raise ValueError(f"{where}: parameter {p.name!r} is shared by stages "
+                        raise ValueError(f"{where}: parameter {cname}.{pname} is shared by stages "
                                          f"{owner[id(p)]} and {s}; tied weights must stay in one stage")
-            if s in self.stage_ids:
+            if s in self.stage_ids and self.is_torch:
+                self.modules[s] = torch_stage(children[lo:hi], split_backward)
+            elif s in self.stage_ids:
                 chunk = nn.Sequential()
                 for name, child in children[lo:hi]:
                     chunk.add_module(name, child)
                 self.modules[s] = chunk
         # Every entry of the whole model's state: name -> (shape, dtype, stage), for checkpoints.
         stage_of = {name: s for s, (lo, hi) in enumerate(bounds) for name, _ in children[lo:hi]}
+        described = torch_entries(model) if self.is_torch else {
+            key: (tuple(val.shape), np.dtype(val.dtype)) for key, val in model.state_dict().items()}
         self._entries: dict[str, tuple[tuple[int, ...], np.dtype, int]] = {
-            key: (tuple(val.shape), np.dtype(val.dtype), stage_of[key.split(".", 1)[0]])
-            for key, val in model.state_dict().items()}
+            key: (shape, dtype, stage_of[key.split(".", 1)[0]]) for key, (shape, dtype) in described.items()}
         #: the unsplit model's parameter names, in its order (index-keyed optimizer state counts so)
         self.param_names: tuple[str, ...] = tuple(n for n, _ in model.named_parameters())
         #: the data-parallel replicas of these stages (set by ``Pipeline(dp_group=...)``): only
         #: replica 0 writes entries by default
         self.dp_group: Any = None
-        # opt.state_dict() on these parameters defers to optim_state_dict (the whole model's state)
-        for _, p in self.named_parameters():
-            p._state_owner = weakref.ref(self)
+        # opt.state_dict() on these parameters defers to optim_state_dict (the whole model's state);
+        # a torch optimizer's state_dict stays torch's own
+        if not self.is_torch:
+            for _, p in self.named_parameters():
+                p._state_owner = weakref.ref(self)
 
     # -- who is where ---------------------------------------------------------------------------
     @property
@@ -147,15 +172,21 @@ class PipelineStage:
         return self.bounds[stage]
 
     # -- parameters and modes ---------------------------------------------------------------------
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the unsplit model."""
-        for s in self.stage_ids:
-            yield from self.modules[s].named_parameters()
+    def named_parameters(self) -> Iterator[tuple[str, Any]]:
+        """This rank's parameters under their names in the unsplit model (a torch model's: its
+        torch parameters)."""
+        for name, p in self._named_params():
+            yield name, (p.tensor if self.is_torch else p)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters (for the optimizer)."""
+    def parameters(self) -> Iterator[Any]:
+        """This rank's parameters (for the optimizer; a torch model's for ``torch.optim``)."""
         for _, p in self.named_parameters():
             yield p
+
+    def _named_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The stages' hpcdp parameters (a torch model's adapters), what the runtime works on."""
+        for s in self.stage_ids:
+            yield from self.modules[s].named_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for m in self.modules.values():
