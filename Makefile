@@ -326,6 +326,11 @@ demo-fsdp: install
 demo-pipeline: install
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/04_pipeline_gpt.py --check
 
+# A torch CNN on digits (examples/07_torch_cnn.py): hpcdp.DDP, then FSDP full_shard, 4 MPI ranks.
+demo-torch: install torch
+	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/07_torch_cnn.py --check
+	$(MPIRUN) -n 4 $(PY) -m hpcdp.run examples/07_torch_cnn.py --check --parallel fsdp --strategy full_shard
+
 info: install
 	$(PY) -m hpcdp info
 

@@ -16,6 +16,8 @@ import hpcdp
 from hpcdp.errors import HpcdpError
 
 GLOBAL_BATCH = 12
+# tiny tensors on ranks that share a few cores: torch's own thread pool would only contend
+torch.set_num_threads(1)
 # torch.manual_seed seeds one generator per process; simulated ranks are threads, so models are
 # made one at a time
 _MAKE = threading.Lock()

@@ -63,6 +63,21 @@ class GradBucket:
         return self._is_last
 
 
+class _Ready:
+    """A finished operation whose result is ``value`` (nothing to wait for)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
 class HookFuture:
     """A Work (or another future) plus a function applied to its result in ``wait()``."""
 
@@ -96,6 +111,8 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     """Sum the bucket across ranks in place and divide by ``bucket.divisor``."""
     group = _group(state, bucket)
     flat, d = bucket.buffer(), bucket.divisor
+    if group.size == 1 and d == 1:   # a group of one: the bucket is already its own average
+        return HookFuture(_Ready(flat))
     if d == group.size:
         return HookFuture(group.allreduce(flat, "mean", out=flat, async_op=True))
     work = group.allreduce(flat, "sum", out=flat, async_op=True)

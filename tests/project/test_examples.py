@@ -85,3 +85,18 @@ def test_08_heat2d_plain_python() -> None:
     assert out.returncode == 0, out.stderr
     assert "heat2d: 20 steps on a 1x1 grid of 1 rank(s)" in out.stdout, out.stdout
     assert "matches serial numpy: True" in out.stdout, out.stdout
+
+
+# -- 07_torch_cnn: a torch CNN under hpcdp.DDP and FSDP, torch's own optimizer and loss.backward()
+def body_torch_cnn(rank: int, argv: list[str]) -> dict:
+    return _load("07_torch_cnn.py")["main"](argv)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_07_torch_cnn_learns(world: World, parallel: str) -> None:
+    out = world.run(body_torch_cnn, ["--epochs", "3", "--no-progress", "--parallel", parallel],
+                    timeout=120)
+    accs = {o["test_accuracy"] for o in out}
+    assert len(accs) == 1, f"ranks disagree: {accs}"   # every rank evaluates the same model
+    assert accs.pop() >= 0.9

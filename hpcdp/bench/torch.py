@@ -1,0 +1,188 @@
+"""``python -m hpcdp.bench torch``: D5 of PERF.md, torch models under ``hpcdp.DDP`` against torch's own DDP.
+
+Run on 2 ranks bound to cores, one thread each (PERF.md's method)::
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -n 2 --bind-to core python -m hpcdp.bench torch
+
+For each model (the CNN of ``examples/07_torch_cnn.py`` and an MLP 784-1024-1024-10), batch
+``--batch`` per rank, SGD, a torch user's step (``loss.backward()``, ``opt.step()``,
+``opt.zero_grad()``):
+
+* weak scaling: t1 = plain torch on rank 0 alone (the other ranks sleep), t2 = every rank training
+  with ``hpcdp.DDP(model)`` over this launch's backend (MPI), t2_gloo = every rank training with
+  ``torch.nn.parallel.DistributedDataParallel`` over gloo (``init_process_group("gloo")`` on
+  127.0.0.1 inside the same launch); efficiency = t1 / t2 (target >= 0.85) beside t1 / t2_gloo;
+* adapter overhead: every rank at once, ``hpcdp.DDP`` over a group of that rank alone against the
+  plain torch model (target <= 1.05x).
+
+Every figure is the median over interleaved trials of per-trial ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import hpcdp
+
+from ._common import JsonSink, interleaved, time_loop
+
+__all__ = ["main"]
+
+
+def _models(torch: Any) -> dict[str, Callable[[], Any]]:
+    nn = torch.nn
+
+    def cnn() -> Any:
+        return nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 2 * 2, 64), nn.ReLU(inplace=True), nn.Linear(64, 10))
+
+    def mlp() -> Any:
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 10))
+    return {"cnn": cnn, "mlp": mlp}
+
+
+def _batch(torch: Any, name: str, batch: int, rank: int) -> tuple[Any, Any]:
+    g = torch.Generator().manual_seed(rank)
+    shape = (batch, 1, 8, 8) if name == "cnn" else (batch, 784)
+    return torch.randn(*shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _gather_max(g: Any, t: float) -> float:
+    return float(g.allreduce(np.array([t]), "max")[0])
+
+
+def _stepper(torch: Any, model: Any, x: Any, y: Any) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    f = torch.nn.functional.cross_entropy
+
+    def step() -> None:
+        f(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)   # gradient memory reused, as DDP's buckets are
+    return step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int, trials: int,
+                sink: JsonSink) -> dict[str, float]:
+    make = _models(torch)[name]
+    x, y = _batch(torch, name, batch, g.rank)
+    torch.manual_seed(0)
+    alone = _stepper(torch, make(), x, y)
+    torch.manual_seed(0)
+    ours = _stepper(torch, hpcdp.DDP(make(), group=g), x, y)
+    torch.manual_seed(0)
+    gloo = _stepper(torch, torch.nn.parallel.DistributedDataParallel(make()), x, y) if dist else None
+    solo_group = g.split(g.rank)
+    torch.manual_seed(0)
+    solo = _stepper(torch, hpcdp.DDP(make(), group=solo_group), x, y)
+
+    def t1() -> float:
+        # The idle ranks sleep (not spin) while rank 0 works: 2 cores may be hyperthreads of one.
+        g.barrier()
+        box = np.zeros(1)
+        if g.rank == 0:
+            box[0] = time_loop(alone, iters)
+            for w in [g.isend(box, r, tag=78) for r in range(1, g.size)]:
+                w.wait()
+        else:
+            req = g.irecv(box, 0, tag=78)
+            while not req.is_completed():
+                time.sleep(1e-3)
+        return float(box[0])
+
+    def t2() -> float:
+        return _gather_max(g, time_loop(ours, iters, g.barrier))
+
+    def t2_gloo() -> float:
+        return _gather_max(g, time_loop(gloo, iters, g.barrier))
+
+    for fn in (alone, ours, solo) + ((gloo,) if gloo else ()):
+        fn()   # first steps: hpcdp.DDP learns its buckets' hook counts, torch allocates
+    tr = interleaved(t1, t2, trials)
+    eff = statistics.median(b / c for b, c in zip(tr.base, tr.cand))
+    res: dict[str, Any] = {"efficiency": eff, "t1_ms": tr.base_median * 1e3, "t2_ms": tr.cand_median * 1e3}
+    if gloo is not None:
+        tg = interleaved(t1, t2_gloo, trials)
+        res.update(efficiency_gloo=statistics.median(b / c for b, c in zip(tg.base, tg.cand)),
+                   t2_gloo_ms=tg.cand_median * 1e3)
+    # adapter overhead: each rank alone, at once (bound to its own core)
+    to = interleaved(lambda: time_loop(alone, iters), lambda: time_loop(solo, iters), trials)
+    mine = statistics.median(c / b for b, c in zip(to.base, to.cand))
+    res.update(overhead=_gather_max(g, mine), overhead_rank0=mine,
+               t_plain_ms=to.base_median * 1e3, t_solo_ddp_ms=to.cand_median * 1e3)
+    if g.rank == 0:
+        gl = (f", torch DDP over gloo: t2 {res['t2_gloo_ms']:.2f} ms, efficiency {res['efficiency_gloo']:.3f}"
+              if gloo is not None else " (gloo baseline unavailable)")
+        print(f"# D5 {name} weak scaling ({g.size} ranks vs 1, batch {batch}/rank): t1 {res['t1_ms']:.2f} ms, "
+              f"hpcdp.DDP t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} (target >= 0.85){gl}")
+        print(f"# D5 {name} adapter overhead at 1 rank: plain torch {res['t_plain_ms']:.2f} ms, hpcdp.DDP "
+              f"{res['t_solo_ddp_ms']:.2f} ms, ratio {res['overhead']:.3f} (max over ranks; target <= 1.05)")
+    sink.write({"bench": "torch", "op": "D5", "model": name, "ranks": g.size, "batch": batch, **res})
+    return res
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdp.bench torch",
+        description="D5: torch models (CNN, MLP 784-1024-1024-10) under hpcdp.DDP against plain "
+                    "torch (weak scaling, adapter overhead) and torch's DDP over gloo. Run under "
+                    "'mpirun -n 2 --bind-to core'.")
+    p.add_argument("--trials", type=int, default=7, help="interleaved trials per figure")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per trial")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank")
+    p.add_argument("--models", default="cnn,mlp", help="comma-separated subset of cnn,mlp")
+    p.add_argument("--no-gloo", action="store_true", help="skip torch's DDP over gloo")
+    p.add_argument("--json", default=None, help="append JSON lines to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run D5 for each model; print the figures with their targets."""
+    p = parser()
+    args = p.parse_args(argv)
+    if min(args.trials, args.iters, args.batch) < 1:
+        p.error("--trials, --iters and --batch must be >= 1")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or set(models) - {"cnn", "mlp"}:
+        p.error(f"--models: choose from cnn,mlp, got {args.models!r}")
+    import torch
+
+    torch.set_num_threads(1)
+    g = hpcdp.init()
+    dist = None
+    if not args.no_gloo and g.size > 1:
+        import torch.distributed as dist
+
+        port = g.broadcast_object(_free_port() if g.rank == 0 else None, 0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=g.rank,
+                                world_size=g.size)
+    sink = JsonSink(args.json if g.rank == 0 else None)
+    if g.rank == 0:
+        print(f"# hpcdp torch benchmark (D5): {g.size} {g.backend.name} ranks, torch {torch.__version__}, "
+              f"1 torch thread per rank, {args.trials} interleaved trials x {args.iters} steps")
+    ok = True
+    for name in models:
+        res = bench_model(torch, dist, g, name, args.batch, args.iters, args.trials, sink)
+        ok &= res["efficiency"] >= 0.85 and res["overhead"] <= 1.05
+    if g.rank == 0:
+        print(f"# targets {'met' if ok else 'NOT met'}")
+    sink.close()
+    if dist is not None:
+        dist.destroy_process_group()
+    return 0
