@@ -355,6 +355,7 @@ ifeq ($(strip $(BENCH_ARGS)),)
 	$(PY) -m hpcdp.bench collectives --backend tcp --json $(BENCH_OUT)/tcp.jsonl
 	$(PY) -m hpcdp.bench collectives --backend sim --json $(BENCH_OUT)/sim.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench ddp --json $(BENCH_OUT)/ddp.jsonl
+	OMP_NUM_THREADS=1 $(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench torch --json $(BENCH_OUT)/torch.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench checkpoint --json $(BENCH_OUT)/checkpoint-2.jsonl
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.bench checkpoint --json $(BENCH_OUT)/checkpoint-4.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench fsdp --json $(BENCH_OUT)/fsdp.jsonl

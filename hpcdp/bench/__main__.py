@@ -27,6 +27,7 @@ DESCRIPTIONS = {
     "pipeline": "F1, F2: pipeline step time and bubble against theory, stashed activations",
     "rpc": "R1, R2: RPC round trip and throughput against raw point-to-point",
     "tcp": "B1, B2 (same as collectives --backend tcp)",
+    "torch": "D5: torch models under hpcdp.DDP against plain torch and torch's DDP over gloo (under mpirun)",
     "sim": "C1 (same as collectives --backend sim)",
     "trace": "T1: tracing on / off on the DDP example step, and the flight recorder's cost per op",
 }
