@@ -2,7 +2,8 @@
 
 Shared by ``ProcessGroup`` and its point-to-point methods: a call gets a contiguous buffer the
 backend may write (the user's ``out=`` when it can be, else a scratch one), and the ``finish``
-that runs once the transfer is complete copies it where numpy semantics say it belongs.
+that runs once the transfer is complete copies it where numpy semantics say it belongs. A call
+made on torch tensors' views hands its result back as tensors through ``via_tensors``.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .._arrays import contiguous, overlaps
+from .._tensors import TensorCall
 from .validation import check_out
 from ..ops import ReduceOp
+from .work import Work, then
 
-__all__ = ["finish_into", "reduction_plan", "result_buffer"]
+__all__ = ["finish_into", "reduction_plan", "result_buffer", "via_tensors"]
 
 
 def reduction_plan(x: Any, buf: Any, rop: ReduceOp, n: int, xp: Any,
@@ -63,3 +66,9 @@ def finish_into(result: Any, buf: Any, post: Callable[[Any], None] | None = None
         return result
 
     return finish
+
+
+def via_tensors(tc: TensorCall, result: Any) -> Any:
+    """A call made on tensors' array views (``_tensors.TensorCall``), its result handed back as
+    tensors: now, or when its ``Work`` completes (then ``wait()`` returns the tensors)."""
+    return then(result, tc.back) if isinstance(result, Work) else tc.back(result)

@@ -15,7 +15,8 @@ import numpy as np
 from ..trace.hooks import on_error
 from .._arrays import SUPPORTED_SET, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
-from ._buffers import finish_into
+from .._tensors import tensor_call
+from ._buffers import finish_into, via_tensors
 from .validation import check_array, check_rank, check_tag
 from ..backends.base import ANY_SOURCE, ANY_TAG, PROC_NULL, Request
 from ..errors import HpcdpError, public, public_error
@@ -135,6 +136,8 @@ class PointToPoint:
         ``dst=PROC_NULL``: nothing is sent (a Work already complete)."""
         if self._p2p_fast(x, dst, tag, True):
             return self._post_quick(True, x, dst, tag, "dst", None)
+        if type(x) is not _ndarray and (tc := tensor_call(self._g._where("send"), x)):
+            return via_tensors(tc, self.isend(tc.read(x), dst, tag))
         if dst == PROC_NULL:
             return self._null("send", x, tag, None)
         _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
@@ -153,6 +156,8 @@ class PointToPoint:
         ``src=PROC_NULL``: nothing is received (a Work already complete, ``buf`` untouched)."""
         if self._p2p_fast(buf, src, tag, True) and buf.flags.writeable:
             return self._post_quick(False, buf, src, tag, "src", buf)
+        if type(buf) is not _ndarray and (tc := tensor_call(self._g._where("recv"), buf)):
+            return via_tensors(tc, self.irecv(tc.write(buf, "the receive buffer"), src, tag))
         return self._irecv(buf, src, tag, "full")
 
     def _post_quick(self, send: bool, x: np.ndarray, peer: int, tag: int, key: str,
@@ -272,6 +277,9 @@ class PointToPoint:
         ``(array, status)``.
         """
         g = self._g
+        if buf is not None and type(buf) is not _ndarray and (tc := tensor_call(g._where("recv"), buf)):
+            return via_tensors(tc, self.recv_any(tc.write(buf, "the receive buffer"), src, tag, dtype=dtype,
+                                                 timeout=timeout))
         t = g.timeout if timeout is None else g._timeout_of("recv", timeout)
         deadline = time.monotonic() + t
         st = self.probe(src, tag, timeout=t)
@@ -348,6 +356,8 @@ class PointToPoint:
             if self._p2p_fast(x, dst, tag):
                 self._p2p_blocking(True, x, dst, tag, timeout)
                 return None
+            if type(x) is not _ndarray and (tc := tensor_call(self._g._where("send"), x)):
+                return via_tensors(tc, self.send(tc.read(x), dst, tag, timeout=timeout))
             if dst == PROC_NULL:
                 self._null("send", x, tag, None)
                 return None
@@ -364,6 +374,9 @@ class PointToPoint:
             if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
                 self._p2p_blocking(False, buf, src, tag, timeout)
                 return buf
+            if buf is not None and type(buf) is not _ndarray and (tc := tensor_call(self._g._where("recv"), buf)):
+                return via_tensors(tc, self.recv(tc.write(buf, "the receive buffer"), src, tag, dtype=dtype,
+                                                 return_status=return_status, timeout=timeout))
             if src == PROC_NULL:  # nothing arrives: buf untouched (None without one), as MPI's
                 self._null("recv", buf, tag, buf)
                 return (buf, Status(PROC_NULL, ANY_TAG, 0)) if return_status else buf
@@ -390,6 +403,11 @@ class PointToPoint:
                          or not np.may_share_memory(sendbuf, recvbuf))):
                 self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
                 return recvbuf
+            if (type(sendbuf) is not _ndarray or type(recvbuf) is not _ndarray) and (
+                    tc := tensor_call(g._where("sendrecv"), sendbuf, recvbuf)):
+                return via_tensors(tc, self.sendrecv(
+                    tc.read(sendbuf), dst, tc.write(recvbuf, "the receive buffer"), src, sendtag=sendtag,
+                    recvtag=recvtag, dtype=dtype, return_status=return_status, timeout=timeout))
             if (isinstance(recvbuf, np.ndarray) and isinstance(sendbuf, np.ndarray)
                     and np.may_share_memory(sendbuf, recvbuf)):
                 raise ValueError(f"{g._where('sendrecv')}: the send and receive buffers overlap "

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .._arrays import is_cupy, xp_of
+from .._tensors import tensor_call
+from ._buffers import via_tensors
 from .validation import check_array
 from ..errors import public
 from .work import Work, then
@@ -86,6 +88,8 @@ class TorchSpellings:
 
         hpcdp's ``allreduce(x)`` returns the result instead and leaves ``x`` alone.
         """
+        if tc := tensor_call(self._g._where("all_reduce"), tensor, reduce=True):
+            return via_tensors(tc, self.all_reduce(tc.write(tensor), op, async_op=async_op, timeout=timeout))
         _writable(self._g._where("all_reduce"), tensor)
         res = self._g.allreduce(tensor, op, out=tensor, async_op=async_op, timeout=timeout)
         return then(res, _none) if async_op else None
@@ -96,6 +100,9 @@ class TorchSpellings:
         """torch's ``all_gather_into_tensor``: rank i's input fills part i of ``output_tensor``
         (shaped ``(size * n, ...)`` or ``(size, n, ...)``); None (or a Work)."""
         where = self._g._where("all_gather_into_tensor")
+        if tc := tensor_call(where, output_tensor, input_tensor):
+            return via_tensors(tc, self.all_gather_into_tensor(
+                tc.write(output_tensor, "output_tensor"), tc.read(input_tensor), async_op=async_op, timeout=timeout))
         _writable(where, output_tensor, "output_tensor")
         check_array(where, input_tensor)
         if output_tensor.size != self._g.size * input_tensor.size:
@@ -110,6 +117,9 @@ class TorchSpellings:
         """torch's ``reduce_scatter_tensor``: reduce ``input`` (``size`` parts along axis 0)
         across ranks; part i lands in rank i's ``output``; None (or a Work)."""
         where = self._g._where("reduce_scatter_tensor")
+        if tc := tensor_call(where, output, input, reduce=True):
+            return via_tensors(tc, self.reduce_scatter_tensor(
+                tc.write(output, "output"), tc.read(input), op, async_op=async_op, timeout=timeout))
         _writable(where, output, "output")
         check_array(where, input)
         if input.size != self._g.size * output.size:
@@ -129,6 +139,9 @@ class TorchSpellings:
         if output_split_sizes is not None or input_split_sizes is not None:
             raise NotImplementedError(f"{where}: uneven splits (output_split_sizes/"
                                       "input_split_sizes) are not supported; pad to equal parts")
+        if tc := tensor_call(where, output, input):
+            return via_tensors(tc, self.all_to_all_single(
+                tc.write(output, "output"), tc.read(input), async_op=async_op, timeout=timeout))
         _writable(where, output, "output")
         res = self._g.all_to_all(input, out=output, async_op=async_op, timeout=timeout)
         return _finish(res, _none, async_op)
@@ -145,12 +158,16 @@ class TorchSpellings:
 
     # -- the torch forms of names hpcdp shares (ProcessGroup dispatches on the arguments) ------
     def broadcast(self, tensor: Any, src: int, async_op: bool, timeout: Any) -> Work | None:
+        if tc := tensor_call(self._g._where("broadcast"), tensor):
+            return via_tensors(tc, self.broadcast(tc.write(tensor), src, async_op, timeout))
         _writable(self._g._where("broadcast"), tensor)
         res = self._g.broadcast(tensor, src, async_op=async_op, timeout=timeout)
         return _finish(res, _none, async_op)
 
     def reduce(self, tensor: Any, dst: int, op: Any, async_op: bool,
                       timeout: Any) -> Work | None:
+        if tc := tensor_call(self._g._where("reduce"), tensor, reduce=True):  # written on every rank: the same checks
+            return via_tensors(tc, self.reduce(tc.write(tensor), dst, op, async_op, timeout))
         _writable(self._g._where("reduce"), tensor)
         out = tensor if self._g.rank == dst else None
         res = self._g.reduce(tensor, op, dst, out=out, async_op=async_op, timeout=timeout)
@@ -159,6 +176,9 @@ class TorchSpellings:
     def all_gather(self, tensor_list: Any, tensor: Any, async_op: bool,
                           timeout: Any) -> Work | None:
         where = self._g._where("all_gather")
+        if tc := tensor_call(where, tensor_list, tensor):
+            return via_tensors(tc, self.all_gather(tc.write_list(tensor_list, "tensor_list"), tc.read(tensor),
+                                                   async_op, timeout))
         targets = self._check_list(where, "tensor_list", tensor_list, tensor)
         res = self._g.all_gather(tensor, async_op=async_op, timeout=timeout)
         return _finish(res, _copy_into(targets), async_op)
@@ -166,6 +186,9 @@ class TorchSpellings:
     def all_to_all(self, output_list: Any, input_list: Any, async_op: bool,
                           timeout: Any) -> Work | None:
         where = self._g._where("all_to_all")
+        if tc := tensor_call(where, output_list, input_list):
+            return via_tensors(tc, self.all_to_all(tc.write_list(output_list, "output_tensor_list"),
+                                                   tc.read_list(input_list), async_op, timeout))
         if not isinstance(input_list, (list, tuple)) or not input_list:
             raise TypeError(f"{where}: torch's form all_to_all(output_tensor_list, "
                             "input_tensor_list) needs two lists")
@@ -180,6 +203,9 @@ class TorchSpellings:
     def gather(self, tensor: Any, gather_list: Any, dst: int, async_op: bool,
                       timeout: Any) -> Work | None:
         where = self._g._where("gather")
+        if tc := tensor_call(where, tensor, gather_list if self._g.rank == dst else None):
+            lst = tc.write_list(gather_list, "gather_list") if self._g.rank == dst else gather_list
+            return via_tensors(tc, self.gather(tc.read(tensor), lst, dst, async_op, timeout))
         check_array(where, tensor)
         targets = None
         if self._g.rank == dst:
@@ -190,6 +216,9 @@ class TorchSpellings:
     def scatter(self, tensor: Any, scatter_list: Any, src: int, async_op: bool,
                        timeout: Any) -> Work | None:
         where = self._g._where("scatter")
+        if tc := tensor_call(where, tensor, scatter_list if self._g.rank == src else None):
+            lst = tc.read_list(scatter_list) if self._g.rank == src else scatter_list
+            return via_tensors(tc, self.scatter(tc.write(tensor), lst, src, async_op, timeout))
         _writable(where, tensor)
         xp = xp_of(tensor)
         if self._g.rank == src:

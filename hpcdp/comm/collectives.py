@@ -9,6 +9,9 @@ and ``broadcast_object_list`` work in place and return None (or a ``Work``); the
 APIs share switch to torch's behaviour when called with torch's arguments (``broadcast(x,
 src=0)``, ``reduce(x, dst=0)``, ``all_gather(tensor_list, tensor)``, ...). Without them they
 stay numpy style.
+
+Every call takes torch tensors where it takes arrays (zero-copy views; results come back as
+tensors): ``hpcdp._tensors`` states the rules.
 """
 from __future__ import annotations
 

@@ -17,11 +17,12 @@ import numpy as np
 from . import debug as _debug
 from .._arrays import contiguous, is_cupy, xp_of
 from ..backends import HostStaged
-from ._buffers import finish_into, reduction_plan, result_buffer
+from ._buffers import finish_into, reduction_plan, result_buffer, via_tensors
 from ._objects import ObjectCollectives
 from ._group_p2p import PointToPoint
 from ._torch_names import TorchSpellings
 from .._config import SETTINGS, setting
+from .._tensors import tensor_call
 from .validation import check_array, check_divisible, check_out, check_rank, check_timeout
 from ..backends.base import Backend, Request
 from ..errors import CollectiveMismatchError, HpcdpError, public, public_error
@@ -59,6 +60,9 @@ class ProcessGroup:
     spellings (``all_reduce``, ``broadcast(x, src=)``, ...) work in place as torch's do
     (``_torch_names``). An ``HpcdpError`` is raised from the public call, its internal frames
     kept in ``__context__`` (``errors.public``).
+
+    torch tensors are taken wherever arrays are, as zero-copy numpy (CPU) or cupy (CUDA) views,
+    and results come back as tensors (``_tensors``: the rules for grad, strides and bfloat16).
 
     Point to point, the Python-object collectives and the torch spellings are components the
     group holds (``_p2p``, ``_objects``, ``_torch``), each given the group it serves; the
@@ -273,6 +277,9 @@ class ProcessGroup:
                 if done is not None:
                     return done
             where = self._where("allreduce")
+            if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out, reduce=True)):
+                return via_tensors(tc, self.allreduce(tc.read(x), op, out=tc.out(out), async_op=async_op,
+                                                      timeout=timeout))
             rop = as_op(op, where)
             check_array(where, x)
             be = self._transport(x)
@@ -359,6 +366,9 @@ class ProcessGroup:
                 raise TypeError(f"{self._where('broadcast')}: torch's form (src=) takes no out=")
             return self._torch.broadcast(x, src, async_op, timeout)
         where = self._where("broadcast")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
+            x = tc.write(x, strict=False)  # in place when it can be, as for a read-only array
+            return via_tensors(tc, self.broadcast(x, root, out=tc.out(out), async_op=async_op, timeout=timeout))
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
         be = self._transport(x)
@@ -392,6 +402,8 @@ class ProcessGroup:
                 dst, op = int(op), (root if isinstance(root, (str, ReduceOp)) else "sum")
             return self._torch.reduce(x, dst, op, async_op, timeout)
         where = self._where("reduce")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out, reduce=True)):
+            return via_tensors(tc, self.reduce(tc.read(x), op, root, out=tc.out(out), async_op=async_op, timeout=timeout))
         rop = as_op(op, where)
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
@@ -430,6 +442,8 @@ class ProcessGroup:
                 raise TypeError(f"{self._where('all_gather')}: torch's form takes no out=")
             return self._torch.all_gather(x, tensor, async_op, timeout)
         where = self._where("all_gather")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
+            return via_tensors(tc, self.all_gather(tc.read(x), out=tc.out(out), async_op=async_op, timeout=timeout))
         check_array(where, x)
         be = self._transport(x)
         xp = xp_of(x)
@@ -459,6 +473,8 @@ class ProcessGroup:
                 dst = root if isinstance(root, (int, np.integer)) else 0
             return self._torch.gather(x, gather_list, dst, async_op, timeout)
         where = self._where("gather")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
+            return via_tensors(tc, self.gather(tc.read(x), root, out=tc.out(out), async_op=async_op, timeout=timeout))
         root = check_rank(where, "root", root, self.size)
         check_array(where, x)
         be = self._transport(x)
@@ -496,6 +512,8 @@ class ProcessGroup:
                 src = root if isinstance(root, (int, np.integer)) else 0
             return self._torch.scatter(x, scatter_list, src, async_op, timeout)
         where = self._where("scatter")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
+            return via_tensors(tc, self.scatter(tc.read(x), root, out=tc.out(out), async_op=async_op, timeout=timeout))
         root = check_rank(where, "root", root, self.size)
         is_root = self.rank == root
         if x is None:
@@ -532,6 +550,9 @@ class ProcessGroup:
                             "output, np.concatenate(input_list)) (in place, as torch's), or "
                             "reduce_scatter(x) for the result")
         where = self._where("reduce_scatter")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out, reduce=True)):
+            return via_tensors(tc, self.reduce_scatter(tc.read(x), op, out=tc.out(out), async_op=async_op,
+                                                       timeout=timeout))
         rop = as_op(op, where)
         check_array(where, x)
         be = self._transport(x)
@@ -561,6 +582,8 @@ class ProcessGroup:
                 raise TypeError(f"{self._where('all_to_all')}: torch's form takes no out=")
             return self._torch.all_to_all(x, input_list, async_op, timeout)
         where = self._where("all_to_all")
+        if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
+            return via_tensors(tc, self.all_to_all(tc.read(x), out=tc.out(out), async_op=async_op, timeout=timeout))
         check_array(where, x)
         be = self._transport(x)
         check_divisible(where, x, self.size)

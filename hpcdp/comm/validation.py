@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import SUPPORTED_SET, is_cupy, is_supported_dtype, xp_of
+from .._tensors import is_tensor
 # one timeout rule for every layer, transports included: it lives with the settings it bounds
 from .._config import TIMEOUT_MAX, check_timeout
 
@@ -25,6 +26,9 @@ def check_array(where: str, x: Any, xp: ModuleType | None = None) -> Any:
             raise TypeError(
                 f"{where}: expected an array, got the scalar {x!r}; wrap it with np.asarray()"
             )
+        if is_tensor(x):  # a path below the public calls, which convert tensors (``_tensors``)
+            raise TypeError(f"{where}: expected a numpy or cupy array, got a torch tensor here; "
+                            "pass t.detach().numpy() (the same memory)")
         raise TypeError(f"{where}: expected a numpy or cupy array, got {type(x).__name__}")
     if not is_supported_dtype(x.dtype):
         native = x.dtype.newbyteorder("=") if x.dtype.byteorder in "<>" else None

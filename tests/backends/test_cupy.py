@@ -401,6 +401,85 @@ def test_torch_cuda_tensors_through_collectives_without_a_copy() -> None:
     assert hpcdp.spawn(_torch_body, 2, timeout=60) == [[], []]
 
 
+def _torch_direct_body(rank: int, group: "hpcdp.ProcessGroup | None" = None) -> list[str]:
+    """CUDA tensors handed to hpcdp as they are: cupy views by DLPack, results CUDA tensors
+    (``hpcdp._tensors``), in place where the call is in place."""
+    import torch
+
+    kw = {"group": group} if group is not None else {}
+    n = hpcdp.world_size() if group is None else group.size
+    fails: list[str] = []
+
+    def same(label: str, got: object, want: "torch.Tensor") -> None:
+        if not isinstance(got, torch.Tensor) or got.device.type != "cuda":
+            fails.append(f"rank {rank} {label}: {type(got).__name__} {getattr(got, 'device', '')}, not a CUDA tensor")
+            return
+        host = got.cpu()
+        bits = (lambda t: t.view(torch.int16)) if want.dtype == torch.bfloat16 else (lambda t: t)
+        if host.dtype != want.dtype or host.shape != want.shape or not torch.equal(bits(host), bits(want)):
+            fails.append(f"rank {rank} {label}: {host.dtype} {host.flatten()[:4].tolist()} != "
+                         f"{want.dtype} {want.flatten()[:4].tolist()}")
+
+    every = [torch.arange(2 * n * 3, dtype=torch.float32).reshape(2 * n, 3) % 7 + r for r in range(n)]
+    total = torch.stack(every).sum(0)
+    x = every[rank].cuda()
+    same("allreduce", hpcdp.allreduce(x, **kw), total)
+    same("allreduce async", hpcdp.allreduce(x, async_op=True, **kw).wait(), total)
+    t = x.clone()
+    ptr = t.data_ptr()
+    hpcdp.all_reduce(t, **kw)
+    same("all_reduce in place", t, total)
+    if t.data_ptr() != ptr:
+        fails.append(f"rank {rank} all_reduce moved the tensor")
+    o = torch.empty_like(x)
+    if hpcdp.allreduce(x, out=o, **kw) is not o:
+        fails.append(f"rank {rank} allreduce(out=) did not return out")
+    same("allreduce out=", o, total)
+    same("all_gather", hpcdp.all_gather(x, **kw), torch.stack(every))
+    t = x.clone()
+    hpcdp.broadcast(t, src=n - 1, **kw)
+    same("broadcast(src=)", t, every[n - 1])
+    o = torch.empty((2, 3), device="cuda")
+    hpcdp.reduce_scatter_tensor(o, x, **kw)
+    same("reduce_scatter_tensor", o, total[2 * rank:2 * rank + 2])
+    same("all_to_all", hpcdp.all_to_all(x, **kw), torch.cat([e[2 * rank:2 * rank + 2] for e in every]))
+    same("all_reduce strided", hpcdp.allreduce(x[:, ::2], **kw), total[:, ::2])
+    # bfloat16: moved as its bits, reduced in float32 and rounded once
+    b = every[rank].to(torch.bfloat16).cuda() / 8
+    same("bfloat16 all_gather", hpcdp.all_gather(b, **kw), torch.stack([(e.to(torch.bfloat16) / 8) for e in every]))
+    same("bfloat16 allreduce", hpcdp.allreduce(b, **kw),
+         torch.stack([(e.to(torch.bfloat16) / 8).float() for e in every]).sum(0).to(torch.bfloat16))
+    flags = (every[rank] > 3).cuda()
+    same("bool all_gather", hpcdp.all_gather(flags, **kw), torch.stack([e > 3 for e in every]))
+    # point to point around a ring
+    buf = torch.zeros(5, device="cuda")
+    s = hpcdp.isend(torch.full((5,), float(rank), device="cuda"), (rank + 1) % n, tag=7, **kw)
+    got = hpcdp.irecv(buf, (rank - 1) % n, tag=7, **kw).wait()
+    s.wait()
+    if got is not buf:
+        fails.append(f"rank {rank} irecv did not return its tensor")
+    same("isend/irecv", buf, torch.full((5,), float((rank - 1) % n)))
+    hpcdp.barrier(**kw)
+    return fails
+
+
+@pytest.mark.parametrize("backend", ["sim", "tcp"])
+def test_torch_cuda_tensors_passed_directly(backend: str) -> None:
+    _torch_cuda()
+    assert hpcdp.spawn(_torch_direct_body, 2, backend=backend, timeout=60) == [[], []]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("aware", ["auto", "0"])
+def test_torch_cuda_tensors_passed_directly_mpi(mpi_world, aware: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    _torch_cuda()
+    if aware == "0":
+        monkeypatch.setenv("HPCDP_CUDA_AWARE", "0")
+    group = hpcdp.new_group(list(range(mpi_world.size)))
+    assert _torch_direct_body(group.rank, group) == []
+
+
 def _debug_p2p_body(rank: int) -> list[str]:
     """Point to point under ``HPCDP_DEBUG=detail`` (framed messages): the transport still gets
     host arrays only, and the data arrives."""

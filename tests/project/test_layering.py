@@ -32,7 +32,7 @@ PKG = os.path.dirname(os.path.abspath(hpcdp.__file__))
 #: - the top package (``__init__``, ``run``, ``__main__``) gathers everything;
 #: - testing and bench drive the whole package from above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "ops", "_arrays", "_config", "_atomic", "_version"),
+    ("errors", "ops", "_arrays", "_tensors", "_config", "_atomic", "_version"),
     ("backends",),
     ("trace",),
     ("comm",),
