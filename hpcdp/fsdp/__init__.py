@@ -5,9 +5,13 @@
     opt = optim.AdamW(fsdp.parameters(), lr=3e-4)        # the shards
     out = fsdp(x); fsdp.backward(loss_fn.backward()); fsdp.clip_grad_norm_(1.0); opt.step()
 
+    fsdp = hpcdp.fsdp.FSDP(torch_model, auto_wrap={torch.nn.Linear})   # a torch model
+    opt = torch.optim.AdamW(fsdp.parameters())           # torch tensors over the shards
+    loss_fn(fsdp(x), y).backward(); opt.step()           # reduced when backward returns
+
 Modules by concern: ``_api`` (policies), ``_wrap`` (units), ``_param`` (one parameter's layout),
 ``_unit`` (a unit's buffers), ``_collectives``, ``_state`` (the per-step schedule and event log),
-``_checkpoint``, ``_memory``, and the ``fsdp`` facade.
+``_checkpoint``, ``_memory``, ``_torch`` (what differs for torch models), and the ``fsdp`` facade.
 """
 from __future__ import annotations
 

@@ -21,8 +21,10 @@ import numpy as np
 from .._arrays import to_host, xp_of
 from ..errors import HpcdpError
 from ..nn.backend import to_module
+from ..nn.torch_module import is_tensor, to_array
 from ..optim.names import by_name, optimizer_names
 from ..optim.state_check import check_groups, load_param_state
+from ._torch import is_torch_optimizer, load_torch_optim_state_dict, torch_optim_state_dict
 
 __all__ = ["state_dict", "load_state_dict", "full_state_dict", "optim_state_dict", "load_optim_state_dict"]
 
@@ -166,8 +168,11 @@ def _name_map(fsdp: Any, optimizer: Any, where: str) -> dict[int, str]:
 
 
 def optim_state_dict(fsdp: Any, optimizer: Any) -> dict[str, Any]:
-    names = _name_map(fsdp, optimizer, "FSDP.optim_state_dict")
     slots = _slots(fsdp)
+    if is_torch_optimizer(optimizer):
+        return torch_optim_state_dict(f"FSDP.optim_state_dict (rank {fsdp.group.rank})", fsdp._named_shards,
+                                      optimizer, lambda name, v: _as_entry(fsdp, slots[name][1], v))
+    names = _name_map(fsdp, optimizer, "FSDP.optim_state_dict")
     state: dict[str, Any] = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
@@ -201,10 +206,15 @@ def load_optim_state_dict(fsdp: Any, optimizer: Any, osd: dict[str, Any]) -> Non
     in ``fsdp.parameters()`` order, which is the module's); shapes, dtypes and settings are
     checked (naming the parameter and the entry) before the optimizer changes."""
     where, rank = "FSDP.load_optim_state_dict", fsdp.group.rank
-    names = _name_map(fsdp, optimizer, where)
-    shard_of = {n: sp for n, sp in fsdp._named_shards}
     slots = _slots(fsdp)
     at = f"{where} (rank {rank})"
+    if is_torch_optimizer(optimizer):
+        load_torch_optim_state_dict(at, fsdp._named_shards, optimizer, osd,
+                                    lambda name, k, v: _local_piece(where, f"{name}.{k}", v, slots[name][1], rank))
+        _replicate_state(fsdp, [optimizer.state.get(sp.tensor, {}) for _, sp in fsdp._named_shards])
+        return
+    names = _name_map(fsdp, optimizer, where)
+    shard_of = {n: sp for n, sp in fsdp._named_shards}
     if not isinstance(osd, dict) or not isinstance(osd.get("state", {}), dict):
         raise TypeError(f"{at}: expected a dict with 'state' (a dict) and 'param_groups', got "
                         f"{type(osd).__name__}")
@@ -230,11 +240,17 @@ def load_optim_state_dict(fsdp: Any, optimizer: Any, osd: dict[str, Any]) -> Non
         new_state[sp] = load_param_state(at, repr(name), spec, entry, sp.data)
     for mine, typed in zip(optimizer.param_groups, settings):
         mine.update(typed)
-    rep = fsdp.comm.replicate
-    if rep is not None and fsdp.comm.n > 1:   # hybrid: replica 0's state to the others
-        for name, sp in fsdp._named_shards:
-            for k in sorted(new_state.get(sp, {})):
-                v = new_state[sp][k]
-                if hasattr(v, "shape") and v.ndim > 0:
-                    rep.broadcast(v, 0)
+    _replicate_state(fsdp, [new_state.get(sp, {}) for _, sp in fsdp._named_shards])
     optimizer.state = new_state
+
+
+def _replicate_state(fsdp: Any, entries: list[dict[str, Any]]) -> None:
+    """hybrid_shard: replica 0's loaded optimizer arrays to the other replicas (which read nothing)."""
+    rep = fsdp.comm.replicate
+    if rep is None or fsdp.comm.n == 1:
+        return
+    for entry in entries:
+        for k in sorted(entry):
+            v = entry[k]
+            if hasattr(v, "shape") and len(v.shape) > 0:
+                rep.broadcast(to_array(v) if is_tensor(v) else v, 0)

@@ -35,7 +35,9 @@ import numpy as np
 
 from ..errors import HpcdpError
 from ._api import BF16, Event
+from ..nn.torch_module import is_tensor
 from ._collectives import decode, encode
+from ._torch import cast_tensor
 from ._unit import FREE, GATHERED, Unit
 
 __all__ = ["Schedule", "MAX_REDUCTIONS_IN_FLIGHT"]
@@ -56,6 +58,10 @@ class Schedule:
         self.mixed = mixed
         self.rank = rank
         self.record_events = record_events
+        #: a torch model's unit hooks say its backward ended once its trainable parameters have
+        #: their gradients: frozen ones may still be needed (the gradient flowing through them to
+        #: earlier units), so a unit holding any stays gathered until the end of backward
+        self.keep_frozen_gathered = False
         self.events: list[Event] = []
         self.fwd_order: list[Unit] | None = None
         self.bwd_order: list[Unit] | None = None
@@ -212,6 +218,8 @@ class Schedule:
         self.poll()
         if unit.index == 0 and self.mixed is not None:
             g = grad_output[0]
+            if is_tensor(g):
+                return (cast_tensor(g, unit.compute_dtype),)
             if hasattr(g, "dtype") and np.issubdtype(g.dtype, np.floating) and g.dtype != unit.compute_dtype:
                 return (g.astype(unit.compute_dtype),)
         return None
@@ -224,12 +232,15 @@ class Schedule:
 
     def post_backward(self, unit: Unit) -> None:
         self.log("bwd_end", unit)
-        if self.stack and self.stack[-1] is unit:
-            self.stack.pop()
+        for k in range(len(self.stack) - 1, -1, -1):   # the innermost entry: a torch model's unit and
+            if self.stack[k] is unit:                  # its parent sharing an output start in either order
+                del self.stack[k]
+                break
         if unit.bwd_count < unit.fwd_count:
             return  # the module ran several times: its last backward is still to come
         unit.bwd_done = True
-        self._reshard(unit)
+        if not (self.keep_frozen_gathered and len(unit.trainable) < len(unit.slots)):
+            self._reshard(unit)
         if not self.sync or not unit.slots:
             return
         if all(i in unit.arrived for i in unit.trainable):
@@ -326,7 +337,9 @@ class Schedule:
 
 
 def _cast_input(a: Any, dtype: Any) -> Any:
-    """A floating array input in the compute dtype (bfloat16: rounded, kept as float32)."""
+    """A floating array (or torch tensor) input in the compute dtype (bfloat16: rounded, kept as float32)."""
+    if is_tensor(a):
+        return cast_tensor(a, dtype)
     if not hasattr(a, "dtype") or not hasattr(a, "astype") or not np.issubdtype(a.dtype, np.floating):
         return a
     if dtype == BF16:

@@ -106,8 +106,10 @@ class Unit:
             p = slot.param
             lo, hi = slot.bounds()
             slot.shard_view(self.flat)[...] = p.data[lo:hi]
-            sp = Parameter(slot.shard_view(self.flat), requires_grad=bool(getattr(p, "requires_grad", True)),
-                           name=slot.name)
+            trainable = bool(getattr(p, "requires_grad", True))
+            derived = getattr(p, "derived", None)   # a torch model's: a torch tensor over the shard
+            sp = (derived(slot.shard_view(self.flat), slot.name, requires_grad=trainable) if derived
+                  else Parameter(slot.shard_view(self.flat), requires_grad=trainable, name=slot.name))
             self.shard_params.append(sp)
             p._hpcdp_fsdp = True   # a second FSDP over the same model would shard placeholders
             p.data = self._placeholder

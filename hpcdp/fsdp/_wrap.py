@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..nn.torch_module import TorchModule
 from ._api import SizeBasedPolicy
 
 __all__ = ["UnitSpec", "plan_units"]
@@ -58,8 +59,18 @@ def _tree(root: Any, again: list[tuple[Any, str]] | None = None) -> list[tuple[s
     return out
 
 
+def _seen_as(m: Any) -> Any:
+    """What a policy is asked about: the torch module behind a ``from_torch`` mirror, else ``m``."""
+    return m.torch if isinstance(m, TorchModule) else m
+
+
 def _wrapped_by(policy: Any) -> Callable[[str, Any, int], bool]:
-    """``decide(path, module, unwrapped_numel)`` for the policy."""
+    """``decide(path, module, unwrapped_numel)`` for the policy.
+
+    For a torch model the classes are matched against, and a callable is given, the torch
+    submodule (``{torch.nn.Linear}``, ``lambda m: isinstance(m, Block)``), as torch's own wrap
+    policies see it; a class of the adapter (``TorchModule``) matches the mirror.
+    """
     if isinstance(policy, SizeBasedPolicy):
         return lambda path, m, numel: numel >= policy.min_params
     if isinstance(policy, type):
@@ -69,9 +80,9 @@ def _wrapped_by(policy: Any) -> Callable[[str, Any, int], bool]:
         bad = [c for c in classes if not isinstance(c, type)]
         if bad:
             raise TypeError(f"FSDP auto_wrap: expected module classes, got {bad!r}")
-        return lambda path, m, numel: isinstance(m, classes)
+        return lambda path, m, numel: isinstance(m, classes) or isinstance(_seen_as(m), classes)
     if callable(policy):
-        return lambda path, m, numel: bool(policy(m))
+        return lambda path, m, numel: bool(policy(_seen_as(m)))
     raise TypeError("FSDP auto_wrap must be a set of module classes, hpcdp.fsdp.size_based(n), a "
                     f"callable module -> bool, or None; got {type(policy).__name__}")
 

@@ -7,6 +7,14 @@ parameters and buffers, picks the units, shards every parameter along its first 
 registers the hooks that gather, prefetch, reshard and reduce (see ``_state``). Afterwards the
 model's own parameters hold an empty placeholder outside forward and backward; the shard
 parameters hold this rank's rows.
+
+A ``torch.nn.Module`` is wrapped through ``hpcdp.nn.from_torch`` (units are torch submodules,
+their hooks fire from torch's) and keeps torch's loop: ``loss = loss_fn(fsdp(x), y)``,
+``loss.backward()`` (the shards' gradients are reduced when it returns), ``opt.step()`` with a
+``torch.optim`` optimizer over ``fsdp.parameters()`` (torch tensors over the shards). What differs
+for torch lives in ``_torch``. Under full_shard, what autograd saves of a gathered parameter is
+held as a marker and re-made from the parameter gathered again for backward, so the gathered
+memory is freed after each unit's forward for torch layers too; shard_grad_op keeps it.
 """
 from __future__ import annotations
 
@@ -26,7 +34,9 @@ from . import _checkpoint
 from ._api import STRATEGIES, Event, MixedPrecision
 from ._collectives import ShardComm
 from ._memory import MemoryStats, Tracker, optimizer_state_bytes
-from ._state import Schedule
+from ._state import Schedule, _cast_input
+from ._torch import SavedParams, TorchPass
+from ..nn.torch_module import TorchModule, from_torch, is_torch_module
 from ..comm.reproducible import exact_total
 from ..nn import chunking
 from ..nn.chunking import ChunkCount
@@ -98,14 +108,18 @@ class FSDP:
     """Shard ``module``'s parameters, gradients and optimizer state over the ranks of ``group``.
 
     Args:
-        module: an ``hpcdp.nn.Module`` (or any object with ``named_parameters()``, ``forward`` and
-            ``backward``: it then forms one unit gathered around its forward and backward).
+        module: an ``hpcdp.nn.Module``, a ``torch.nn.Module`` (tensors in: ``loss.backward()``
+            reduces; numpy in: ``fsdp.backward(grad)``), or any object with
+            ``named_parameters()``, ``forward`` and ``backward`` (one unit gathered around its
+            forward and backward).
         strategy: ``"full_shard"`` (ZeRO-3), ``"shard_grad_op"`` (ZeRO-2), ``"no_shard"`` (DDP) or
             ``"hybrid_shard"`` (full_shard inside groups of ``shard_size`` consecutive ranks).
         group: process group (default: the default group); every member wraps the same model.
         shard_size: ranks per shard group for hybrid_shard (default: ranks per node, from the launcher).
         auto_wrap: module classes, ``hpcdp.fsdp.size_based(min_params)`` or a callable
-            ``module -> bool`` picking the submodules that become units of their own.
+            ``module -> bool`` picking the submodules that become units of their own (for a
+            torch model: torch classes such as ``{torch.nn.Linear}``, and the callable is given
+            the torch submodules).
         mixed_precision: a :class:`MixedPrecision` (compute and reduction dtypes).
         prefetch: post the next unit's all-gather before the current unit computes (forward and
             backward; the order is recorded on the first step).
@@ -124,6 +138,8 @@ class FSDP:
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = True,
                  limit_all_gathers: bool = True, sync_module_states: bool = True,
                  deterministic_chunk: int | None = None) -> None:
+        if is_torch_module(module):
+            module = from_torch(module)
         if strategy not in STRATEGIES:
             raise ValueError(f"FSDP: strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
         if not hasattr(module, "named_parameters"):
@@ -133,6 +149,9 @@ class FSDP:
                             f"{type(mixed_precision).__name__}")
         if shard_size is not None and strategy != "hybrid_shard":
             raise ValueError(f"FSDP: shard_size is for strategy='hybrid_shard', not {strategy!r}")
+        if deterministic_chunk is not None and isinstance(module, TorchModule):
+            raise TypeError("FSDP: deterministic_chunk needs an hpcdp.nn model (its layers compute one "
+                            "gradient per chunk); torch modules are not supported")
         self.module = module
         self.strategy = strategy
         self.mixed_precision = mixed_precision
@@ -191,6 +210,10 @@ class FSDP:
             u.chunks = self._chunks
         self._handles: list[Any] = []
         self._register_hooks(named)
+        self._torch_pass = TorchPass(module, self._sched, rank) if isinstance(module, TorchModule) else None
+        self._sched.keep_frozen_gathered = self._torch_pass is not None
+        self._saved = (SavedParams(self.units) if self._torch_pass is not None
+                       and strategy in ("full_shard", "hybrid_shard") else None)
 
     # -- construction helpers -----------------------------------------------------------------
     def _check_same_model(self, mine: dict[str, Any]) -> None:
@@ -258,11 +281,21 @@ class FSDP:
         exception propagates, so no full parameters stay behind.
         """
         root, sched = self.units[0], self._sched
-        if self._chunks is not None and bool(getattr(self.module, "training", True)):
+        training = bool(getattr(self.module, "training", True))
+        if self._chunks is not None and training:
             self._chunks.begin_forward(args, kwargs, self.group.rank)
+        if self._torch_pass is not None:
+            self._torch_pass.check()
         try:
             if self._hooked:
-                return self.module(*args, **kwargs)
+                if self._saved is not None and training:
+                    with self._saved.hooks():
+                        out = self.module(*args, **kwargs)
+                else:
+                    out = self.module(*args, **kwargs)
+                if self._torch_pass is not None and training and sched.forward_pending:
+                    self._torch_pass.open(out, self._require_sync)   # tensors out: loss.backward()
+                return out
             new = sched.pre_forward(root, args)
             out = self.module.forward(*(args if new is None else new), **kwargs)
             sched.post_forward(root, bool(getattr(self.module, "training", True)))
@@ -279,6 +312,10 @@ class FSDP:
             HpcdpError: no forward ran since the last backward, or a backward is already running.
         """
         sched = self._sched
+        if self._torch_pass is not None:
+            self._torch_pass.refuse_numpy_backward()
+            if self.mixed_precision is not None:   # torch's backward needs the outputs' dtype
+                grad_output = _cast_input(grad_output, self.units[0].compute_dtype)
         if self._chunks is not None and self._require_sync:
             self._chunks.agree(self.group)
         sched.begin_backward(self._require_sync)
@@ -299,11 +336,14 @@ class FSDP:
         return out
 
     def parameters(self) -> Iterator[Any]:
-        """Yield the shard parameters (this rank's rows), in the model's parameter order."""
-        return iter([p for _, p in self._named_shards])
+        """Yield the shard parameters (this rank's rows), in the model's parameter order: for a
+        torch model, torch tensors over the shards (what ``torch.optim`` optimizers take)."""
+        return iter([p for _, p in self.named_parameters()])
 
     def named_parameters(self) -> Iterator[tuple[str, Any]]:
         """Yield ``(global name, shard parameter)`` pairs, in the model's parameter order."""
+        if self._torch_pass is not None:
+            return iter([(n, p.tensor) for n, p in self._named_shards])
         return iter(list(self._named_shards))
 
     def train(self, mode: bool = True) -> FSDP:
@@ -437,7 +477,8 @@ class FSDP:
             rank=self.group.rank, world=self.group.size, strategy=self.strategy,
             params=sum(u.shard_param_bytes() for u in self.units),
             grads=sum(u.shard_grad_bytes() for u in self.units),
-            optim_state=None if optimizer is None else optimizer_state_bytes(optimizer, shard_params),
+            optim_state=None if optimizer is None else optimizer_state_bytes(
+                optimizer, [p for _, p in self.named_parameters()]),   # torch.optim: keyed by tensor
             gathered_peak=self._tracker.peak, gathered_now=self._tracker.now,
             padding=sum(u.padding_elements() * u.master_dtype.itemsize for u in self.units),
             full_params=sum(u.F * u.master_dtype.itemsize for u in self.units))
