@@ -341,3 +341,57 @@ def body_skipped_bucket(rank: int) -> list[str]:
     except HpcdpError:
         return []
     return [f"rank {rank}: a skipped bucket allreduce went unnoticed ({len(ddp.buckets)} buckets)"]
+
+
+def body_backward_raises(rank: int, kind: str) -> list[str]:
+    """A torch backward that raises (before any parameter's gradient, then half way) leaves no
+    wrapper stuck: the step after an early raise trains; after a half-way raise the next forward
+    says the step was forgotten, and the one after trains, matching a run that skipped those
+    batches."""
+    def wrap(m: torch.nn.Module) -> Any:
+        return hpcdp.DDP(m) if kind == "ddp" else hpcdp.FSDP(m, auto_wrap={torch.nn.Linear})
+
+    model, ref = make("mlp"), make("mlp")
+    w = wrap(model)
+    opt = make_opt("sgd", w.parameters())
+    ref_opt = make_opt("sgd", ref.parameters())
+    x, y = data("mlp")
+    mode = [None]
+
+    def boom(_g: Any) -> None:
+        if mode[0] == "mid":
+            raise RuntimeError("boom mid")
+    model[2].weight.register_hook(boom)
+    got = []
+    for step in range(6):
+        mode[0] = "mid" if step == 2 else None
+        try:
+            out = w(x)
+            if step == 0:
+                out.register_hook(lambda _g: (_ for _ in ()).throw(RuntimeError("boom early")))
+            F.cross_entropy(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            got.append("ok")
+        except (RuntimeError, HpcdpError) as exc:
+            got.append(type(exc).__name__)
+            opt.zero_grad()
+    want = ["RuntimeError", "ok", "RuntimeError", "HpcdpError", "ok", "ok"]
+    if got != want:
+        return [f"rank {rank} {kind}: steps went {got}, expected {want}"]
+    for _ in range(3):   # the reference trains on the steps that completed
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    want_p = [p.detach().numpy() for p in ref.parameters()]
+    if kind == "ddp":
+        return _compare(model, want_p, 1e-12, f"rank {rank} ddp after the aborted steps")
+    full = w.full_state_dict()   # collective: whole parameters on rank 0
+    if rank != 0:
+        return []
+    bad = []
+    for (name, _), r in zip(ref.named_parameters(), want_p):
+        err = float(np.max(np.abs(np.asarray(full[name]) - r)))
+        if not err <= 1e-12:
+            bad.append(f"rank 0 fsdp after the aborted steps: {name} off by {err:.3g}")
+    return bad

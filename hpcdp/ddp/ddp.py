@@ -270,8 +270,9 @@ class DDP:
             raise HpcdpError(
                 f"DDP forward (rank {self.group.rank}): the previous backward gave gradients to some "
                 f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, which the "
-                "forward's outputs reach, so their buckets were never reduced (a loss that used only "
-                "part of the outputs?). Make the loss use every output, or call backward on all of them.")
+                "forward's outputs reach, so their buckets were never reduced: a loss that used only "
+                "part of the outputs (make it use every output), or an exception inside backward. "
+                "DDP has forgotten that step; the next one starts clean.")
 
     @public
     def backward(self, grad_output: Any) -> Any:

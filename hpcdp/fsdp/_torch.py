@@ -93,16 +93,22 @@ class TorchPass:
             return
         self.pending = False
         arrived, missing = self.module.cancel_expected()
-        if not arrived:   # no backward ran: close the pass (no_sync's kept gradients stay kept)
-            self.sched.in_backward = self.sched.forward_pending = False
-            self.sched.phase = "fwd"
+        sched = self.sched
+        started = bool(sched.stack) or any(u.bwd_count for u in sched.units)
+        if not arrived and not started:
+            # no backward ran: close the pass (no_sync's kept gradients stay kept)
+            sched.in_backward = sched.forward_pending = False
+            sched.phase = "fwd"
             return
-        self.sched.abort_backward()
+        sched.abort_backward()   # reshard, drop this step's unreduced gradients
+        if not arrived:
+            return   # a backward that raised before any parameter's gradient: nothing was reduced
         raise HpcdpError(
             f"FSDP forward (rank {self.rank}): the previous backward gave gradients to some "
             f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, which the "
-            "forward's outputs reach, so their units were never reduced (a loss that used only "
-            "part of the outputs?). Make the loss use every output, or call backward on all of them.")
+            "forward's outputs reach, so their units were never reduced: a loss that used only "
+            "part of the outputs (make it use every output), or an exception inside backward. "
+            "FSDP has dropped that step's gradients; the next step starts clean.")
 
     def refuse_numpy_backward(self) -> None:
         if self.pending:

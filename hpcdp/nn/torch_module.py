@@ -565,8 +565,13 @@ class TorchModule(Module):
             arrived += bw.arrived
             missing += [names.get(k, "?") for k in bw.waiting]
         self._passes.clear()
-        if self in self._root._watching:
-            self._root._watching.remove(self)
+        # a backward that raised half way leaves mirrors waiting for their parameters and their
+        # backward hooks unfired: forget them too, so the next backward starts clean
+        root = self._root
+        for m in list(root._watching):
+            m._passes.clear()
+        root._watching.clear()
+        root._pending_posts.clear()
         return arrived, missing
 
     def extra_repr(self) -> str:

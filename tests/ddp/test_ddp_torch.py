@@ -16,7 +16,8 @@ from hpcdp.testing import check, run_ranks, spawn_backends
 from hpcdp.testing.fixtures import World, worlds
 from ddp_torch_bodies import (
     body_averaged_when_backward_returns, body_comm_hook, body_forward_without_backward,
-    body_parity, body_partial_backward, body_skipped_bucket, body_split_backward, body_unused,
+    body_backward_raises, body_parity, body_partial_backward, body_skipped_bucket, body_split_backward,
+    body_unused,
 )
 from hpcdp.trace._analyze import analyze
 
@@ -118,3 +119,8 @@ def test_skipped_bucket_is_named_by_analyze(tmp_path) -> None:
     assert lines[1].startswith("Reached by rank 0 (failed) at") and lines[1].endswith(f"job.py:{line} (body)"), text
     assert any(ln.startswith("  rank 1: called allreduce #") and ln.endswith(f"job.py:{line} (body)")
                for ln in lines), text
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_backward_that_raises_leaves_nothing_stuck(world: World) -> None:
+    check(world.run(body_backward_raises, "ddp"))

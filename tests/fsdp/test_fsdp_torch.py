@@ -113,3 +113,9 @@ def test_reference_is_deterministic() -> None:
     # the parity tests compare against this: two runs must agree exactly, or 1e-10 means nothing
     a, b = reference("mlp", "adamw"), reference("mlp", "adamw")
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_backward_that_raises_leaves_nothing_stuck(world: World) -> None:
+    from ddp_torch_bodies import body_backward_raises
+    check(world.run(body_backward_raises, "fsdp"))
