@@ -29,7 +29,8 @@ PKG = os.path.dirname(os.path.abspath(hpcdp.__file__))
 #: - the building blocks that take a group (nn, optim, data, progress), then the parallel
 #:   wrappers and services built on them (ddp, fsdp, pipeline, rpc, checkpoint);
 #: - launch: every way ranks start (it runs hpcdp.init, trace dumps, the logger);
-#: - the top package (``__init__``, ``run``, ``__main__``) gathers everything;
+#: - the top package (``__init__``, ``run``, ``__main__``) gathers everything; ``torch_backend``
+#:   (torch.distributed's "hpcdp" backend) sits beside it, serving torch from hpcdp's groups;
 #: - testing and bench drive the whole package from above.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "ops", "_arrays", "_tensors", "_config", "_atomic", "_version"),
@@ -39,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nn", "optim", "data", "progress"),
     ("ddp", "fsdp", "pipeline", "rpc", "checkpoint"),
     ("launch",),
-    ("__init__", "run", "__main__"),
+    ("__init__", "run", "__main__", "torch_backend"),
     ("testing", "bench"),
 )
 RANK = {unit: i for i, units in enumerate(LAYERS) for unit in units}
