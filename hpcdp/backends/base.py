@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from .._arrays import SUPPORTED_DTYPES
 from ..errors import HpcdpError
 from ..ops import ReduceOp
 
@@ -24,6 +25,9 @@ __all__ = [
     "ANY_TAG",
     "PROC_NULL",
     "FINALIZED",
+    "Probed",
+    "DTYPE_CODES",
+    "meta_of",
 ]
 
 #: ``probe``'s ``src`` and ``tag`` that match any source / any tag (``hpcdp.ANY_SOURCE``)
@@ -37,6 +41,44 @@ PROC_NULL = -2
 #: (finalize)"), on transports that tell their peers (TCP); ``python -m hpcdp.trace analyze``
 #: reads it to say that a rank without a flight record finished rather than crashed.
 FINALIZED = "has shut down (finalize)"
+
+#: a supported dtype's number on the wire (its place in ``SUPPORTED_DTYPES``): how transports
+#: that carry an array's dtype with its bytes (``Backend.carries_meta``) spell it
+DTYPE_CODES: dict[np.dtype, int] = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+
+
+class Probed(NamedTuple):
+    """What ``Backend.probe_meta`` found: the message's source, tag and bytes, and the dtype and
+    shape it was sent with (None where the transport does not carry them)."""
+
+    source: int
+    tag: int
+    nbytes: int
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def meta_of(nbytes: int, code: int, shape: tuple[int, ...] | None) -> tuple[np.dtype | None,
+                                                                          tuple[int, ...] | None]:
+    """The (dtype, shape) a peer's message claims, checked against its real size: a code or a
+    shape that does not account for exactly ``nbytes`` (a malformed or hostile frame) gives
+    ``(None, None)``, so nothing is ever allocated or viewed past what arrived. ``shape`` None
+    with a known dtype: a 1-D message of ``nbytes / itemsize`` elements."""
+    if not 0 <= code < len(SUPPORTED_DTYPES):
+        return None, None
+    dt = SUPPORTED_DTYPES[code]
+    if shape is None:
+        if nbytes % dt.itemsize:
+            return None, None
+        return dt, (nbytes // dt.itemsize,)
+    n = 1
+    for d in shape:
+        if d < 0:
+            return None, None
+        n *= d
+    if n * dt.itemsize != nbytes:
+        return None, None
+    return dt, tuple(shape)
 
 
 class Request(abc.ABC):
@@ -124,7 +166,14 @@ class Backend(abc.ABC):
        transport until the request completes.
     4. ``op`` is never MEAN: the API computes it as SUM and divides.
     5. ``send``/``recv`` are tag-matched and non-overtaking per (source, tag); they may be mixed
-       freely with collectives on this and other groups, from several threads.
+       freely with collectives on this and other groups, from several threads. Their buffers
+       may have any shape (C-contiguous); ``buf.nbytes`` bytes move. A transport that
+       ``carries_meta`` also delivers the sent array's dtype and shape to ``probe_meta`` (so
+       ``recv(None)`` can return what was sent), and a receive into a buffer of another dtype
+       than the message's fails with ``CollectiveMismatchError`` naming both, leaving the
+       message for a later receive (MPI notices it while the receive waits). MPI carries them in
+       the tag: there the order is kept per (source, tag, dtype, 0-d/1-d/n-d), see
+       ``backends/mpi/_meta.py``.
     6. A peer that is known to be dead makes pending and later requests raise
        ``PeerFailureError`` naming it, instead of waiting for the timeout.
     7. ``probe(src, tag)`` never blocks: it reports a message that a ``recv`` from ``src``
@@ -134,6 +183,8 @@ class Backend(abc.ABC):
     class attributes that differ from these defaults.
 
     - ``max_tag``: the largest tag ``send``/``recv``/``probe`` accept.
+    - ``carries_meta``: ``send`` carries the array's dtype and shape (``probe_meta`` reports
+      them; a receive into a buffer of another dtype fails, see 5.).
     - ``timeout_poisons_group``: a collective that timed out cannot be cancelled and leaves
       the group out of step; the API then refuses further collectives on that group (MPI).
     - ``needs_progress_thread``: nonblocking operations advance only while the caller is
@@ -169,6 +220,7 @@ class Backend(abc.ABC):
     ranks: tuple[int, ...]
     #: capabilities (see the class docstring)
     max_tag: int = 2**31 - 1
+    carries_meta: bool = False
     timeout_poisons_group: bool = False
     needs_progress_thread: bool = False
     thread_level: str = "multiple"
@@ -223,6 +275,12 @@ class Backend(abc.ABC):
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """``(source, tag, nbytes)`` of a message ``recv(src, tag)`` would take now, or None."""
         raise HpcdpError(f"probe (rank {self.rank}): the {self.name} backend cannot probe")
+
+    def probe_meta(self, src: int, tag: int) -> Probed | None:
+        """``probe`` with the dtype and shape the message was sent with, where the transport
+        carries them (``carries_meta``); here, for one that does not, both None."""
+        found = self.probe(src, tag)
+        return None if found is None else Probed(*found)
 
     @abc.abstractmethod
     def allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op: ReduceOp) -> Request: ...

@@ -19,7 +19,7 @@ from .._config import setting
 from ..errors import CollectiveMismatchError, PeerFailureError
 from ..ops import ReduceOp
 from ._runner import P2PBackend, Runner
-from .base import ANY_SOURCE, ANY_TAG, Backend, Request, register_backend
+from .base import ANY_SOURCE, ANY_TAG, Backend, Probed, Request, register_backend
 
 __all__ = ["SimWorld", "SimBackend"]
 
@@ -186,6 +186,20 @@ class _RecvRequest(Request):
         self.done = False
         self.error: Exception | None = None
 
+    def refuses(self, msg: np.ndarray) -> bool:
+        """Whether ``msg`` is of another dtype than this receive's buffer (a user tag only: the
+        collectives' algorithms move raw views): then this receive fails and the message waits
+        for another one, as on MPI, where such a receive never matches it."""
+        if msg.dtype == self.buf.dtype or self.tag >= _P2P.TAG_BASE:
+            return False
+        self.error = CollectiveMismatchError(
+            f"recv on rank {self.be.ranks[self.be.rank]}: the message from rank "
+            f"{self.be.ranks[self.src]} (tag {self.tag}) is {msg.dtype} {msg.shape}, the "
+            f"receive buffer {self.buf.dtype} {self.buf.shape}: a send and its receive must "
+            f"have the same dtype")
+        self.done = True
+        return True
+
     def deliver_locked(self, msg: np.ndarray) -> None:
         comm = self.be.comm
         sent = comm.taken.pop(id(msg), None) if comm.taken else None
@@ -197,7 +211,7 @@ class _RecvRequest(Request):
                     f"buffer has {self.buf.nbytes}"
                 )
             else:
-                np.copyto(self.buf.reshape(-1).view(np.uint8), msg)
+                np.copyto(self.buf.reshape(-1).view(np.uint8), msg.reshape(-1).view(np.uint8))
         finally:
             # only once received (a synchronous send completes at receipt)
             if sent is not None:  # (its waiters wake within a second, see _wait_locked)
@@ -253,6 +267,9 @@ def _deliver_locked(comm: _Comm, key: tuple[int, int, int]) -> None:
     """Hand queued messages for ``key`` to its posted receives, oldest to oldest."""
     queue, box = comm.posted.get(key), comm.mail.get(key)
     while queue and box:
+        if queue[0].refuses(box[0]):
+            queue.popleft()
+            continue
         queue.popleft().deliver_locked(box.popleft())
     if queue is not None and not queue:
         del comm.posted[key]
@@ -321,6 +338,7 @@ class SimBackend(Backend):
 
     name = "sim"
     shares_process = True
+    carries_meta = True  # a message is the sender's array, copied
 
     def __init__(self, comm: _Comm, rank: int) -> None:
         self.comm = comm
@@ -471,7 +489,8 @@ class SimBackend(Backend):
         # copied here, on the sender's thread and outside the world's lock (numpy lets go of
         # the interpreter for it), so the receiver may take the copy as it is (``take``); a
         # copy made by the receive instead would hold that lock, and every sender, meanwhile
-        msg = np.ascontiguousarray(buf).reshape(-1).view(np.uint8).copy()
+        # kept with its dtype and shape (``carries_meta``): ``recv(None)`` returns what was sent
+        msg = np.array(buf, order="C", copy=True)
         comm = self.comm
         req: Request = _Done()
         sync = comm.sync_from is not None and msg.nbytes >= comm.sync_from
@@ -510,16 +529,22 @@ class SimBackend(Backend):
             sent = comm.taken.pop(id(msg), None) if comm.taken else None
             if sent is not None:
                 sent.done = True
-        return msg
+        return msg.reshape(-1).view(np.uint8)
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source, tag, nbytes) of a queued message for this rank, else None."""
+        found = self.probe_meta(src, tag)
+        return None if found is None else found[:3]
+
+    def probe_meta(self, src: int, tag: int) -> Probed | None:
+        """``probe`` with the dtype and shape the queued message was sent with."""
         world, me = self.comm.world, self.rank
         with world.cond:
             for (s, d, t), box in self.comm.mail.items():
                 if box and d == me and src in (ANY_SOURCE, s) and (
                         t == tag or tag == ANY_TAG and t < _P2P.TAG_BASE):
-                    return s, t, box[0].nbytes
+                    m = box[0]
+                    return Probed(s, t, m.nbytes, m.dtype, m.shape)
             peers = [g for r, g in enumerate(self.ranks) if r != me and src in (ANY_SOURCE, r)]
             if peers and all(g in world.dead for g in peers):
                 raise PeerFailureError(

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .._arrays import to_host, xp_of
+from .._arrays import SUPPORTED_SET, to_host, xp_of
 from ..backends.base import Request, poll_until
 from ..errors import CollectiveMismatchError, HpcdpError
 from .debug import caller_line
@@ -159,9 +159,12 @@ class _Queue:
             head = q[0]
             try:
                 if head.inner is None:
-                    hit = self.backend.probe(src, tag)
+                    hit = self.backend.probe_meta(src, tag)
                     if hit is None:
                         return
+                    if hit.dtype is not None and (hit.dtype != np.uint8 or len(hit.shape) != 1):
+                        # sent as an array, not as a framed message: left where it is
+                        head._headless(f"a {hit.dtype} {hit.shape} array")
                     head.scratch = xp_of(head.flat).empty(int(hit[2]), np.uint8)
                     group = self.group()
                     post = self.backend if group is None else group._transport(head.scratch)
@@ -223,10 +226,12 @@ class _Recv(Request):
     """One debug receive: waits its turn, takes the whole message, checks it, copies it out."""
 
     def __init__(self, group: "ProcessGroup", name: str, flat: Any, shape: tuple[int, ...],
-                 src: int, tag: int, check: str, line: str) -> None:
+                 src: int, tag: int, check: str, line: str,
+                 on_meta: Callable[[Any], None] | None = None) -> None:
         self.group, self.name = group, name
         self.flat, self.shape, self.src, self.tag = flat, tuple(shape), src, tag
         self.check, self.line = check, line
+        self.on_meta = on_meta
         self.key = (src, tag)
         self.queue = _queue_of(group)
         self.inner: Request | None = None
@@ -242,10 +247,7 @@ class _Recv(Request):
         want = _describe(np.dtype(self.flat.dtype).name, self.shape, int(self.flat.nbytes))
         me = f"rank {self.group.rank}: {self.name} into {want} at {self.line}"
         if rec is None or rec["nbytes"] != got - HEADER_BYTES:
-            raise CollectiveMismatchError(
-                f"the message from rank {self.src} (tag {self.tag}, {got} bytes) carries no "
-                f"HPCDP_DEBUG header: run every rank with the same HPCDP_DEBUG (or group.debug)"
-                f"\n  {me}")
+            self._headless(f"{got} bytes")
         sent = (rec["dtype"], rec["shape"])
         bad = rec["nbytes"] != self.flat.nbytes
         if self.check in ("full", "dtype"):
@@ -259,7 +261,17 @@ class _Recv(Request):
                 f"  rank {self.src}: {rec['op']} of {them} at {rec['line']}\n  {me}")
         self.flat.reshape(-1).view(np.uint8)[...] = self.scratch[HEADER_BYTES:]
         self.scratch = None
+        if self.on_meta is not None:
+            self.on_meta(_sent_meta(rec))
         self.done = True
+
+    def _headless(self, what: str) -> None:
+        """Raise: the message (``what``) was not sent under ``HPCDP_DEBUG``."""
+        want = _describe(np.dtype(self.flat.dtype).name, self.shape, int(self.flat.nbytes))
+        raise CollectiveMismatchError(
+            f"the message from rank {self.src} (tag {self.tag}, {what}) carries no "
+            f"HPCDP_DEBUG header: run every rank with the same HPCDP_DEBUG (or group.debug)"
+            f"\n  rank {self.group.rank}: {self.name} into {want} at {self.line}")
 
     # -- Request ------------------------------------------------------------------------------
     def test(self) -> bool:
@@ -298,15 +310,35 @@ class _Recv(Request):
         return True
 
 
-def p2p_receiver(group: "ProcessGroup", name: str, shape: tuple[int, ...], check: str = "full"
+def _sent_meta(rec: dict[str, Any]) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """The (dtype, shape) a header says was sent, if they are a supported dtype and a shape that
+    accounts for exactly its bytes (a header is a peer's word: never trusted past its size)."""
+    try:
+        dt = np.dtype(rec["dtype"])
+        shape = tuple(int(d) for d in rec["shape"])
+    except (TypeError, ValueError, KeyError):
+        return None
+    if dt not in SUPPORTED_SET or any(d < 0 for d in shape):
+        return None
+    n = 1
+    for d in shape:
+        n *= d
+    return (dt, shape) if n * dt.itemsize == rec["nbytes"] else None
+
+
+def p2p_receiver(group: "ProcessGroup", name: str, shape: tuple[int, ...], check: str = "full",
+                 on_meta: Callable[[Any], None] | None = None
                  ) -> Callable[[Any, int, int], Request]:
     """A drop-in for ``backend.recv`` that takes a framed message and checks its header
-    against ``shape``, the receive buffer's dtype and size (``check``: see ``CHECKS``)."""
+    against ``shape``, the receive buffer's dtype and size (``check``: see ``CHECKS``).
+    ``on_meta``, once the message is in, hears the (dtype, shape) its header says were sent
+    (None if the header does not say it in a form that fits the message): ``recv(None)``
+    returns the sender's array under ``HPCDP_DEBUG`` too."""
     if check not in CHECKS:
         raise ValueError(f"p2p debug check must be one of {CHECKS}, got {check!r}")
     line = caller_line()
 
     def recv(flat: Any, src: int, tag: int) -> Request:
-        return _Recv(group, name, flat, shape, src, tag, check, line)
+        return _Recv(group, name, flat, shape, src, tag, check, line, on_meta)
 
     return recv

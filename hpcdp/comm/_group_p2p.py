@@ -5,9 +5,10 @@ module-level ``hpcdp.probe``/``iprobe``/``recv_any`` (``p2p``) call the same.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
 from .._tensors import tensor_call
 from ._buffers import finish_into, via_tensors
 from .validation import check_array, check_rank, check_tag
-from ..backends.base import ANY_SOURCE, ANY_TAG, PROC_NULL, Request
+from ..backends.base import ANY_SOURCE, ANY_TAG, PROC_NULL, Probed, Request
 from ..errors import HpcdpError, public, public_error
 from .work import (WATCH_AFTER, CompletedWork, Polled, Work, annotate, finish_wait, wait_for,
                    work_where)
@@ -74,14 +75,23 @@ class _Both(Request):
 
 @dataclass(frozen=True)
 class Status:
-    """What a probe or an any-source receive matched: group rank, tag and size in bytes."""
+    """What a probe or an any-source receive matched: group rank, tag and size in bytes, and the
+    dtype and shape the sender sent (None where they are not known: a transport that does not
+    carry them, or a probe under ``HPCDP_DEBUG=detail``, whose header is read only on receipt).
+    Equality compares source, tag and size only."""
 
     source: int
     tag: int
     nbytes: int
+    dtype: np.dtype | None = field(default=None, compare=False)
+    shape: tuple[int, ...] | None = field(default=None, compare=False)
 
-    def count(self, dtype: Any = np.uint8) -> int:
-        """How many elements of ``dtype`` the message holds."""
+    def count(self, dtype: Any = None) -> int:
+        """How many elements of ``dtype`` the message holds; by default of the dtype it was
+        sent with (bytes where that is not known). mpi4py's ``Get_count`` counts bytes by
+        default: ``count(np.uint8)`` does."""
+        if dtype is None:
+            dtype = self.dtype if self.dtype is not None else np.uint8
         return self.nbytes // np.dtype(dtype).itemsize
 
 
@@ -147,7 +157,9 @@ class PointToPoint:
         tok = rec.begin("send", self._g, 0, x.shape, x.dtype, dst) if rec is not None else 0
         # HPCDP_DEBUG: the message carries a header its receive checks (_debug_p2p)
         send = self._g._transport(x).send if self._g._debug != "detail" else p2p_sender(self._g, name, x.shape)
-        req = self._g._post(name, 0, send, buf.reshape(-1), dst, tag, tok=tok)
+        # shaped (a transport that ``carries_meta`` sends the shape); flat for the debug header's
+        req = self._g._post(name, 0, send, buf if self._g._debug != "detail" else buf.reshape(-1),
+                            dst, tag, tok=tok)
         return Work(self._g, name, 0, req, _none, None, tok)
 
     @public
@@ -169,14 +181,13 @@ class PointToPoint:
         name = self._p2p_name(op, key, peer, tag)
         rec = g._rec
         tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
-        flat = x if x.ndim == 1 else x.reshape(-1)
         be = g.backend
         lane = be.quick_p2p
-        try:
+        try:  # the array as it is: a transport that ``carries_meta`` sends its shape
             if lane is not None:
-                req = lane.post(send, flat, peer, tag)
+                req = lane.post(send, x, peer, tag)
             else:
-                req = (be.send if send else be.recv)(flat, peer, tag)
+                req = (be.send if send else be.recv)(x, peer, tag)
         except HpcdpError as exc:  # as ``group._post`` reports a failed post
             err = annotate(exc, work_where(g, name, 0))
             on_error(rec, tok, err)
@@ -194,8 +205,10 @@ class PointToPoint:
         return CompletedWork(self._g, f"{op}({'dst' if op == 'send' else 'src'}=PROC_NULL, tag={tag})",
                              0, result)
 
-    def _irecv(self, buf: Any, src: int, tag: int, check: str) -> Work:
-        """``irecv``; ``check`` says what ``HPCDP_DEBUG`` compares with the sender's call."""
+    def _irecv(self, buf: Any, src: int, tag: int, check: str,
+               on_meta: Any = None) -> Work:
+        """``irecv``; ``check`` says what ``HPCDP_DEBUG`` compares with the sender's call, and
+        ``on_meta(dtype, shape)`` hears what its header says was sent."""
         if src == PROC_NULL:
             return self._null("recv", buf, tag, buf)
         where, src, tag = self._check_p2p("recv", buf, "src", src, tag)
@@ -205,9 +218,11 @@ class PointToPoint:
         name = self._p2p_name("recv", "src", src, tag)
         rec = self._g._rec
         tok = rec.begin("recv", self._g, 0, buf.shape, buf.dtype, src) if rec is not None else 0
-        recv = (self._g._transport(buf).recv if self._g._debug != "detail"
-                else p2p_receiver(self._g, name, buf.shape, check))
-        req = self._g._post(name, 0, recv, tmp.reshape(-1), src, tag, tok=tok)
+        if self._g._debug != "detail":
+            recv, into = self._g._transport(buf).recv, tmp
+        else:
+            recv, into = p2p_receiver(self._g, name, buf.shape, check, on_meta), tmp.reshape(-1)
+        req = self._g._post(name, 0, recv, into, src, tag, tok=tok)
         return Work(self._g, name, 0, req, finish_into(buf, tmp), None, tok)
 
     def _check_probe(self, op: str, src: int, tag: int) -> tuple[str, int, int]:
@@ -220,10 +235,13 @@ class PointToPoint:
             tag = check_tag(where, tag, g._max_tag)
         return where, src, tag
 
-    def _status(self, found: tuple[int, int, int]) -> Status:
-        """The ``Status`` of a probed message; under ``HPCDP_DEBUG`` its size without the header."""
-        s, t, nbytes = found
-        return Status(s, t, nbytes if self._g._debug != "detail" else payload_nbytes(nbytes))
+    def _status(self, found: Probed) -> Status:
+        """The ``Status`` of a probed message; under ``HPCDP_DEBUG`` its size without the header
+        (and no dtype or shape: they are in the header, read when the message is received)."""
+        s, t, nbytes, dtype, shape = found
+        if self._g._debug == "detail":
+            return Status(s, t, payload_nbytes(nbytes))
+        return Status(s, t, nbytes, dtype, shape)
 
     @public
     def iprobe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG) -> Status | None:
@@ -231,14 +249,14 @@ class PointToPoint:
         _, src, tag = self._check_probe("iprobe", src, tag)
         if src == PROC_NULL:  # as MPI's: at once, an empty message from nobody
             return Status(PROC_NULL, ANY_TAG, 0)
-        found = self._g.backend.probe(src, tag)
+        found = self._g.backend.probe_meta(src, tag)
         return self._status(found) if found is not None else None
 
     @public
     def probe(self, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
               timeout: float | None = None) -> Status:
         """Block until a message from ``src`` (-1: any) with ``tag`` (-1: any) can be received;
-        its ``Status`` (source, tag, nbytes). Raises ``CommTimeoutError`` after ``timeout``
+        its ``Status`` (source, tag, nbytes, the sender's dtype and shape). Raises ``CommTimeoutError`` after ``timeout``
         (default: the group's), ``PeerFailureError`` when every rank it could come from is gone.
         """
         g = self._g
@@ -249,7 +267,7 @@ class PointToPoint:
         box: list[Any] = []
 
         def found() -> bool:
-            hit = g.backend.probe(src, tag)
+            hit = g.backend.probe_meta(src, tag)
             if hit is not None:
                 box.append(hit)
             return hit is not None
@@ -272,9 +290,11 @@ class PointToPoint:
                  dtype: Any = None, timeout: float | None = None) -> tuple[Any, Status]:
         """Receive the next message from ``src`` (any rank by default) with ``tag``.
 
-        With ``buf=None`` a 1-D numpy array of ``dtype`` (default uint8) is allocated at the size
-        the probe reports, which is the size of a message that has been sent. Returns
-        ``(array, status)``.
+        With ``buf=None`` a numpy array of the sender's dtype and shape is allocated (what the
+        probe reports: a message that has been sent; a torch tensor arrives as the numpy array
+        it was sent as). ``dtype`` that is not the sender's reinterprets the bytes as a 1-D
+        array of ``dtype``. Where the dtype is not known (a transport that does not carry it),
+        a 1-D array of ``dtype`` (default uint8). Returns ``(array, status)``.
         """
         g = self._g
         if buf is not None and type(buf) is not _ndarray and (tc := tensor_call(g._where("recv"), buf)):
@@ -284,21 +304,48 @@ class PointToPoint:
         deadline = time.monotonic() + t
         st = self.probe(src, tag, timeout=t)
         given = buf is not None
+        out = None  # what is returned, where it is not the buffer received into
         if buf is None:
-            dt = np.dtype(np.uint8 if dtype is None else dtype)
-            if st.nbytes % dt.itemsize:
-                raise ValueError(f"{g._where('recv')}: the message from rank {st.source} (tag "
-                                 f"{st.tag}) has {st.nbytes} bytes, not a whole number of {dt}")
-            buf = np.empty(st.nbytes // dt.itemsize, dt)
+            dt = None if dtype is None else np.dtype(dtype)
+            if st.dtype is not None:  # as sent; then viewed as ``dtype`` if another was asked
+                buf = np.empty(st.shape, st.dtype)
+                if dt is not None and dt != st.dtype:
+                    out = self._viewed(buf, dt, st)
+            else:
+                dt = np.dtype(np.uint8) if dt is None else dt
+                buf = np.empty(self._whole(st, dt), dt)
         elif dtype is not None and np.dtype(dtype) != buf.dtype:
             raise TypeError(f"{g._where('recv')}: dtype={np.dtype(dtype)} but buf is {buf.dtype}")
         left = max(1e-3, deadline - time.monotonic())
         if g._debug == "detail":  # a buffer made here is compared by what the caller chose of it
             check = "full" if given else "size" if dtype is None else "dtype"
-            return self._irecv(buf, st.source, st.tag, check).wait(left), st
+            sent: list[Any] = []
+            got = self._irecv(buf, st.source, st.tag, check, sent.append if not given else None
+                              ).wait(left)
+            if sent and sent[0] is not None:  # the header said what was sent (on receipt)
+                sdt, shape = sent[0]
+                st = dataclasses.replace(st, dtype=sdt, shape=shape)
+                if dtype is None:
+                    got = got.view(sdt).reshape(shape)
+            return got, st
         if st.source == g.rank:  # a message to oneself: the blocking path refuses self-receives
-            return self.irecv(buf, st.source, st.tag).wait(left), st
-        return self.recv(buf, st.source, st.tag, timeout=left), st
+            got = self.irecv(buf, st.source, st.tag).wait(left)
+        else:
+            got = self.recv(buf, st.source, st.tag, timeout=left)
+        return (got if out is None else out), st
+
+    def _whole(self, st: Status, dt: np.dtype) -> int:
+        """Elements of ``dt`` in the message ``st``; a ``ValueError`` if it is not a whole number."""
+        if st.nbytes % dt.itemsize:
+            raise ValueError(f"{self._g._where('recv')}: the message from rank {st.source} (tag "
+                             f"{st.tag}) has {st.nbytes} bytes, not a whole number of {dt}")
+        return st.nbytes // dt.itemsize
+
+    def _viewed(self, buf: np.ndarray, dt: np.dtype, st: Status) -> np.ndarray:
+        """``buf`` (the sender's dtype and shape) as a 1-D array of ``dt``: ``recv(dtype=...)``
+        of another dtype than the sender's reads the bytes as that dtype, as before messages
+        carried their dtype."""
+        return buf.reshape(-1).view(np.uint8)[:self._whole(st, dt) * dt.itemsize].view(dt)
 
     def _p2p_fast(self, x: Any, peer: int, tag: int, self_ok: bool = False) -> bool:
         """Whether a call may take the quick lane: the same checks as ``_check_p2p`` for the
@@ -313,11 +360,16 @@ class PointToPoint:
         """``_p2p_fast`` for the receiving half of a ``sendrecv``: also any source and any tag
         where the backend's quick lane matches them itself (MPI does)."""
         g = self._g
-        wild = g.backend is not None and g.backend.quick_p2p is not None
         return (g._fast and type(buf) is _ndarray and type(src) is int and type(tag) is int
-                and (src in self._ranks or (wild and src == ANY_SOURCE))
-                and (0 <= tag <= g._max_tag or (wild and tag == ANY_TAG))
+                and (src in self._ranks or (src == ANY_SOURCE and self._wild()))
+                and (0 <= tag <= g._max_tag or (tag == ANY_TAG and self._wild()))
                 and buf.dtype in SUPPORTED_SET and buf.flags.c_contiguous and buf.flags.writeable)
+
+    def _wild(self) -> bool:
+        """Whether the backend's quick lane matches any source and any tag itself: MPI's does,
+        unless it carries dtypes in the tag (a wildcard receive goes through a probe then)."""
+        be = self._g.backend
+        return be is not None and be.quick_p2p is not None and not be.carries_meta
 
     def _p2p_blocking(self, send: bool, x: np.ndarray, peer: int, tag: int,
                       timeout: float | None) -> None:
@@ -331,13 +383,12 @@ class PointToPoint:
         rec = g._rec
         tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
         be = g.backend
-        flat = x if x.ndim == 1 else x.reshape(-1)
         lane = be.quick_p2p
         first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
-        try:
+        try:  # the array as it is: a transport that ``carries_meta`` sends its shape
             if lane is not None:
-                req = (lane.send if send else lane.recv)(flat, peer, tag, first)
-            elif (req := (be.send if send else be.recv)(flat, peer, tag)).wait(first):
+                req = (lane.send if send else lane.recv)(x, peer, tag, first)
+            elif (req := (be.send if send else be.recv)(x, peer, tag)).wait(first):
                 req = None
         except HpcdpError as exc:
             err = annotate(exc, work_where(g, _name(op, "dst" if send else "src", peer, tag, k), 0))
@@ -440,14 +491,12 @@ class PointToPoint:
         rec = g._rec
         tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
         be = g.backend
-        sflat = sbuf if sbuf.ndim == 1 else sbuf.reshape(-1)
-        rflat = rbuf if rbuf.ndim == 1 else rbuf.reshape(-1)
         lane = be.quick_p2p
         first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
         try:
             if lane is not None:  # both halves as one request, spun for ``first``
-                req = lane.sendrecv(sflat, dst, stag, rflat, src, rtag, first)
-            elif (req := _Both(be.recv(rflat, src, rtag), be.send(sflat, dst, stag))).wait(first):
+                req = lane.sendrecv(sbuf, dst, stag, rbuf, src, rtag, first)
+            elif (req := _Both(be.recv(rbuf, src, rtag), be.send(sbuf, dst, stag))).wait(first):
                 req = None
         except HpcdpError as exc:
             err = annotate(exc, work_where(g, _sr_name(dst, stag, ks, src, rtag, kr), 0))

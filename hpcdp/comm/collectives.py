@@ -198,7 +198,8 @@ def recv(buf: Any = None, src: int | None = -1, tag: int = 0, *, dtype: Any = No
     """Receive into ``buf`` from ``src`` (default, or None as torch says: ``ANY_SOURCE``);
     returns ``buf`` (torch returns the sender's rank: ``return_status=True`` gives it).
 
-    ``buf=None`` allocates from the probed size; ``return_status=True`` returns ``(buf, Status)``.
+    ``buf=None`` returns a new array of the sender's dtype and shape (``ProcessGroup.recv``);
+    ``return_status=True`` returns ``(buf, Status)``.
     """
     return (group or _default()).recv(buf, src, tag, dtype=dtype, return_status=return_status,
                                        timeout=timeout)

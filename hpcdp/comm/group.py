@@ -635,8 +635,10 @@ class ProcessGroup:
         ``return_status=True`` gives it as ``Status.source``).
 
         ``src=ANY_SOURCE`` (-1, the default) takes the next message from any rank, ``tag=ANY_TAG``
-        any tag; ``buf=None`` allocates a 1-D array of ``dtype`` (default uint8) at the size the
-        sender sent (``hpcdp.probe``). ``return_status=True`` returns ``(buf, Status)``.
+        any tag; ``buf=None`` returns a new array of the sender's dtype and shape, as mpi4py's
+        ``comm.recv()`` does (``hpcdp.probe``; a ``dtype`` other than the sender's: the bytes as a
+        1-D array of ``dtype``). A buffer of another dtype than the sender's raises
+        ``CollectiveMismatchError``. ``return_status=True`` returns ``(buf, Status)``.
         """
         return self._p2p.recv(buf, src, tag, dtype=dtype, return_status=return_status,
                               timeout=timeout)

@@ -2,7 +2,8 @@
 
 Pipelines post every activation and gradient transfer of a step at once (``batch_isend_irecv``
 then ``wait_all``); RPC servers and parameter servers receive from whichever rank sends first
-(``recv(None, ANY_SOURCE)``, sized by a probe). Underneath each backend offers one nonblocking
+(``recv(None, ANY_SOURCE)``, allocated as the probe says the sender's array was: dtype and
+shape, which every built-in transport carries with the message). Underneath each backend offers one nonblocking
 ``Backend.probe(src, tag)``; everything here is built on it and on ``isend``/``irecv``. The
 probes and the any-source receive are the group's own (``_group_p2p.PointToPoint``); the
 functions here pick the group (default: the default group) and call it.
@@ -122,7 +123,9 @@ def recv_any(buf: Any = None, src: int = ANY_SOURCE, tag: int = ANY_TAG, *,
              ) -> tuple[Any, Status]:
     """Receive the next message from ``src`` (any rank by default) with ``tag``.
 
-    With ``buf=None`` a 1-D numpy array of ``dtype`` (default uint8) is allocated at the size the
-    probe reports, which is the size of a message that has been sent. Returns ``(array, status)``.
+    With ``buf=None`` a numpy array of the sender's dtype and shape is allocated from what the
+    probe reports (a message that has been sent); a ``dtype`` other than the sender's reads the
+    bytes as a 1-D array of it. Returns ``(array, status)``; ``status.dtype``/``shape`` say what
+    was sent.
     """
     return _group(group)._p2p.recv_any(buf, src, tag, dtype=dtype, timeout=timeout)

@@ -15,7 +15,8 @@ small-message path (``_fastpath``) wins back; libnbc's algorithm for large ones 
 
 Each group owns three communicators, all duplicates of the one it was made on (never the
 user's): ``comm`` for the calls, an internal one for the split paths' own traffic, and the
-notices' (``Notices``). Its parts are members: ``notices``, ``fastpath`` (None when switched
+notices' (``Notices``); a fourth, ``_checks``, carries the sampled call checks and the dims of
+n-D point-to-point messages, whose dtype and number of dimensions ride in the tag (``_meta``). Its parts are members: ``notices``, ``fastpath`` (None when switched
 off); what MPI may still write after a group is let go of is ``_requests``' business.
 """
 from __future__ import annotations
@@ -35,10 +36,11 @@ from . import _notices
 from . import _requests as _rq
 from . import _tuning
 from ._fastpath import fast_path
+from ._meta import Matched, TagMeta, watch, wire
 from ._notices import Notices
 from ._quick_p2p import Lane
 from ._staging import Staging, staged
-from ..base import Backend, Request
+from ..base import Backend, Probed, Request
 
 __all__ = ["MPIBackend", "create_world", "set_max_message_elements", "get_mpi"]
 
@@ -139,7 +141,9 @@ class MPIBackend(Backend):
     #: nonblocking MPI operations advance only inside MPI calls
     needs_progress_thread = True
 
-    def __init__(self, comm: Any, ranks: Sequence[int]) -> None:
+    def __init__(self, comm: Any, ranks: Sequence[int], meta: bool = True) -> None:
+        """``meta``: carry each p2p message's dtype and shape in its tag (``_meta``); off for
+        a ``dup`` (RPC's: bytes only, tags up to ``TAG_UB``)."""
         MPI = get_mpi()
         self.comm = comm
         self._internal = comm.Dup()  # the split paths' own messages never meet user tags
@@ -147,7 +151,12 @@ class MPIBackend(Backend):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.ranks = tuple(ranks)
-        self.max_tag = int(comm.Get_attr(MPI.TAG_UB) or 32767)
+        #: p2p dtype and shape in the tag (``_meta``); user tags up to ``TAG_UB >> 6`` then
+        # (TAG_UB is an attribute of COMM_WORLD: a communicator made by Split may not carry it)
+        ub = comm.Get_attr(MPI.TAG_UB) or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+        self.meta = TagMeta(MPI, comm, self._checks, int(ub), meta)
+        self.max_tag = self.meta.max_tag
+        self.carries_meta = self.meta.on
         self.thread_level = {MPI.THREAD_MULTIPLE: "multiple", MPI.THREAD_SERIALIZED: "serialized"
                              }.get(MPI.Query_thread(), "single")
         self._types = _datatypes()
@@ -169,7 +178,8 @@ class MPIBackend(Backend):
                                   self.notices, self._nbc, _MAX_COUNT)
         self.quick_allreduce = None if self.fastpath is None else self.fastpath.allreduce
         self.quick_p2p = (None if self.fastpath is None
-                          else Lane(self, comm, self._types, self.notices, _MAX_COUNT))
+                          else Lane(self, comm, self._types, self.notices, _MAX_COUNT,
+                                    self.meta if self.meta.on else None))
         self._dups: list[MPIBackend] = []  # ``dup()``s of this group: shut down with it
         _rq.register_backend(self)
 
@@ -345,32 +355,65 @@ class MPIBackend(Backend):
     # -- point to point ---------------------------------------------------------------------
     @_posting(collective=False)
     def send(self, buf, dst, tag):
-        reqs = [self.comm.Isend(self._buf(buf, lo, hi), dst, tag) for lo, hi in _chunks(buf.size)]
-        return _rq.MPIRequest(self, reqs, f"send to rank {self.ranks[dst]} (tag {tag})")
+        meta = self.meta
+        w = wire(tag, buf) if meta.on else tag
+        reqs = [self.comm.Isend(self._buf(buf, lo, hi), dst, w) for lo, hi in _chunks(buf.size)]
+        keep = None
+        if meta.on and buf.ndim > 1:  # n-D: its dims follow (``_meta``)
+            r, keep = meta.send_dims(buf, dst, w)
+            reqs.append(r)
+        req = _rq.MPIRequest(self, reqs, f"send to rank {self.ranks[dst]} (tag {tag})")
+        if keep is not None:
+            req.keep = keep
+        return req
 
     @_posting(collective=False)
     def recv(self, buf, src, tag):
         # (-1: any source / any tag, ``base.ANY_SOURCE``; a split message needs a source)
-        s, t = (_MPI.ANY_SOURCE if src < 0 else src), (_MPI.ANY_TAG if tag < 0 else tag)
-        reqs = [self.comm.Irecv(self._buf(buf, lo, hi), s, t) for lo, hi in _chunks(buf.size)]
+        meta = self.meta
         who = "any rank" if src < 0 else f"rank {self.ranks[src]}"
-        req = _rq.MPIRequest(self, reqs, f"recv from {who} (tag {'any' if tag < 0 else tag})")
+        what = f"recv from {who} (tag {'any' if tag < 0 else tag})"
+        s, t = (_MPI.ANY_SOURCE if src < 0 else src), (_MPI.ANY_TAG if tag < 0 else tag)
+        if meta.on and (src < 0 or tag < 0):  # no wire tag to post: matched when tested
+            return Matched(self, meta, buf, self._types[buf.dtype], s, tag, what)
+        w = wire(t, buf) if meta.on else t
+        reqs = [self.comm.Irecv(self._buf(buf, lo, hi), s, w) for lo, hi in _chunks(buf.size)]
+        dims = got = None
+        if meta.on and buf.ndim > 1:  # n-D: its dims too (``_meta``)
+            got = meta.recv_dims(s, w)
+            if got is not None:
+                reqs.append(got[0])
+                dims = got[1]
+        req = _rq.MPIRequest(self, reqs, what)
         req.cancellable = True
+        if dims is not None:
+            req.keep = (buf, dims)
+        if meta.on and len(reqs) - (got is not None) == 1:  # (not one split in pieces)
+            req.watch = watch(meta, buf, self._types[buf.dtype], s, t, w,
+                              1 if got is not None else None, dims)
         return req
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source group rank, tag, bytes) of a message waiting for this rank, else None; -1 for
         ``src``/``tag`` matches any (``comm.p2p`` builds probe/recv_any on this). A message of
         more than the element limit travels as several; the probe reports the first's size."""
+        found = self.probe_meta(src, tag)
+        return None if found is None else found[:3]
+
+    def probe_meta(self, src: int, tag: int) -> Probed | None:
+        """``probe`` with the dtype and shape the message was sent with, read from its tag
+        (``_meta``; None for both where this group does not carry them)."""
         MPI = _MPI
-        st = MPI.Status()
         try:
+            if self.meta.on:
+                return self.meta.probe(src, tag)
+            st = MPI.Status()
             if not self.comm.Iprobe(MPI.ANY_SOURCE if src < 0 else src,
                                     MPI.ANY_TAG if tag < 0 else tag, st):
                 return None
         except MPI.Exception as exc:
             raise self.notices.mpi_error(exc, f"probe(src={src}, tag={tag})", 0) from None
-        return st.Get_source(), st.Get_tag(), st.Get_count(MPI.BYTE)
+        return Probed(st.Get_source(), st.Get_tag(), st.Get_count(MPI.BYTE))
 
     def native_comm(self) -> Any:
         return self.comm
@@ -388,7 +431,7 @@ class MPIBackend(Backend):
         except MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "dup", 0) from None
         self._dups = [d for d in self._dups if d.comm != MPI.COMM_NULL]  # (shut down alone)
-        child = MPIBackend(comm, self.ranks)
+        child = MPIBackend(comm, self.ranks, meta=False)  # RPC's: bytes, plain tags
         child.cuda_aware = self.cuda_aware
         self._dups.append(child)
         return child

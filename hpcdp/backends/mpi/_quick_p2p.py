@@ -13,6 +13,10 @@ drop it) but skips the general path's per-call wrapper.
 
 Messages over the backend's element limit, and calls made while a peer is known to be gone, go
 the general way (``MPIBackend.send``/``recv``), which splits them and says who left.
+
+Where the group carries dtypes in its tags (``_meta``), the lane posts on the wire tag (a few
+integer operations), an n-D array with its dims message, and a receive still waiting after the
+spin watches for a message of another dtype or shape (``_meta.scan``).
 """
 from __future__ import annotations
 
@@ -22,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..base import Request
+from ..base import DTYPE_CODES, Request
 from . import _requests as _rq
+from ._meta import SHIFT, scan
 from ._notices import Notices
 
 if TYPE_CHECKING:
     from ._backend import MPIBackend
+    from ._meta import TagMeta
 
 __all__ = ["Lane"]
 
@@ -43,20 +49,34 @@ class Lane:
     and ``post`` (nonblocking). Each blocking call returns None once complete, else the
     registered request still pending at its deadline (the caller turns it into a timeout)."""
 
-    __slots__ = ("owner", "comm", "types", "limit", "notices", "_view", "_whats")
+    __slots__ = ("owner", "comm", "types", "limit", "notices", "_view", "_whats", "meta",
+                 "_tc")
 
     def __init__(self, owner: "MPIBackend", comm: Any, types: dict[np.dtype, Any],
-                 notices: Notices, limit: list[int]) -> None:
+                 notices: Notices, limit: list[int], meta: "TagMeta | None" = None) -> None:
         self.owner, self.comm, self.types, self.limit = owner, comm, types, limit
         self.notices = notices
         self._view = notices.view
         self._whats: dict[tuple[str, int, int], str] = {}
+        #: the group's wire tags (``_meta``), None where it keeps plain tags
+        self.meta = meta
+        #: dtype -> (MPI type, dtype code): one lookup per call
+        self._tc = {dt: (t, DTYPE_CODES[dt]) for dt, t in types.items()}
 
     def send(self, buf: np.ndarray, dst: int, tag: int, timeout: float) -> Request | None:
         if buf.size > self.limit[0] or self.notices.left is not None:  # the general way
             return _wait(self.owner.send(buf, dst, tag), timeout)
         try:
-            req = self.comm.Isend([buf, self.types[buf.dtype]], dst, tag)
+            t, code = self._tc[buf.dtype]
+            if self.meta is None:
+                req = self.comm.Isend([buf, t], dst, tag)
+            else:
+                nd = buf.ndim
+                w = (tag << SHIFT) | (16 if nd == 1 else 32 if nd else 0) | code
+                req = self.comm.Isend([buf, t], dst, w)
+                if nd > 1:  # its dims follow
+                    r, dims = self.meta.send_dims(buf, dst, w)
+                    return self._spin(_Pair(req, r), (buf, dims), timeout, "send", dst, tag)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "send", 0) from None
         return self._spin(req, buf, timeout, "send", dst, tag)
@@ -65,10 +85,27 @@ class Lane:
         if buf.size > self.limit[0] or self.notices.left is not None:  # the general way
             return _wait(self.owner.recv(buf, src, tag), timeout)
         try:
-            req = self.comm.Irecv([buf, self.types[buf.dtype]], src, tag)
+            t, code = self._tc[buf.dtype]
+            if self.meta is None:
+                req = self.comm.Irecv([buf, t], src, tag)
+            else:
+                nd = buf.ndim
+                w = (tag << SHIFT) | (16 if nd == 1 else 32 if nd else 0) | code
+                req = self.comm.Irecv([buf, t], src, w)
+                if nd > 1:
+                    return self._recv_nd(req, buf, src, tag, w, timeout)
+                return self._spin(req, buf, timeout, "recv", src, tag, w)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "recv", 0) from None
         return self._spin(req, buf, timeout, "recv", src, tag)
+
+    def _recv_nd(self, req: Any, buf: np.ndarray, src: int, tag: int, w: int,
+                 timeout: float) -> Request | None:
+        """An n-D receive: its data and (unless a probe took them) its dims message."""
+        got = self.meta.recv_dims(src, w)
+        if got is None:
+            return self._spin(req, buf, timeout, "recv", src, tag, w)
+        return self._spin(_Pair(req, got[0]), (buf, got[1]), timeout, "recv", src, tag, w, 1)
 
     def _general(self, buf: np.ndarray) -> bool:
         """Whether a call on ``buf`` takes the general path (split messages, a peer gone)."""
@@ -86,25 +123,63 @@ class Lane:
                 return r
             return _wait(s, max(0.0, deadline - _monotonic()))
         try:
-            types, comm = self.types, self.comm
-            r = comm.Irecv([rbuf, types[rbuf.dtype]], src, rtag)
-            s = comm.Isend([sbuf, types[sbuf.dtype]], dst, stag)
+            tc, comm, meta = self._tc, self.comm, self.meta
+            rt, rcode = tc[rbuf.dtype]
+            st, scode = tc[sbuf.dtype]
+            if meta is None:
+                r = comm.Irecv([rbuf, rt], src, rtag)
+                s = comm.Isend([sbuf, st], dst, stag)
+                return self._spin(_Pair(r, s), (sbuf, rbuf), timeout, "sendrecv", src, rtag)
+            rn, nd = rbuf.ndim, sbuf.ndim
+            if rn == 1 and nd == 1:  # a 1-D halo: as lean as without wire tags
+                rw = (rtag << SHIFT) | 16 | rcode
+                r = comm.Irecv([rbuf, rt], src, rw)
+                s = comm.Isend([sbuf, st], dst, (stag << SHIFT) | 16 | scode)
+                return self._spin(_Pair(r, s), (rbuf, sbuf), timeout, "sendrecv", src, rtag, rw)
+            rw = (rtag << SHIFT) | (16 if rn == 1 else 32 if rn else 0) | rcode
+            sw = (stag << SHIFT) | (16 if nd == 1 else 32 if nd else 0) | scode
+            reqs = [comm.Irecv([rbuf, rt], src, rw)]
+            j = rdims = sdims = None
+            if rbuf.ndim > 1 and (got := meta.recv_dims(src, rw)) is not None:
+                j, rdims = len(reqs), got[1]
+                reqs.append(got[0])
+            reqs.append(comm.Isend([sbuf, st], dst, sw))
+            if nd > 1:
+                r, sdims = meta.send_dims(sbuf, dst, sw)
+                reqs.append(r)
+            # (the receive's buffer and dims first: ``_registered`` reads them)
+            keep = (rbuf, rdims, sbuf, sdims)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "sendrecv", 0) from None
-        return self._spin(_Pair(r, s), (sbuf, rbuf), timeout, "sendrecv", src, rtag)
+        return self._spin(_Pair.of(reqs), keep, timeout, "sendrecv", src, rtag, rw, j)
 
     def post(self, send: bool, buf: np.ndarray, peer: int, tag: int) -> Request:
         """``isend``/``irecv``: one MPI request, registered (its buffer kept with it)."""
         if buf.size > self.limit[0] or self.notices.left is not None:  # the general way
             return self.owner.send(buf, peer, tag) if send else self.owner.recv(buf, peer, tag)
+        meta = self.meta
+        if meta is not None and buf.ndim > 1:  # with a dims message: the general way
+            return self.owner.send(buf, peer, tag) if send else self.owner.recv(buf, peer, tag)
         try:
-            t = self.types[buf.dtype]
-            req = self.comm.Isend([buf, t], peer, tag) if send else self.comm.Irecv([buf, t], peer, tag)
+            t, code = self._tc[buf.dtype]
+            if meta is None:
+                w = tag
+            else:
+                w = (tag << SHIFT) | (16 if buf.ndim == 1 else 0) | code
+            req = self.comm.Isend([buf, t], peer, w) if send else self.comm.Irecv([buf, t], peer, w)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "send" if send else "recv", 0) from None
-        return self._registered(req, buf, "send" if send else "recv", peer, tag)
+        slow = self._registered(req, buf, "send" if send else "recv", peer, tag)
+        if not send and meta is not None:  # (``_meta.watch``'s tuple: built here, every irecv)
+            slow.watch = (scan, meta, buf, t, peer, tag, w, None, None)
+        return slow
 
-    def _registered(self, req: Any, keep: Any, op: str, peer: int, tag: int) -> Request:
+    def _registered(self, req: Any, keep: Any, op: str, peer: int, tag: int,
+                    w: int = -1, j: int | None = None) -> Request:
+        """``req`` as a registered request; ``w`` >= 0: a receive on wire tag ``w`` (its buffer
+        ``keep``, or ``keep[0]`` where ``keep`` is a tuple, with its dims buffer ``keep[1]``
+        where ``j``, the dims receive's place in the requests, is given), which watches for
+        another dtype or shape while it waits (``_meta.scan``)."""
         key = (op, peer, tag)
         what = self._whats.get(key)
         if what is None:  # the description, made once per (op, peer, tag): a halo repeats them
@@ -117,10 +192,15 @@ class Lane:
         slow = _rq.MPIRequest(self.owner, req.reqs if type(req) is _Pair else [req], what)
         slow.keep = keep  # MPI owns the buffers until the request completes
         slow.cancellable = op == "recv"
+        if w >= 0 and self.meta is not None:
+            buf, dims = ((keep, None) if type(keep) is not tuple
+                         else (keep[0], keep[1] if j is not None else None))
+            # (``_meta.watch``'s tuple, built here: this runs for every ``irecv``)
+            slow.watch = (scan, self.meta, buf, self.types[buf.dtype], peer, tag, w, j, dims)
         return slow
 
     def _spin(self, req: Any, keep: Any, timeout: float, op: str, peer: int,
-              tag: int) -> Request | None:
+              tag: int, w: int = -1, j: int | None = None) -> Request | None:
         """Test ``req`` for up to ``_SPIN_S``; then the registered wait, to the deadline."""
         view = self._view
         stop = deadline = None
@@ -146,18 +226,26 @@ class Lane:
         except BaseException:  # KeyboardInterrupt in the spin: MPI may still use the buffers
             self._registered(req, keep, op, peer, tag)
             raise
-        slow = self._registered(req, keep, op, peer, tag)
+        slow = self._registered(req, keep, op, peer, tag, w, j)
         return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
 
 
 class _Pair:
-    """The two requests of a ``sendrecv``, tested together (``Test``: one ``Testall``)."""
+    """The requests of a ``sendrecv`` (or of an n-D message and its dims), tested together
+    (``Test``: one ``Testall``)."""
 
     __slots__ = ("reqs", "Test")
 
     def __init__(self, r: Any, s: Any) -> None:
         self.reqs = [r, s]
         self.Test = functools.partial(_rq._MPI.Request.Testall, self.reqs)  # mpi4py's spelling
+
+    @classmethod
+    def of(cls, reqs: list[Any]) -> "_Pair":
+        """More than two requests (n-D arrays' dims messages with them)."""
+        p = cls(None, None)
+        p.reqs[:] = reqs
+        return p
 
 
 def _wait(req: Request, timeout: float) -> Request | None:

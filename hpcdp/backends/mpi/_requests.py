@@ -74,7 +74,8 @@ class MPIRequest(Request):
     """One or more MPI requests of one operation; ``index`` > 0 for collectives (their number on
     the backend, the same on every rank), 0 for point to point."""
 
-    __slots__ = ("reqs", "done", "what", "keep", "cancellable", "be", "index", "error")
+    __slots__ = ("reqs", "done", "what", "keep", "cancellable", "be", "index", "error", "watch",
+                 "_due")
 
     def __init__(self, be: "MPIBackend", reqs: list[Any], what: str, index: int = 0) -> None:
         self.reqs = reqs
@@ -85,6 +86,10 @@ class MPIRequest(Request):
         self.be = be
         self.index = index
         self.error: HpcdpError | None = None
+        #: a receive on a group that carries dtypes in its tags: ``(fn, ...)``, ``fn(self)``
+        #: run now and then while this request is waited on (``_meta.scan``); None otherwise
+        self.watch: tuple | None = None
+        self._due = 0.0  # when ``watch`` runs next (0: not waited on yet)
         _register(self)
 
     def _poll(self) -> None:
@@ -117,7 +122,22 @@ class MPIRequest(Request):
         if self.test():
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        return poll_until(self.test, deadline, serve_all, _TESTS_PER_CLOCK)  # answering others
+        idle = serve_all if self.watch is None else self._watching
+        return poll_until(self.test, deadline, idle, _TESTS_PER_CLOCK)  # answering others
+
+    def _watching(self) -> None:
+        """``wait``'s idle step with a ``watch``: ``serve_all``, and the watch first after
+        ``_WATCH_FIRST`` s of waiting, then every ``_WATCH_EVERY`` s."""
+        serve_all()
+        now = time.monotonic()
+        due = self._due
+        if not due:
+            self._due = now + _WATCH_FIRST
+        elif now >= due:
+            self._due = now + _WATCH_EVERY
+            watch = self.watch
+            if watch is not None and not self.done:
+                watch[0](self)
 
     def pending(self) -> str:
         if self.index:
@@ -155,6 +175,10 @@ class MPIRequest(Request):
             self.be.notices.announce(self.index, f"timed out in {self.what}")
         return None
 
+
+#: seconds a receive waits before it first looks for a message of another dtype or shape
+#: (``watch``), and between looks
+_WATCH_FIRST, _WATCH_EVERY = 1e-3, 0.02
 
 #: Tests between two reads of the clock while waiting. ``base.poll_until`` reads it every 64,
 #: but an oversubscribed Open MPI yields the CPU in every idle Test (about 5 ms each with 4

@@ -33,7 +33,7 @@ from ..._config import check_timeout, setting
 from ...errors import (BackendUnavailableError, CollectiveMismatchError, CommTimeoutError,
                       PeerFailureError)
 from .._runner import P2PBackend, Runner
-from ..base import ANY_SOURCE, Request
+from ..base import ANY_SOURCE, Probed, Request
 from . import _coll as coll
 from . import _wire as wire
 from ._accept import AuthListener, connect
@@ -152,6 +152,7 @@ class TCPBackend(P2PBackend):
     name = "tcp"
     max_tag = 2**31 - 1
     recv_size_checked = True  # a wrong-sized receive fails, its message drained (``_frames``)
+    carries_meta = True  # in the p2p frame header's signature fields (``_wire.p2p_sig``)
 
     def __init__(self, world: "_World", ranks: tuple[int, ...], channel: int) -> None:
         self.world = world
@@ -166,22 +167,28 @@ class TCPBackend(P2PBackend):
 
     def send(self, buf: np.ndarray, dst: int, tag: int) -> Request:
         g = self.ranks[dst]
-        return self.transport.isend(buf, g, P2P, self.channel, tag, f"send to rank {g} tag {tag}")
+        return self.transport.isend(buf, g, P2P, self.channel, tag, f"send to rank {g} tag {tag}",
+                                    wire.p2p_sig(buf))
 
     def recv(self, buf: np.ndarray, src: int, tag: int) -> Request:
         g = self.ranks[src]
         return self.transport.irecv(buf, g, P2P, self.channel, tag,
                                     ("no message from rank %d%s with tag %d", g,
-                                     self.transport.where.get(g, ""), tag))
+                                     self.transport.where.get(g, ""), tag), wire.recv_sig(buf))
 
     def probe(self, src: int, tag: int) -> tuple[int, int, int] | None:
         """(source, tag, nbytes) of a message waiting for this rank, else None."""
+        found = self.probe_meta(src, tag)
+        return None if found is None else found[:3]
+
+    def probe_meta(self, src: int, tag: int) -> Probed | None:
+        """``probe`` with the dtype and shape the message's header says it was sent with."""
         srcs = self.ranks if src == ANY_SOURCE else (self.ranks[src],)
-        found = self.transport.probe(srcs, self.channel, tag)
+        found = self.transport.probe(srcs, self.channel, tag, with_sig=True)
         if found is None:
             return None
-        g, t, nbytes = found
-        return self.ranks.index(g), t, nbytes
+        g, t, nbytes, sig = found
+        return Probed(self.ranks.index(g), t, nbytes, *wire.p2p_meta(sig, nbytes))
 
     def peers_gone(self) -> dict[int, str]:
         """Group ranks whose connection ended (crashed, or finalized), with why."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ...errors import CollectiveMismatchError, PeerFailureError, ProtocolError
+from ..._arrays import SUPPORTED_DTYPES
 from ..base import FINALIZED
 from . import _wire as wire
 from ._peer import _STAGE, _Peer, _Req, _text
@@ -155,6 +156,11 @@ class FrameReader:
                 elif req.sig != sig:  # another call's message: never into this buffer
                     req.finish(self._sig_differs(src, channel, req.sig, sig))
                     req = None
+            elif req is not None and wire.p2p_refuses(req.sig, sig):
+                # another dtype than the receive's: it fails, the message waits for another
+                req.finish(self.refusal(req, sig, None))
+                with self.lock:
+                    req = self._take_fitting(key, sig)
             cur = peer.cur = [key, req, 0, [], sig]
         elif cur[1] is not None and cur[1].abandoned:
             self.redirect(peer)
@@ -280,6 +286,28 @@ class FrameReader:
             del self.posted[key]
         return req
 
+    def _take_fitting(self, key: tuple, sig: tuple) -> _Req | None:
+        """``_take_posted`` for a p2p message with ``sig``: receives of another dtype before
+        the first that fits fail (``refusal``); the caller holds ``self.lock``."""
+        while True:
+            req = self._take_posted(key)
+            if req is None or not wire.p2p_refuses(req.sig, sig):
+                return req
+            req.finish(self.refusal(req, sig, None))
+
+    def refusal(self, req: _Req, sig: tuple, nbytes: int | None) -> CollectiveMismatchError:
+        """The error of a p2p receive into a buffer of another dtype than its message's."""
+        src, _kind, _channel, tag = req.key
+        dt, shape = wire.p2p_meta(sig, nbytes) if nbytes is not None else (None, None)
+        sent = (f"{dt} {shape}" if dt is not None
+                else str(SUPPORTED_DTYPES[sig[1] - 1]) if 0 < sig[1] <= len(SUPPORTED_DTYPES)
+                else "of an unknown dtype")
+        mine = SUPPORTED_DTYPES[req.sig[1] - 1]
+        return CollectiveMismatchError(
+            f"recv on rank {self.rank}: the message from rank {src} (tag {tag}) is {sent}, the "
+            f"receive buffer {mine} ({req.nbytes} bytes): a send and its receive must have the "
+            f"same dtype")
+
     def arrived(self, key: tuple, data: bytes | bytearray | np.ndarray,
                  sig: tuple = wire.NOSIG) -> bool:
         """A whole message: into the oldest receive posted for it, else the unexpected queue
@@ -295,7 +323,7 @@ class FrameReader:
             if key[2] in self._mismatched:
                 return False  # a failed group's message: nobody will receive it
         with self.lock:
-            req = self._take_posted(key)
+            req = self._take_posted(key) if kind != P2P else self._take_fitting(key, sig)
             if req is None:
                 self.unexpected.setdefault(key, collections.deque()).append((data, sig))
             else:

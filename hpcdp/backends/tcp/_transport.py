@@ -37,6 +37,7 @@ from . import _wire as wire
 from ._coll import CollChecks
 from ._frames import ABORT, BYE, COLL, MORE, NOTE_CAP, P2P, RECV_TICK, WAITING, FrameReader
 from ._peer import _Peer, _Req, _Sent, _text
+from ._wire import p2p_refuses
 from ..base import ANY_TAG, Request
 
 __all__ = ["Transport", "P2P", "COLL", "BYE", "ABORT"]
@@ -292,6 +293,9 @@ class Transport:
             if self.unexpected:
                 box = self.unexpected.get(key)
                 if box:
+                    if kind == P2P and p2p_refuses(sig, box[0][1]):  # left for another receive
+                        req.finish(self.frames.refusal(req, box[0][1], len(box[0][0])))
+                        return req
                     data, msig = box.popleft()
                     if not box:
                         del self.unexpected[key]
@@ -318,16 +322,18 @@ class Transport:
                                         peers=[src] if src in self.dead else []))
         return req
 
-    def probe(self, srcs: Sequence[int], channel: int, tag: int) -> tuple[int, int, int] | None:
+    def probe(self, srcs: Sequence[int], channel: int, tag: int, with_sig: bool = False
+              ) -> tuple[Any, ...] | None:
         """(source, tag, nbytes) of a whole p2p message on ``channel`` from one of ``srcs`` that
-        no receive has taken yet (``tag`` -1: any), else None.
+        no receive has taken yet (``tag`` -1: any), else None; ``with_sig``: and its header's
+        signature fields (the dtype and shape it was sent with, ``_wire.p2p_meta``).
 
         Reads from the sockets only when no queued message matches, and then only up to the
         first one that does: a prober that posts receives for what follows (``hpcdp.rpc``
         reads a head, then posts the receives its data messages will match) finds the data
         still on the socket, and it lands in the posted buffer, not in the unexpected queue.
         """
-        found = self._queued(srcs, channel, tag)
+        found = self._queued(srcs, channel, tag, with_sig)
         if found is not None:
             return found
 
@@ -343,7 +349,7 @@ class Transport:
                 self._poll_once(peer, matched(peer), PROBE_WAIT)
                 if peer.queued is not None and matched(peer)():
                     break
-        found = self._queued(srcs, channel, tag)
+        found = self._queued(srcs, channel, tag, with_sig)
         if found is not None:
             return found
         dead = [s for s in srcs if s in self.dead]
@@ -352,11 +358,12 @@ class Transport:
                                    peers=dead)
         return None
 
-    def _queued(self, srcs: Sequence[int], channel: int, tag: int) -> tuple[int, int, int] | None:
+    def _queued(self, srcs: Sequence[int], channel: int, tag: int, with_sig: bool = False
+                ) -> tuple[Any, ...] | None:
         with self.lock:
             for (s, kind, ch, t), box in self.unexpected.items():
                 if box and kind == P2P and ch == channel and s in srcs and tag in (ANY_TAG, t):
-                    return s, t, len(box[0][0])
+                    return (s, t, len(box[0][0]), box[0][1]) if with_sig else (s, t, len(box[0][0]))
         return None
 
     def take(self, src: int, channel: int, tag: int) -> np.ndarray | None:

@@ -14,6 +14,9 @@ reach the previous store) are inside the MACs, so a handshake cannot be reused f
 rank or generation. After it, every message is ``[HEADER][payload]``; the 40-byte header carries
 the collective's signature (``_coll``) and a length checked against a cap before anything is
 allocated. Frames are neither authenticated nor encrypted: the threat model is a trusted network.
+
+A point-to-point frame's signature fields carry the array's dtype and shape instead
+(``p2p_sig``/``p2p_meta``): ``recv(None)`` returns what was sent, at no extra byte on the wire.
 """
 from __future__ import annotations
 
@@ -27,14 +30,18 @@ import string
 import struct
 import time
 
+import numpy as np
+
 from ..._config import SETTINGS, setting
 from ...errors import AuthError, BackendUnavailableError, ConfigError, ProtocolError
+from ..base import DTYPE_CODES, meta_of
 
 __all__ = [
     "MAGIC", "HEADER", "ROLE_STORE", "ROLE_PEER", "client_handshake", "server_handshake",
     "recv_exact", "recv_into_exact", "pack_header", "unpack_header", "unpack_header_from",
     "unpack_frame_from", "max_frame", "handshake_timeout", "hello_timeout", "log_rejection",
     "get_secret", "check_secret", "is_loopback", "GenerationMismatch", "NOSIG", "LOG",
+    "p2p_sig", "recv_sig", "p2p_meta", "p2p_refuses",
 ]
 
 LOG = logging.getLogger("hpcdp.tcp")
@@ -306,3 +313,88 @@ def unpack_frame_from(buf: bytes | bytearray, pos: int, kinds: frozenset[int], c
 
 def set_nodelay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# -- a point-to-point frame's dtype and shape, in its signature fields ----------------------------
+# (ndim byte, dtype byte, seq I, root I, count Q): dtype byte = DTYPE_CODES + 1 (0: not said);
+# ndim byte = ndim + 1 (0: shape not said, read as 1-D), + 128 where the last dimension is left
+# out (it follows from the size). The dimensions are packed into the 128 bits of seq, root and
+# count, 128 // k bits each for the k written: every shape of up to four dimensions fits, and
+# any shape whose dimensions are small enough (a shape that does not fit travels as 1-D).
+_DERIVED = 128
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _packed(dims: tuple[int, ...]) -> int | None:
+    bits = 128 // len(dims)
+    top = 1 << bits
+    v = 0
+    for i, d in enumerate(dims):
+        if d >= top:
+            return None
+        v |= d << (i * bits)
+    return v
+
+
+def _fields(nd: int, code: int, v: int) -> tuple[int, int, int, int, int]:
+    return (nd, code, (v >> 64) & _M32, v >> 96, v & _M64)
+
+
+def p2p_sig(buf: np.ndarray) -> tuple[int, int, int, int, int]:
+    """The signature fields of a p2p frame that sends ``buf``: its dtype and shape."""
+    code = DTYPE_CODES.get(buf.dtype)
+    if code is None:
+        return NOSIG
+    shape = buf.shape
+    nd = len(shape)
+    if nd < 2:
+        return (nd + 1, code + 1, 0, 0, 0)
+    v = _packed(shape)
+    if v is not None:
+        return _fields(nd + 1, code + 1, v)
+    lead = shape[:-1]
+    if all(lead) and (v := _packed(lead)) is not None:
+        return _fields(nd + 1 + _DERIVED, code + 1, v)
+    return (0, code + 1, 0, 0, 0)
+
+
+def recv_sig(buf: np.ndarray) -> tuple[int, int, int, int, int]:
+    """The signature a p2p receive into ``buf`` is posted with: its dtype (``p2p_refuses``)."""
+    code = DTYPE_CODES.get(buf.dtype)
+    return NOSIG if code is None else (0, code + 1, 0, 0, 0)
+
+
+def p2p_refuses(want: tuple, sig: tuple) -> bool:
+    """Whether a p2p message with ``sig`` is of another dtype than a receive posted with
+    ``want`` (both said): that receive fails and the message waits for another one."""
+    return bool(want[1] and sig[1] and want[1] != sig[1])
+
+
+def p2p_meta(sig: tuple, nbytes: int) -> tuple[np.dtype | None, tuple[int, ...] | None]:
+    """(dtype, shape) a p2p frame's signature says it was sent with; (None, None) where it
+    says nothing or something that does not account for exactly ``nbytes`` (``meta_of``)."""
+    nd, code = sig[0], sig[1] - 1
+    if code < 0:
+        return None, None
+    if nd == 0 or nd == 2:  # not said / 1-D: from the size
+        return meta_of(nbytes, code, None)
+    if nd == 1:
+        return meta_of(nbytes, code, ())
+    v = sig[4] | (sig[2] << 64) | (sig[3] << 96)
+    derived = nd > _DERIVED
+    ndim = (nd - _DERIVED if derived else nd) - 1
+    k = ndim - 1 if derived else ndim
+    if k < 1:
+        return None, None
+    bits = 128 // k
+    mask = (1 << bits) - 1
+    dims = [(v >> (i * bits)) & mask for i in range(k)]
+    if derived:
+        dt, _ = meta_of(nbytes, code, None)
+        lead = 1
+        for d in dims:
+            lead *= d
+        if dt is None or not lead or (nbytes // dt.itemsize) % lead:
+            return None, None
+        dims.append(nbytes // dt.itemsize // lead)
+    return meta_of(nbytes, code, tuple(dims))
