@@ -395,3 +395,8 @@ def body_backward_raises(rank: int, kind: str) -> list[str]:
         if not err <= 1e-12:
             bad.append(f"rank 0 fsdp after the aborted steps: {name} off by {err:.3g}")
     return bad
+
+
+def body_parity_cases(rank: int, cases: list[tuple]) -> list[str]:
+    """``body_parity`` for several cases in one launch (a spawned world starts torch once)."""
+    return [f for case in cases for f in body_parity(rank, *case)]

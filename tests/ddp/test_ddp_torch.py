@@ -16,7 +16,7 @@ from hpcdp.testing import check, run_ranks, spawn_backends
 from hpcdp.testing.fixtures import World, worlds
 from ddp_torch_bodies import (
     body_averaged_when_backward_returns, body_comm_hook, body_forward_without_backward,
-    body_backward_raises, body_parity, body_partial_backward, body_skipped_bucket, body_split_backward,
+    body_backward_raises, body_parity_cases, body_partial_backward, body_skipped_bucket, body_split_backward,
     body_unused,
 )
 from hpcdp.trace._analyze import analyze
@@ -36,8 +36,7 @@ PARITY = [  # (model, optimizer, mode, bucket cap MiB, accumulation steps with n
 
 @pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "sim-4", "tcp-2", "mpi"), indirect=True)
 def test_parity(world: World) -> None:
-    for case in PARITY:
-        check(world.run(body_parity, *case, timeout=60))
+    check(world.run(body_parity_cases, PARITY, timeout=60))
 
 
 @pytest.mark.parametrize("world", worlds("sim-2", "tcp-3", "mpi"), indirect=True)

@@ -26,7 +26,7 @@ def test_parity_every_strategy(world: World) -> None:
     check(world.run(body_parity, "mlp", timeout=60, mpi_timeout=120))
 
 
-@pytest.mark.parametrize("world", worlds("sim-2", "tcp-3", "mpi"), indirect=True)
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
 def test_parity_cnn(world: World) -> None:
     # Conv2d's weight is saved by autograd itself: full_shard re-gathers it for backward
     check(world.run(body_parity, "cnn", "full_shard", timeout=60, mpi_timeout=120))
