@@ -400,3 +400,32 @@ def body_backward_raises(rank: int, kind: str) -> list[str]:
 def body_parity_cases(rank: int, cases: list[tuple]) -> list[str]:
     """``body_parity`` for several cases in one launch (a spawned world starts torch once)."""
     return [f for case in cases for f in body_parity(rank, *case)]
+
+
+def body_dynamic_graph(rank: int, find_unused: bool) -> list[str]:
+    """Step 1 uses both heads, step 2 only one. DDP stops walking the graph once a step used every
+    parameter (torch's DDP assumes a static graph the same way), so without
+    find_unused_parameters the half-reduced step 2 is named at step 3 with the option to pass;
+    with it, every step walks and step 2 leaves head b's gradient None."""
+    model = make("twoheads")
+    ddp = hpcdp.DDP(model, find_unused_parameters=find_unused)
+    x, y = data("mlp")
+    model.use = "both"
+    a, b = ddp(x)
+    (F.cross_entropy(a, y) + F.cross_entropy(b, y)).backward()
+    model.use = "a"
+    F.cross_entropy(ddp(x), y).backward()
+    grad_b = model.b.weight.grad
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except HpcdpError as exc:
+        if find_unused:
+            return [f"rank {rank}: find_unused_parameters=True still raised: {exc}"]
+        if "find_unused_parameters=True" not in str(exc) or "b.weight" not in str(exc):
+            return [f"rank {rank}: unhelpful message: {exc}"]
+        return []
+    if not find_unused:
+        return [f"rank {rank}: a step that left head b unreduced went unnoticed"]
+    if grad_b is not None:
+        return [f"rank {rank}: head b got a gradient in a step that did not use it"]
+    return []

@@ -123,6 +123,9 @@ class DDP:
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
         self._torch_pass: bool | None = None   # a torch backward is awaited (loss.backward())
+        #: every trainable parameter, once a step's graph walk found them all used (see
+        #: _expect_torch_backward); None: walk every step
+        self._torch_every: dict[int, Any] | None = None
         self._chunks = (None if deterministic_chunk is None else
                         ChunkedGradients(deterministic_chunk, self.group, self._reducer.buckets))
         # A weak reference: the model's parameters must not keep a dropped DDP alive (and
@@ -253,9 +256,20 @@ class DDP:
                 reducer.in_backward = False
 
         self._torch_pass = True
-        if not self.module.expect_backward(out, done):
+        # The graph walk that tells which parameters this backward reaches costs tens of
+        # microseconds a step; once a walk found every trainable parameter used, later steps
+        # expect them all without walking (torch's DDP assumes as much unless told
+        # find_unused_parameters=True, which walks every step here too).
+        every = self._torch_every
+        static = every is not None and not self.find_unused_parameters
+        reached = self.module.expect_backward(out, done, every if static else None)
+        if not reached:
             self._torch_pass = None
             reducer.in_backward = False   # nothing to differentiate (torch.no_grad, frozen model)
+        elif every is None and not self.find_unused_parameters:
+            trainable = {id(p): p for _, p in self._named}
+            if len(reached) == len(trainable) and all(id(p) in trainable for p in reached):
+                self._torch_every = trainable
 
     def _check_torch_pass(self) -> None:
         """A new forward while the previous forward's backward is awaited: a forward without
@@ -269,10 +283,11 @@ class DDP:
         if arrived:
             raise HpcdpError(
                 f"DDP forward (rank {self.group.rank}): the previous backward gave gradients to some "
-                f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, which the "
-                "forward's outputs reach, so their buckets were never reduced: a loss that used only "
-                "part of the outputs (make it use every output), or an exception inside backward. "
-                "DDP has forgotten that step; the next one starts clean.")
+                f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, so their "
+                "buckets were never reduced: a loss that used only part of the outputs (make it use "
+                "every output), an exception inside backward, or a model that uses other parameters "
+                "on other steps (pass find_unused_parameters=True). DDP has forgotten that step; the "
+                "next one starts clean.")
 
     @public
     def backward(self, grad_output: Any) -> Any:

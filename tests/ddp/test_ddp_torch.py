@@ -123,3 +123,10 @@ def test_skipped_bucket_is_named_by_analyze(tmp_path) -> None:
 @pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
 def test_backward_that_raises_leaves_nothing_stuck(world: World) -> None:
     check(world.run(body_backward_raises, "ddp"))
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_graph_that_changes_between_steps(world: World, find_unused: bool) -> None:
+    from ddp_torch_bodies import body_dynamic_graph
+    check(world.run(body_dynamic_graph, find_unused))
