@@ -45,7 +45,7 @@ from ..trace.hooks import pinned_line
 from .._arrays import xp_of
 from ..errors import HpcdpError, public
 from ..nn.module import Module
-from ..nn.torch_module import TorchModule, from_torch, is_torch_module
+from ..nn.torch_module import TorchModule, from_torch, is_tensor, is_torch_module
 from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
@@ -54,6 +54,15 @@ from ._chunked import ChunkedGradients
 from ..comm.world import group_or_default
 
 __all__ = ["DDP"]
+
+
+def _outputs(value: Any) -> list[Any]:
+    """A forward's output flattened (a value, or tuples/lists/dicts of values)."""
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _outputs(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _outputs(v)]
+    return [value]
 
 
 class DDP:
@@ -123,6 +132,7 @@ class DDP:
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
         self._torch_pass: bool | None = None   # a torch backward is awaited (loss.backward())
+        self._solo_pass = False   # the last forward was a torch one on a group of one
         #: every trainable parameter, once a step's graph walk found them all used (see
         #: _expect_torch_backward); None: walk every step
         self._torch_every: dict[int, Any] | None = None
@@ -134,7 +144,8 @@ class DDP:
 
         def on_grad(p: Any) -> None:
             ddp = ref()
-            if ddp is not None and ddp._chunks is None:   # chunked: reduced after backward
+            # chunked: reduced after backward; solo: a torch backward on a group of one
+            if ddp is not None and ddp._chunks is None and not ddp._solo_pass:
                 ddp._reducer.on_grad(p)
 
         self._handles = [p.register_hook(on_grad) for _, p in named]
@@ -220,6 +231,18 @@ class DDP:
         self._check_open("forward")
         self._check_torch_pass()
         training = bool(getattr(self.module, "training", True))
+        if training and self._solo_torch():
+            out = self.module(*args, **kwargs)
+            if any(is_tensor(t) for t in _outputs(out)):
+                # A group of one has nothing to reduce: torch's own gradients are the average, so
+                # loss.backward() runs with no DDP work at all (not even the gradient hooks).
+                self._solo_pass = True
+                return out
+            self._solo_pass = False   # arrays out: hpcdp's protocol (ddp.backward) below
+            if self.gradient_as_bucket_view:
+                self._reducer.point_grads_at_buckets()
+            return out
+        self._solo_pass = False
         if training and self._chunks is not None:
             self._chunks.begin_forward(args, kwargs)
             self._sync_buffers()
@@ -240,6 +263,12 @@ class DDP:
         return out
 
     # -- the torch user's loss.backward() ---------------------------------------------------------
+    def _solo_torch(self) -> bool:
+        """A torch model on a group of one, nothing asked of the buckets (comm hook, join)."""
+        r = self._reducer
+        return (self.group.size == 1 and isinstance(self.module, TorchModule) and r.comm_hook is None
+                and r.join is None and self._chunks is None)
+
     def _expect_torch_backward(self, out: Any) -> None:
         """Tensors out of a torch model: the user runs ``loss.backward()``; when its last parameter
         gradient has accumulated (``TorchModule.expect_backward``), the buckets still pending are
