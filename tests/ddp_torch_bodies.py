@@ -304,26 +304,13 @@ def body_split_backward(rank: int) -> list[str]:
     return bad
 
 
-class _Done:
-    """A comm-hook future that did nothing: the bucket keeps this rank's own gradients."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def is_completed(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> Any:
-        return self.value
-
-
 def skipping_hook(rank: int, skip_rank: int, skip_step: int, step: list[int]) -> Any:
     """A comm hook with which rank ``skip_rank`` leaves out bucket 1's allreduce at ``skip_step``."""
-    from hpcdp.ddp.comm_hooks import allreduce_hook
+    from hpcdp.ddp.comm_hooks import Ready, allreduce_hook
 
     def hook(state: Any, bucket: Any) -> Any:
         if rank == skip_rank and step[0] == skip_step and bucket.index() == 1:
-            return _Done(bucket.buffer())
+            return Ready(bucket.buffer())   # the bucket keeps this rank's own gradients
         return allreduce_hook(state, bucket)
     return hook
 

@@ -26,7 +26,7 @@ import numpy as np
 from .._arrays import xp_of
 
 __all__ = [
-    "GradBucket", "HookFuture", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+    "GradBucket", "HookFuture", "Ready", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
     "to_bf16", "from_bf16",
 ]
 
@@ -63,8 +63,9 @@ class GradBucket:
         return self._is_last
 
 
-class _Ready:
-    """A finished operation whose result is ``value`` (nothing to wait for)."""
+class Ready:
+    """A finished operation whose result is ``value``: what a hook returns for a bucket it does
+    not communicate (a group of one; a hook that reduces some buckets by other means)."""
 
     __slots__ = ("value",)
 
@@ -112,7 +113,7 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     group = _group(state, bucket)
     flat, d = bucket.buffer(), bucket.divisor
     if group.size == 1 and d == 1:   # a group of one: the bucket is already its own average
-        return HookFuture(_Ready(flat))
+        return HookFuture(Ready(flat))
     if d == group.size:
         return HookFuture(group.allreduce(flat, "mean", out=flat, async_op=True))
     work = group.allreduce(flat, "sum", out=flat, async_op=True)

@@ -45,7 +45,7 @@ from ..trace.hooks import pinned_line
 from .._arrays import xp_of
 from ..errors import HpcdpError, public
 from ..nn.module import Module
-from ..nn.torch_module import TorchModule, from_torch, is_tensor, is_torch_module
+from ..nn.torch_module import TorchModule, from_torch, is_torch_module, output_tensors
 from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
@@ -54,15 +54,6 @@ from ._chunked import ChunkedGradients
 from ..comm.world import group_or_default
 
 __all__ = ["DDP"]
-
-
-def _outputs(value: Any) -> list[Any]:
-    """A forward's output flattened (a value, or tuples/lists/dicts of values)."""
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _outputs(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _outputs(v)]
-    return [value]
 
 
 class DDP:
@@ -233,7 +224,7 @@ class DDP:
         training = bool(getattr(self.module, "training", True))
         if training and self._solo_torch():
             out = self.module(*args, **kwargs)
-            if any(is_tensor(t) for t in _outputs(out)):
+            if output_tensors(out):
                 # A group of one has nothing to reduce: torch's own gradients are the average, so
                 # loss.backward() runs with no DDP work at all (not even the gradient hooks).
                 self._solo_pass = True

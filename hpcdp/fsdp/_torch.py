@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import HpcdpError
-from ..nn.torch_module import TorchModule, is_tensor
+from ..nn.torch_module import TorchModule, is_tensor, output_tensors
 from ._api import BF16
 from ._unit import GATHERED
 
@@ -71,7 +71,7 @@ class TorchPass:
 
     def open(self, out: Any, sync: bool) -> None:
         sched = self.sched
-        if not any(is_tensor(t) and t.requires_grad for t in _flat(out)):
+        if not any(t.requires_grad for t in output_tensors(out)):
             return
         sched.begin_backward(sync)
 
@@ -172,14 +172,6 @@ class _Marker:
 
     def __init__(self, unit: Any, slot: int, shape: tuple, stride: tuple, offset: int) -> None:
         self.unit, self.slot, self.shape, self.stride, self.offset = unit, slot, shape, stride, offset
-
-
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _flat(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _flat(v)]
-    return [value]
 
 
 # -- torch.optim over the shards ---------------------------------------------------------------------

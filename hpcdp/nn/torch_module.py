@@ -49,7 +49,7 @@ from .module import Module
 from .parameter import Parameter
 
 __all__ = ["from_torch", "TorchModule", "TorchParameter", "is_torch_module", "is_tensor", "to_tensor",
-           "to_array"]
+           "to_array", "output_tensors", "reachable_parameters"]
 
 
 def _torch() -> Any:
@@ -224,14 +224,14 @@ class TorchParameter(Parameter):
         return f"TorchParameter({name}shape={self.shape}, dtype={self.dtype}{frozen})"
 
 
-def _tensors(value: Any) -> list[Any]:
+def output_tensors(value: Any) -> list[Any]:
     """The tensors inside a forward's output (a tensor, or tuples/lists/dicts of them)."""
     if is_tensor(value):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in output_tensors(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in output_tensors(v)]
     return []
 
 
@@ -410,14 +410,14 @@ class TorchModule(Module):
     def _run(self, grad_output: Any, inputs: list[Any] | None) -> tuple[Any, Any]:
         torch = _torch()
         targs, out = self.saved_tensors()
-        outs = [t for t in _tensors(out) if t.requires_grad]
+        outs = [t for t in output_tensors(out) if t.requires_grad]
         grads = [to_tensor(g) if _is_array(g) else g for g in _as_args(grad_output)]
         if len(grads) != len(outs):
             raise ValueError(f"TorchModule.backward: {len(grads)} gradients for {len(outs)} outputs "
                              "that require grad")
         grads = [g.reshape(t.shape) if g.shape != t.shape and g.numel() == t.numel() else g
                  for g, t in zip(grads, outs)]
-        xs = [t for a in targs for t in _tensors(a) if t.requires_grad]
+        xs = [t for a in targs for t in output_tensors(a) if t.requires_grad]
         if inputs is not None:   # split: input gradients now, weights later over the kept graph
             gx = torch.autograd.grad(outs, xs, grads, retain_graph=True, allow_unused=True) if xs else ()
             self.save_for_weight(outs, grads)
@@ -427,7 +427,7 @@ class TorchModule(Module):
             got = {id(x): x.grad for x in xs}
             self._end_backward()
         grad_in = tuple(_map(a, lambda t: None if got.get(id(t)) is None else to_array(got[id(t)]),
-                             is_tensor) if _tensors(a) else None for a in targs)
+                             is_tensor) if output_tensors(a) else None for a in targs)
         return (grad_in[0] if len(grad_in) == 1 else grad_in), None
 
     def backward(self, grad_output: Any) -> Any:
@@ -492,7 +492,7 @@ class TorchModule(Module):
                 out = res
         if self._hooks("_backward_pre_hooks") or self._hooks("_backward_hooks"):
             torch = _torch()
-            outs = [t for t in _tensors(out) if t.requires_grad]
+            outs = [t for t in output_tensors(out) if t.requires_grad]
             if outs and torch.is_grad_enabled():
                 ref = weakref.ref(self)
 
@@ -559,23 +559,16 @@ class TorchModule(Module):
         small model), which a caller that knows the graph is static can spare."""
         if expected is not None:
             waiting = dict(expected)
-            if not waiting:
-                return []
-
-            def finish_known() -> None:
-                self._end_backward()
-                done()
-            self._watch(_Backward(waiting, finish_known))
-            return list(waiting.values())
-        leaves = reachable_parameters(_tensors(output))
-        key = tuple(map(id, leaves))
-        cached = self.__dict__.get("_reach_cache")
-        if cached is not None and cached[0] == key:   # the same graph as last step: its template
-            waiting = cached[1].copy()
         else:
-            wrappers = self._wrappers
-            waiting = {id(w): w for w in (wrappers.get(id(t)) for t in leaves) if w is not None}
-            self.__dict__["_reach_cache"] = (key, dict(waiting))
+            leaves = reachable_parameters(output_tensors(output))
+            key = tuple(map(id, leaves))
+            cached = self.__dict__.get("_reach_cache")
+            if cached is not None and cached[0] == key:   # the same graph as last step: its template
+                waiting = cached[1].copy()
+            else:
+                wrappers = self._wrappers
+                waiting = {id(w): w for w in (wrappers.get(id(t)) for t in leaves) if w is not None}
+                self.__dict__["_reach_cache"] = (key, dict(waiting))
         if not waiting:
             return []
 
