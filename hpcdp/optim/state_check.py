@@ -125,10 +125,9 @@ def _span(ids: set[int]) -> str:
     return "none" if not s else (f"{s[0]}..{s[-1]}" if s == list(range(s[0], s[-1] + 1)) else str(s[:8]))
 
 
-def load_param_state(where: str, label: str, spec: Mapping[str, str] | None, state: Any,
-                     like: Any) -> dict[str, Any]:
-    """One parameter's loaded state, checked against ``spec`` and the parameter data ``like``,
-    arrays copied onto its array module (floating ones in its dtype)."""
+def check_state_keys(where: str, label: str, spec: Mapping[str, str] | None, state: Any) -> None:
+    """``state`` (one parameter's) is a dict whose keys are ``spec``'s: none unknown, none missing
+    but the optional ones (kinds ending in ``?``); a None ``spec`` checks only the dict."""
     if not isinstance(state, Mapping):
         raise TypeError(f"{where}: state of {label} must be a dict, got {_show(state)}")
     if spec is not None:
@@ -139,6 +138,13 @@ def load_param_state(where: str, label: str, spec: Mapping[str, str] | None, sta
         missing = [k for k, kind in spec.items() if state and k not in state and not kind.endswith("?")]
         if missing:
             raise KeyError(f"{where}: state of {label} lacks {missing}")
+
+
+def load_param_state(where: str, label: str, spec: Mapping[str, str] | None, state: Any,
+                     like: Any) -> dict[str, Any]:
+    """One parameter's loaded state, checked against ``spec`` and the parameter data ``like``,
+    arrays copied onto its array module (floating ones in its dtype)."""
+    check_state_keys(where, label, spec, state)
     out: dict[str, Any] = {}
     for k, v in state.items():
         kind = None if spec is None else spec[k].rstrip("?")

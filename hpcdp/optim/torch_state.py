@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..nn.torch_module import is_tensor, to_array, to_tensor
-from .state_check import _array, _show
+from .state_check import _array, _show, check_state_keys
 
 __all__ = ["is_torch_optimizer", "torch_state_spec", "state_out", "group_out", "check_torch_state",
            "install_torch_state"]
@@ -119,19 +119,10 @@ def check_torch_state(where: str, label: str, optimizer: Any, state: Any, param:
     whole and non-negative); ``None`` stays ``None`` where the entry is optional.
     """
     torch = sys.modules["torch"]
-    if not isinstance(state, Mapping):
-        raise TypeError(f"{where}: state of {label} must be a dict, got {_show(state)}")
     spec = torch_state_spec(optimizer)
     current = optimizer.state.get(param) or {}
     keys = spec if spec is not None else ({k: "" for k in current} if current else None)
-    if keys is not None:
-        unknown = [k for k in state if k not in keys]
-        if unknown:
-            raise KeyError(f"{where}: state of {label} has entries {unknown} this optimizer does "
-                           f"not keep (it keeps {sorted(keys)})")
-        missing = [k for k, kind in keys.items() if state and k not in state and not kind.endswith("?")]
-        if missing:
-            raise KeyError(f"{where}: state of {label} lacks {missing}")
+    check_state_keys(where, label, keys, state)
     like = to_array(param)
     out: dict[str, Any] = {}
     for k, v in state.items():
