@@ -19,7 +19,7 @@ from .._atomic import open_append
 
 __all__ = [
     "SIZES", "sizes", "Row", "time_loop", "interleaved", "busbw_factor", "print_header",
-    "print_row", "JsonSink", "fmt_size",
+    "print_row", "JsonSink", "fmt_size", "slowest", "time_alone",
 ]
 
 #: 8 B to 64 MiB by x4, as PERF.md asks: 8 * 4**k stops at 32 MiB, so the powers of two that
@@ -65,6 +65,27 @@ def time_loop(fn: Callable[[], Any], iters: int, sync: Callable[[], Any] | None 
     if sync is not None:
         sync()
     return (time.perf_counter() - t0) / iters
+
+
+def slowest(g: Any, t: float) -> float:
+    """The largest of every rank's ``t`` (a step is as fast as its slowest rank). Collective."""
+    return float(g.allreduce(np.array([t]), "max")[0])
+
+
+def time_alone(g: Any, fn: Callable[[], Any], iters: int, tag: int = 77) -> float:
+    """Seconds per call of ``fn`` on rank 0 while the other ranks sleep (not spin: two cores may
+    be hyperthreads of one), told to every rank: the one-rank baseline of weak scaling. Collective."""
+    g.barrier()
+    box = np.zeros(1)
+    if g.rank == 0:
+        box[0] = time_loop(fn, iters)
+        for w in [g.isend(box, r, tag=tag) for r in range(1, g.size)]:
+            w.wait()
+    else:
+        req = g.irecv(box, 0, tag=tag)
+        while not req.is_completed():
+            time.sleep(1e-3)
+    return float(box[0])
 
 
 @dataclass

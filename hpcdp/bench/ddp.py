@@ -29,7 +29,7 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim
 
-from ._common import JsonSink, Row, interleaved, print_header, print_row, time_loop
+from ._common import JsonSink, Row, interleaved, print_header, print_row, time_alone, time_loop
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
@@ -171,19 +171,7 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
         opt.zero_grad()
 
     def t1() -> float:
-        # The idle ranks sleep (not spin) while rank 0 works: 2 cores may be hyperthreads of one.
-        g.barrier()
-        box = np.zeros(1)
-        if g.rank == 0:
-            box[0] = time_loop(step_alone, iters)
-            works = [g.isend(box, r, tag=77) for r in range(1, g.size)]
-            for w in works:
-                w.wait()
-        else:
-            req = g.irecv(box, 0, tag=77)
-            while not req.is_completed():
-                time.sleep(1e-3)
-        return float(box[0])
+        return time_alone(g, step_alone, iters)
 
     def t2() -> float:
         return _gather_max(time_loop(step_ddp, iters, g.barrier))

@@ -25,14 +25,12 @@ import argparse
 import os
 import socket
 import statistics
-import time
 from typing import Any, Callable
 
-import numpy as np
 
 import hpcdp
 
-from ._common import JsonSink, interleaved, time_loop
+from ._common import JsonSink, interleaved, slowest, time_alone, time_loop
 
 __all__ = ["main"]
 
@@ -56,10 +54,6 @@ def _batch(torch: Any, name: str, batch: int, rank: int) -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(rank)
     shape = (batch, 1, 8, 8) if name == "cnn" else (batch, 784)
     return torch.randn(*shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
-def _gather_max(g: Any, t: float) -> float:
-    return float(g.allreduce(np.array([t]), "max")[0])
 
 
 def _stepper(torch: Any, model: Any, x: Any, y: Any) -> Callable[[], None]:
@@ -95,27 +89,16 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
     solo = _stepper(torch, hpcdp.DDP(make(), group=solo_group), x, y)
 
     def t1() -> float:
-        # The idle ranks sleep (not spin) while rank 0 works: 2 cores may be hyperthreads of one.
-        g.barrier()
-        box = np.zeros(1)
-        if g.rank == 0:
-            box[0] = time_loop(alone, iters)
-            for w in [g.isend(box, r, tag=78) for r in range(1, g.size)]:
-                w.wait()
-        else:
-            req = g.irecv(box, 0, tag=78)
-            while not req.is_completed():
-                time.sleep(1e-3)
-        return float(box[0])
+        return time_alone(g, alone, iters, tag=78)
 
     def t2() -> float:
-        return _gather_max(g, time_loop(ours, iters, g.barrier))
+        return slowest(g, time_loop(ours, iters, g.barrier))
 
     def t_both() -> float:   # plain torch on every rank at once: what sharing the machine costs
-        return _gather_max(g, time_loop(alone, iters, g.barrier))
+        return slowest(g, time_loop(alone, iters, g.barrier))
 
     def t2_gloo() -> float:
-        return _gather_max(g, time_loop(gloo, iters, g.barrier))
+        return slowest(g, time_loop(gloo, iters, g.barrier))
 
     for fn in (alone, ours, solo) + ((gloo,) if gloo else ()):
         fn()   # first steps: hpcdp.DDP learns its buckets' hook counts, torch allocates
@@ -132,7 +115,7 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
     # adapter overhead: each rank alone, at once (bound to its own core)
     to = interleaved(lambda: time_loop(alone, iters), lambda: time_loop(solo, iters), trials)
     mine = statistics.median(c / b for b, c in zip(to.base, to.cand))
-    res.update(overhead=_gather_max(g, mine), overhead_rank0=mine,
+    res.update(overhead=slowest(g, mine), overhead_rank0=mine,
                t_plain_ms=to.base_median * 1e3, t_solo_ddp_ms=to.cand_median * 1e3)
     if g.rank == 0:
         gl = (f", torch DDP over gloo: t2 {res['t2_gloo_ms']:.2f} ms, efficiency {res['efficiency_gloo']:.3f}"

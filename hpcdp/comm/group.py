@@ -25,11 +25,11 @@ from .._config import SETTINGS, setting
 from .._tensors import tensor_call
 from .validation import check_array, check_divisible, check_out, check_rank, check_timeout
 from ..backends.base import Backend, Request
-from ..errors import CollectiveMismatchError, HpcdpError, public, public_error
+from ..errors import HpcdpError, public, public_error
 from ..ops import ReduceOp, as_op, check_op_dtype
 from ..trace import hooks as trace  # the recording hooks (on_error, active_recorder)
 from .work import WATCH_AFTER, CompletedWork, Work, annotate, finish_wait, work_where
-from .topology import CartGroup, cart_create, split_layout, split_payload
+from .topology import CartGroup, cart_create, group_payload, group_ranks, split_layout, split_payload
 from . import reproducible
 
 __all__ = ["ProcessGroup", "default_timeout"]
@@ -727,26 +727,9 @@ class ProcessGroup:
         """
         where = self._where("new_group")
         self._usable("new_group")
-        try:
-            mine: Any = [int(r) if isinstance(r, (int, np.integer)) and not isinstance(r, bool)
-                         else repr(r) for r in ranks]
-        except TypeError:
-            mine = repr(ranks)
         # Exchange before judging, so a bad list on one rank makes every rank raise together.
-        seen = self.all_gather_object(mine, timeout=timeout)
-        for i, s in enumerate(seen):
-            if not isinstance(s, list) or any(not isinstance(r, int) for r in s):
-                raise TypeError(f"{where}: rank {i} passed ranks that are not ints: {s}")
-            if not s:
-                raise ValueError(f"{where}: a group needs at least one rank (rank {i} passed [])")
-            if len(set(s)) != len(s):
-                raise ValueError(f"{where}: duplicate ranks in {s} (passed by rank {i})")
-            for r in s:
-                check_rank(where + f" (list of rank {i})", "rank", r, self.size)
-        ranks = seen[self.rank]
-        if any(s != ranks for s in seen):
-            detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(seen))
-            raise CollectiveMismatchError(f"{where}: ranks passed different lists ({detail})")
+        seen = self.all_gather_object(group_payload(ranks), timeout=timeout)
+        ranks = group_ranks(seen, where, self.size)
         gname = name or f"{self.name}.{next(self._groups)}{ranks}"
         sub = self.backend.new_group(ranks)
         members = [self.ranks[r] for r in ranks]

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..backends.base import PROC_NULL
 from ..errors import CollectiveMismatchError
+from .validation import check_rank
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -54,6 +55,35 @@ def _is_int(x: Any) -> bool:
 
 
 # -- split --------------------------------------------------------------------------------------
+def group_payload(ranks: Any) -> Any:
+    """What one rank contributes to ``new_group``'s exchange: its list of ranks, or their repr
+    where they are not ints, so that every rank judges every rank's list (``group_ranks``)."""
+    try:
+        return [int(r) if isinstance(r, (int, np.integer)) and not isinstance(r, bool) else repr(r)
+                for r in ranks]
+    except TypeError:
+        return repr(ranks)
+
+
+def group_ranks(seen: Sequence[Any], where: str, size: int) -> list[int]:
+    """The ranks of ``new_group``'s exchange, every rank's list judged in rank order (so each
+    rank raises the same error): ints, at least one, no duplicates, in range, and the same list
+    from every rank."""
+    for i, s in enumerate(seen):
+        if not isinstance(s, list) or any(not isinstance(r, int) for r in s):
+            raise TypeError(f"{where}: rank {i} passed ranks that are not ints: {s}")
+        if not s:
+            raise ValueError(f"{where}: a group needs at least one rank (rank {i} passed [])")
+        if len(set(s)) != len(s):
+            raise ValueError(f"{where}: duplicate ranks in {s} (passed by rank {i})")
+        for r in s:
+            check_rank(where + f" (list of rank {i})", "rank", r, size)
+    if any(s != seen[0] for s in seen):
+        detail = "; ".join(f"rank {i}: {s}" for i, s in enumerate(seen))
+        raise CollectiveMismatchError(f"{where}: ranks passed different lists ({detail})")
+    return list(seen[0])
+
+
 def split_payload(color: Any, key: Any, rank: int) -> tuple[str, Any, Any]:
     """What one rank contributes to ``split``'s exchange: its color and key, or their repr
     where they are not ints, so that every rank judges every rank's input (``split_layout``)."""

@@ -45,7 +45,8 @@ from ..trace.hooks import pinned_line
 from .._arrays import xp_of
 from ..errors import HpcdpError, public
 from ..nn.module import Module
-from ..nn.torch_module import TorchModule, from_torch, is_torch_module, output_tensors
+from ..nn.torch_module import (TorchModule, from_torch, is_torch_module, output_tensors,
+                               unfinished_backward)
 from ..optim.names import by_name, load_by_name, optimizer_names, state_by_name, tag_names
 from ._buckets import Bucket
 from ._reducer import CommHook, Reducer
@@ -301,13 +302,8 @@ class DDP:
         arrived, missing = self.module.cancel_expected()
         self._reducer.in_backward = False
         if arrived:
-            raise HpcdpError(
-                f"DDP forward (rank {self.group.rank}): the previous backward gave gradients to some "
-                f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, so their "
-                "buckets were never reduced: a loss that used only part of the outputs (make it use "
-                "every output), an exception inside backward, or a model that uses other parameters "
-                "on other steps (pass find_unused_parameters=True). DDP has forgotten that step; the "
-                "next one starts clean.")
+            raise unfinished_backward(f"DDP forward (rank {self.group.rank})", missing,
+                                      "buckets were", static=True)
 
     @public
     def backward(self, grad_output: Any) -> Any:

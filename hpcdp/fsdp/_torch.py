@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import HpcdpError
-from ..nn.torch_module import TorchModule, is_tensor, output_tensors
+from ..nn.torch_module import TorchModule, is_tensor, output_tensors, unfinished_backward
 from ._api import BF16
 from ._unit import GATHERED
 
@@ -103,12 +103,7 @@ class TorchPass:
         sched.abort_backward()   # reshard, drop this step's unreduced gradients
         if not arrived:
             return   # a backward that raised before any parameter's gradient: nothing was reduced
-        raise HpcdpError(
-            f"FSDP forward (rank {self.rank}): the previous backward gave gradients to some "
-            f"parameters but not to {missing[:8]}{' ...' if len(missing) > 8 else ''}, which the "
-            "forward's outputs reach, so their units were never reduced: a loss that used only "
-            "part of the outputs (make it use every output), or an exception inside backward. "
-            "FSDP has dropped that step's gradients; the next step starts clean.")
+        raise unfinished_backward(f"FSDP forward (rank {self.rank})", missing, "units were")
 
     def refuse_numpy_backward(self) -> None:
         if self.pending:

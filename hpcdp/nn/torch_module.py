@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .._arrays import is_cupy
+from ..errors import HpcdpError
 from ..trace.hooks import hide_package
 from .hooks import _as_args
 from .microbatch import enter_call, exit_call
@@ -49,7 +50,7 @@ from .module import Module
 from .parameter import Parameter
 
 __all__ = ["from_torch", "TorchModule", "TorchParameter", "is_torch_module", "is_tensor", "to_tensor",
-           "to_array", "output_tensors", "reachable_parameters"]
+           "to_array", "output_tensors", "reachable_parameters", "unfinished_backward"]
 
 
 def _torch() -> Any:
@@ -274,6 +275,19 @@ def reachable_parameters(outputs: list[Any]) -> list[Any]:
     return found
 
 
+def unfinished_backward(where: str, missing: list[str], reduced: str, static: bool = False) -> HpcdpError:
+    """The error of a forward that finds the previous torch backward half done: some parameters
+    got their gradients, ``missing`` did not, so what ``reduced`` them never ran (DDP's
+    buckets, FSDP's units). ``static``: the caller assumed the graph of an earlier step."""
+    more = (", or a model that uses other parameters on other steps (pass "
+            "find_unused_parameters=True)") if static else ""
+    return HpcdpError(
+        f"{where}: the previous backward gave gradients to some parameters but not to "
+        f"{missing[:8]}{' ...' if len(missing) > 8 else ''}, so their {reduced} never reduced: "
+        f"a loss that used only part of the outputs (make it use every output), an exception "
+        f"inside backward{more}. That step is forgotten; the next one starts clean.")
+
+
 class _Backward:
     """One torch backward pass being waited for: parameters still to arrive, then callbacks."""
 
@@ -369,11 +383,6 @@ class TorchModule(Module):
         for m in self.modules():
             object.__setattr__(m, "training", bool(mode))
         return self
-
-    def tensors(self) -> Iterator[Any]:
-        """The torch parameters (what ``torch.optim`` optimizers take), in ``parameters()`` order."""
-        for p in self.parameters():
-            yield p.tensor
 
     # -- calls -----------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
