@@ -42,9 +42,11 @@ How torch is served, and what is not public in torch 2.13 (the version tested):
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import queue
 import threading
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import parse_qs, urlparse
 
@@ -116,21 +118,40 @@ class _Completer:
     future chained to it; nothing in torch would tell a Python group when to complete it, so
     this thread waits for each hpcdp call (with its timeout) and then completes its future.
     The user's thread meanwhile goes on (DDP: the rest of backward), which is how the buckets'
-    allreduces overlap the backward pass. Started at the first call, stopped by ``close``."""
+    allreduces overlap the backward pass. Started at the first call, stopped by ``close``.
+
+    ``close`` waits for the thread (at most ``JOIN_SECONDS``), and so does an ``atexit`` hook
+    for groups never destroyed: completing a future runs torch's callbacks inside torch's C++,
+    and a daemon thread still there when the interpreter finalises is killed mid-C++, which
+    aborts the whole process ("terminate called without an active exception") after the
+    program has finished. Calls still queued at ``close`` fail at once rather than each
+    waiting out its timeout (the group is gone; nobody can wait for them)."""
+
+    #: how long ``close`` waits for the call the thread is completing
+    JOIN_SECONDS = 10.0
+    _live: "set[_Completer]" = set()
+    _atexit_registered = False
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._queue: queue.SimpleQueue[HpcdpTorchWork | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closing = False
 
     def submit(self, work: "HpcdpTorchWork") -> None:
         with self._lock:
             if self._thread is None:
+                self._closing = False
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name=f"hpcdp-torch {self._name}")
                 self._thread.start()
-        self._queue.put(work)
+                with _register_lock:
+                    _Completer._live.add(self)
+                    if not _Completer._atexit_registered:
+                        atexit.register(_Completer.close_all)
+                        _Completer._atexit_registered = True
+            self._queue.put(work)
 
     def on_thread(self) -> bool:
         """Whether the caller is this thread: a future's callbacks run here (torch runs them
@@ -140,13 +161,35 @@ class _Completer:
 
     def _loop(self) -> None:
         while (work := self._queue.get()) is not None:
-            work._complete()
+            if self._closing:
+                work._abandon(f"destroy_process_group() while {work._where} was in flight")
+            else:
+                work._complete()
 
     def close(self) -> None:
         with self._lock:
-            if self._thread is not None:
-                self._queue.put(None)
-                self._thread = None  # a later call starts a new thread
+            thread, self._thread = self._thread, None  # a later call starts a new thread
+            if thread is None:
+                return
+            self._closing = True
+            self._queue.put(None)
+        with _register_lock:
+            _Completer._live.discard(self)
+        if thread is threading.current_thread():
+            return  # destroyed from a future's callback: the loop ends after it
+        thread.join(self.JOIN_SECONDS)
+        if thread.is_alive():
+            warnings.warn(f"hpcdp torch backend: {thread.name} is still completing a call "
+                          f"{self.JOIN_SECONDS:g} s after destroy_process_group(); exiting now "
+                          "may abort the process", RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def close_all() -> None:
+        """``atexit``: stop the threads of groups the program never destroyed."""
+        with _register_lock:
+            live = list(_Completer._live)
+        for completer in live:
+            completer.close()
 
 
 class HpcdpTorchWork(dist.Work):
@@ -179,6 +222,15 @@ class HpcdpTorchWork(dist.Work):
             self._parts = []
         self._done.set()
         self._future.set_result(self._result)
+
+    def _abandon(self, why: str) -> None:
+        """Fail the call without waiting for it (its group was destroyed)."""
+        if self._done.is_set():
+            return
+        self._parts = []
+        self._error = HpcdpError(f"{self._where}: {why}; the call was abandoned")
+        self._done.set()
+        self._future.set_exception(self._error)
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until done; raise what the call raised. ``timeout``: torch's ``Work.wait``

@@ -84,3 +84,31 @@ def test_job_started_by_torch(tmp_path, launcher: str) -> None:
     doc = json.loads((trace_dir / "flight-rank0.json").read_text())
     assert doc["reason"].startswith("CommTimeoutError: allreduce"), doc["reason"]
     assert [e["state"] for e in doc["entries"] if e["op"] == "allreduce"][-1] == "timed out", doc
+
+
+#: a single-rank program whose future callback is still running when it destroys the group
+_CALLBACK_AT_EXIT = """
+import time, torch, torch.distributed as dist
+import hpcdp.torch_backend
+dist.init_process_group("hpcdp", init_method="hpcdp://")
+def slow(fut):
+    time.sleep(0.5)
+    print("callback finished", flush=True)
+    return fut.value()
+dist.all_reduce(torch.ones(4), async_op=True).get_future().then(slow)
+time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_callback_running_at_exit_finishes() -> None:
+    """A future's callback runs on the group's completer thread, inside torch's C++: the
+    program must not end under it (a daemon thread killed there aborts the process after the
+    program's last line: the CI failure "terminate called without an active exception").
+    ``destroy_process_group`` waits for it."""
+    job = subprocess.run([sys.executable, "-c", _CALLBACK_AT_EXIT], capture_output=True,
+                         text=True, timeout=50, env=job_env(), stdin=subprocess.DEVNULL)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out
+    assert "callback finished" in job.stdout, out
