@@ -364,9 +364,12 @@ ifeq ($(strip $(BENCH_ARGS)),)
 	$(PY) -m hpcdp.bench rpc --backend tcp --json $(BENCH_OUT)/rpc-tcp.jsonl
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench trace --json $(BENCH_OUT)/trace.jsonl
 	$(MPIRUN) -n 4 $(PY) -m hpcdp.bench p2p --json $(BENCH_OUT)/p2p.jsonl
-	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench determinism --part H1,H2
-	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m hpcdp.bench determinism --part check
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench determinism \
+	  --part H1,H2 --json $(BENCH_OUT)/determinism.jsonl
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m hpcdp.bench determinism --part check \
+	  --json $(BENCH_OUT)/determinism-check.jsonl
 	$(PY) -m hpcdp.trace plot-bench $(BENCH_OUT)/*.jsonl -o $(BENCH_OUT)/bench.png
+	$(PY) -m hpcdp.bench report $(BENCH_OUT)/*.jsonl
 else
 	$(MPIRUN) -n 2 --bind-to core $(PY) -m hpcdp.bench $(BENCH_ARGS)
 endif

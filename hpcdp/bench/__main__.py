@@ -1,5 +1,7 @@
 """``python -m hpcdp.bench NAME [options]``: dispatch to ``hpcdp.bench.NAME.main(argv)``.
 
+``report`` (a tool in ``TOOLS``, not a benchmark) reads what the benchmarks wrote.
+
 Any public module of this package that defines ``main(argv)`` is a benchmark, so a new layer adds
 its benchmark by adding a module, with no registry to edit. Each benchmark is an argparse
 sub-command whose options belong to the module's own parser: ``NAME --help`` is that parser's help,
@@ -33,15 +35,22 @@ DESCRIPTIONS = {
 }
 
 
+#: public modules that are tools over the benchmarks' output, not benchmarks: listed apart
+TOOLS = {
+    "report": "one table of every PERF.md id: figure, target, met / MISSED / not run (from --json files)",
+}
+
+
 def benchmarks() -> list[str]:
     """Names of the runnable benchmark modules."""
-    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__) if not m.name.startswith("_"))
+    return sorted(m.name for m in pkgutil.iter_modules(_pkg.__path__)
+                  if not m.name.startswith("_") and m.name not in TOOLS)
 
 
 def description(name: str) -> str:
     """The one line ``--help`` shows for benchmark ``name``."""
-    if name in DESCRIPTIONS:
-        return DESCRIPTIONS[name]
+    if name in DESCRIPTIONS or name in TOOLS:
+        return DESCRIPTIONS.get(name) or TOOLS[name]
     try:
         doc = importlib.import_module(f"hpcdp.bench.{name}").__doc__ or ""
     except Exception as exc:  # noqa: BLE001 - the listing must not fail on one broken module
@@ -65,11 +74,12 @@ def _parser(names: list[str]) -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         description="Benchmarks of hpcdp against its baselines (raw mpi4py, sockets, gloo, numpy), "
                     "with the PERF.md targets. Most run under 'mpirun -n 2 --bind-to core'.",
-        epilog="--json FILE appends a benchmark's results as JSON lines; 'python -m hpcdp.trace "
+        epilog="--json FILE appends a benchmark's results as JSON lines; 'python -m hpcdp.bench "
+               "report FILE...' tables every id against its target, 'python -m hpcdp.trace "
                "plot-bench' draws them.")
     sub = p.add_subparsers(dest="name", required=True, metavar="BENCHMARK", title="benchmarks",
                            help="'python -m hpcdp.bench BENCHMARK --help' lists its options")
-    for name in names:
+    for name in [*names, *TOOLS]:
         # the module's own parser reads the rest (--help included), so this one takes no options
         sub.add_parser(name, help=description(name), add_help=False)
     return p

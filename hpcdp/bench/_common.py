@@ -7,6 +7,7 @@ the median of the per-trial ratios.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -16,10 +17,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .._atomic import open_append
+from ._targets import Target, target
 
 __all__ = [
     "SIZES", "sizes", "Row", "time_loop", "interleaved", "busbw_factor", "print_header",
-    "print_row", "JsonSink", "fmt_size", "slowest", "time_alone",
+    "print_row", "JsonSink", "fmt_size", "slowest", "time_alone", "summarize", "verdict", "judged",
 ]
 
 #: 8 B to 64 MiB by x4, as PERF.md asks: 8 * 4**k stops at 32 MiB, so the powers of two that
@@ -189,3 +191,46 @@ def pretouch(*arrays: np.ndarray) -> None:
 def summary_line(name: str, ratios: Sequence[float], target: str) -> str:
     med = statistics.median(ratios) if ratios else float("nan")
     return f"# {name}: median ratio {med:.3f} (target {target})"
+
+
+def verdict(met: bool | None) -> str:
+    """How a judged figure is printed: ``met``, ``MISSED``, or ``not judged`` (a report-only
+    figure, or none: no size in the range the target covers)."""
+    return "not judged" if met is None else ("met" if met else "MISSED")
+
+
+def judged(id: str, part: str = "", value: float | None = None, slack: float = 0.0) -> str:
+    """``target OP BOUND`` (no value) or ``target OP BOUND: met`` for a benchmark's printed line,
+    from ``_targets`` (a printed target and a judged one cannot differ)."""
+    t = target(id, part)
+    if value is None:
+        return f"target {t.text}"
+    return f"target {t.text}: {verdict(t.met(value, slack))}"
+
+
+def summarize(sink: Any, id: str, value: float | None, *, part: str = "", ranks: int | None = None,
+              variant: str = "", slack: float = 0.0, name: str | None = None,
+              **extra: Any) -> bool | None:
+    """Write the summary record of one judged figure to ``sink`` (a ``JsonSink``); return whether
+    it meets its target (``None``: report-only, or no figure).
+
+    The record is what ``python -m hpcdp.bench report`` reads: ``{"bench": "summary", "id",
+    "part", "key", "name", "what", "value", "target", "met", "ranks", ...}``; ``variant`` tells
+    apart figures of one id measured on several things in one run (a model, a schedule, a
+    backend); ``slack`` widens a ``within`` target by what the record's own run allows (E1's
+    padding). ``name`` keeps a benchmark's older record name (scripts match on it).
+    """
+    t: Target = target(id, part)
+    v = None if value is None or not math.isfinite(float(value)) else float(value)
+    met = t.met(v, slack)
+    label = t.key + (f" [{variant}]" if variant else "")
+    rec: dict[str, Any] = {"bench": "summary", "id": id, "part": part, "key": t.key,
+                           "name": name or f"{label}: {t.what}", "what": t.what, "value": v,
+                           "target": t.text, "met": met, "ranks": ranks}
+    if variant:
+        rec["variant"] = variant
+    if slack:
+        rec["slack"] = slack
+    rec.update(extra)
+    sink.write(rec)
+    return met

@@ -29,7 +29,9 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim
 
-from ._common import JsonSink, Row, interleaved, print_header, print_row, time_alone, time_loop
+from ._common import (JsonSink, Row, interleaved, judged, print_header, print_row, summarize, time_alone,
+                      time_loop)
+from ._targets import target
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
@@ -97,13 +99,14 @@ def bench_d1(g: Any, trials: int, sink: JsonSink, ntensors: int = 1000, elems: i
     nbytes = ntensors * elems * 4
     row = Row("ddp", f"D1 sync {ntensors} tensors", nbytes, ntensors * elems, "float32", "mean", -1,
               t.cand_median * 1e6, nbytes / t.cand_median / 1e9, 0.0, t.base_median * 1e6,
-              t.median_ratio, g.size, {"buckets": len(ddp.buckets), "target": "<= 0.5"})
+              t.median_ratio, g.size, {"buckets": len(ddp.buckets), "target": target("D1").text})
     if g.rank == 0:
         print_row(row)
         print(f"# D1 DDP sync of {ntensors} tensors of {elems} float32: {t.cand_median * 1e6:.1f} us, "
               f"one allreduce per tensor {t.base_median * 1e6:.1f} us, ratio {t.median_ratio:.3f} "
-              "(target <= 0.5)")
+              f"({judged('D1', '', t.median_ratio)})")
     sink.write(row)
+    summarize(sink, "D1", t.median_ratio, ranks=g.size, tensors=ntensors, trials=t.ratios)
     return t.median_ratio
 
 
@@ -128,13 +131,14 @@ def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: float = 50, iters: i
     row = Row("ddp", "D2 sync 25MB buckets", nbytes, flat.size, "float32", "mean", -1,
               t.cand_median * 1e6, algbw, algbw * 2 * (g.size - 1) / g.size, t.base_median * 1e6,
               t.median_ratio, g.size, {"buckets": [round(b.nbytes / 2**20, 2) for b in ddp.buckets],
-                                       "target": "<= 1.3"})
+                                       "target": target("D2").text})
     if g.rank == 0:
         print_row(row)
         print(f"# D2 DDP sync of {nbytes / 2**20:.1f} MiB in 25 MB buckets: {t.cand_median * 1e3:.2f} ms, "
               f"mpi4py Allreduce of the flat buffer {t.base_median * 1e3:.2f} ms, ratio "
-              f"{t.median_ratio:.3f} (target <= 1.3)")
+              f"{t.median_ratio:.3f} ({judged('D2', '', t.median_ratio)})")
     sink.write(row)
+    summarize(sink, "D2", t.median_ratio, ranks=g.size, bytes=nbytes, trials=t.ratios)
     return t.median_ratio
 
 
@@ -221,11 +225,13 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
            "buckets_mb": [round(b.nbytes / 2**20, 2) for b in ddp.buckets]}
     if g.rank == 0:
         print(f"# D4 weak scaling ({g.size} ranks vs 1, MLP 784-{hidden}-{hidden}-10, batch {batch}/rank): "
-              f"t1 {res['t1_ms']:.2f} ms, t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} (target >= 0.85)")
+              f"t1 {res['t1_ms']:.2f} ms, t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} ({judged('D4', '', eff)})")
         print(f"# hidden communication: backward {res['t_backward_ms']:.2f} ms, sync alone "
               f"{res['t_sync_ms']:.2f} ms, backward+DDP {res['t_backward_ddp_ms']:.2f} ms -> "
               f"{100 * res['hidden']:.0f}% of the sync time hidden behind backward (buckets {res['buckets_mb']} MiB)")
     sink.write({"bench": "ddp", "op": "D4", "ranks": g.size, **res})
+    summarize(sink, "D4", eff, ranks=g.size, width=hidden, batch=batch, hidden_share=res["hidden"],
+              trials=[b / c for b, c in zip(tr.base, tr.cand)])
     return res
 
 
@@ -269,14 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     if "D1" in only:
         r = bench_d1(g, args.trials, sink, ntensors=args.d1_tensors, iters=short)
-        ok &= r <= 0.5
+        ok &= bool(target("D1").met(r))
     if "D2" in only and g.backend.native_comm() is not None:  # baseline: mpi4py directly
         r = bench_d2(g, args.trials, sink, total_mb=args.d2_mb, iters=short)
-        ok &= r <= 1.3
+        ok &= bool(target("D2").met(r))
     if "D4" in only:
         res = bench_d4(g, args.trials, sink, batch=args.d4_batch, iters=args.iters or 10,
                        hidden=args.d4_hidden)
-        ok &= res["efficiency"] >= 0.85
+        ok &= bool(target("D4").met(res["efficiency"]))
     if g.rank == 0:
         print(f"# targets {'met' if ok else 'NOT met'}")
         maybe_plot(args, sink.rows, title=f"hpcdp DDP (D1, D2, D4), {g.size} {g.backend.name} ranks")

@@ -31,7 +31,7 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim
 
-from ._common import JsonSink, busbw_factor, fmt_size, interleaved, pretouch, time_loop
+from ._common import JsonSink, busbw_factor, fmt_size, interleaved, pretouch, summarize, time_loop
 
 __all__ = ["main", "hierarchical_allreduce"]
 
@@ -218,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     if nodes.count < 2 and g.rank == 0:
         print("# (one node only: these figures say nothing about a network between nodes)")
     if only & {"M1", "HIER"}:
-        bench_allreduce(g, nodes, sizes, args.trials, args.link_gbit, "HIER" in only, sink)
+        rows = bench_allreduce(g, nodes, sizes, args.trials, args.link_gbit, "HIER" in only, sink)
+        shares = [r["busbw_of_link"] for r in rows if r["busbw_of_link"] == r["busbw_of_link"]]
+        if nodes.count > 1 and shares:   # one node, or no link rate: no M1 figure
+            summarize(sink, "M1", max(shares), ranks=g.size, variant=g.backend.name, nodes=nodes.count,
+                      link_gbit=args.link_gbit)
     if "M2" in only and nodes.count > 1:
-        bench_ddp(g, nodes, args.trials, args.ddp_batch, args.ddp_hidden, args.ddp_iters, sink)
+        res = bench_ddp(g, nodes, args.trials, args.ddp_batch, args.ddp_hidden, args.ddp_iters, sink)
+        summarize(sink, "M2", res["efficiency"], ranks=g.size, variant=g.backend.name, nodes=nodes.count)
     sink.close()
     return 0

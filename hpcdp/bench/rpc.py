@@ -1,9 +1,9 @@
 """RPC benchmarks against raw point-to-point on the same backend, in the same run.
 
 R1  ``rpc_sync`` round trip of a no-op against a ``send``/``recv`` ping-pong of 8 bytes
-    (target: at most 3x on MPI and TCP): mean over a loop, and the median of single calls.
+    (target: R1 of ``_targets``, on MPI and TCP): mean over a loop, and the median of single calls.
 R2  64 ``rpc_async`` calls in flight, each carrying a 1 MiB array to a callee that drops it,
-    against 64 ``isend``/``irecv`` of the same buffers (target: at least 0.8 of the raw rate).
+    against 64 ``isend``/``irecv`` of the same buffers (target: R2, a share of the raw rate).
     The raw side receives into arrays allocated once; RPC receives into buffers it reuses once
     a callee has let go of them (``hpcdp.rpc._wire.RECV_BUFFERS``): into fresh memory each
     message would also pay its page faults, which on shared memory halve the rate or worse.
@@ -24,6 +24,8 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
+
+from ._targets import target
 
 __all__ = ["main", "run"]
 
@@ -113,7 +115,7 @@ def _r1(rank: int, iters: int, trials: int) -> dict[str, Any]:
             "rpc_us": t.cand_median * 1e6, "ratio": t.median_ratio,
             "base_p50_us": statistics.median(each["base"]) * 1e6,
             "rpc_p50_us": statistics.median(each["cand"]) * 1e6,
-            "ratio_p50": statistics.median(p50), "target": "<= 3"}
+            "ratio_p50": statistics.median(p50), "target": target("R1").text}
 
 
 def _r2(rank: int, window: int, nbytes: int, rounds: int, trials: int) -> dict[str, Any]:
@@ -160,7 +162,7 @@ def _r2(rank: int, window: int, nbytes: int, rounds: int, trials: int) -> dict[s
     rpc_gbs = per_round / t.cand_median / 1e9
     return {"bench": "R2", "op": f"{window} rpc_async of {nbytes >> 20} MiB in flight",
             "base_gbs": base_gbs, "rpc_gbs": rpc_gbs,
-            "ratio": statistics.median(b / c for b, c in zip(t.base, t.cand)), "target": ">= 0.8"}
+            "ratio": statistics.median(b / c for b, c in zip(t.base, t.cand)), "target": target("R2").text}
 
 
 def run(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,15 +182,17 @@ def run(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _print(rows: Sequence[dict[str, Any]]) -> None:
+    from ._common import judged
+
     for r in rows:
         if r["bench"] == "R1":
             print(f"# R1 {r['backend']}: rpc_sync no-op {r['rpc_us']:.1f} us, send/recv round "
-                  f"trip {r['base_us']:.1f} us: ratio {r['ratio']:.2f} (target {r['target']}); "
+                  f"trip {r['base_us']:.1f} us: ratio {r['ratio']:.2f} ({judged('R1', '', r['ratio'])}); "
                   f"per-call medians {r['rpc_p50_us']:.1f} / {r['base_p50_us']:.1f} us: ratio "
                   f"{r['ratio_p50']:.2f}")
         else:
             print(f"# R2 {r['backend']}: {r['op']}: {r['rpc_gbs']:.3f} GB/s, raw p2p "
-                  f"{r['base_gbs']:.3f} GB/s: ratio {r['ratio']:.2f} (target {r['target']})")
+                  f"{r['base_gbs']:.3f} GB/s: ratio {r['ratio']:.2f} ({judged('R2', '', r['ratio'])})")
     sys.stdout.flush()
 
 
@@ -212,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import hpcdp
     from hpcdp.comm.world import detect_backend
 
-    from ._common import JsonSink
+    from ._common import JsonSink, summarize
 
     cfg = {"iters": a.iters, "trials": a.trials, "window": a.window, "mib": a.mib,
            "rounds": a.rounds}
@@ -234,6 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = JsonSink(a.json)
         for r in rows:
             sink.write(r)
+        for r in rows:
+            summarize(sink, r["bench"], r["ratio"], ranks=r["ranks"], variant=r["backend"],
+                      **({"ratio_p50": r["ratio_p50"]} if "ratio_p50" in r else {}))
         sink.close()
     return 0
 

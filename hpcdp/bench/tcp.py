@@ -24,6 +24,8 @@ import hpcdp
 
 from .._atomic import open_append
 from ..launch import free_port, spawn_processes
+from ._common import judged, summarize
+from ._targets import targets_of
 from ._plot import add_plot_argument, maybe_plot
 
 __all__ = ["main", "main_tcp", "parser", "run_b1", "run_b2"]
@@ -220,12 +222,48 @@ def main_tcp(argv: Sequence[str] | None = None, prog: str = "python -m hpcdp.ben
             print(f"{r['size']:>12} {r['size'] // 4:>10} {'float':>7} {'sum':>5} {-1:>4} "
                   f"{r['hpcdp_us']:>10.1f} {alg:>7.3f} {r['hpcdp_busbw_GBps']:>7.3f} "
                   f"{r.get('gloo_busbw_GBps', float('nan')):>10.3f} {r.get('busbw_ratio', float('nan')):>6.2f}")
+    summary = _summaries(rows)
+    for rec in summary:
+        print(f"# {rec['name'].split(':')[0]}: {rec['value']:.3f} ({judged(rec['id'], rec['part'], rec['value'])}; "
+              f"median over sizes {rec['covers']}, worst {rec['worst']:.3f})")
     if ns.json:
         with open_append(ns.json) as f:
-            for r in rows:
+            for r in rows + summary:
                 f.write(json.dumps(r) + "\n")
     maybe_plot(ns, rows, title="hpcdp TCP (B1, B2) beside raw sockets and gloo")
     return 0
+
+
+class _Collect:
+    """A sink that keeps the summary records (the rows are written together at the end)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def write(self, obj: dict[str, Any]) -> None:
+        self.rows.append(obj)
+
+
+def _summaries(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """B1 (bandwidth >= 1 MiB, latency at 8 B) and B2 (>= 4 MiB, per world size): the median over
+    the sizes each covers, as A1 and A3 are; the worst size beside it."""
+    out = _Collect()
+    b1 = [r for r in rows if r.get("bench") == "B1"]
+    for part, pick, key in (("bandwidth", lambda r: r["size"] >= 1 << 20, "bw_ratio"),
+                            ("latency", lambda r: r["size"] == 8, "time_ratio")):
+        vals = [r[key] for r in b1 if pick(r)]
+        if vals:
+            worst = min(vals) if part == "bandwidth" else max(vals)
+            summarize(out, "B1", statistics.median(vals), part=part, ranks=2, worst=worst,
+                      covers=">= 1 MiB" if part == "bandwidth" else "8 B")
+    for n in sorted({r["ranks"] for r in rows if r.get("bench") == "B2"}):
+        vals = [r["busbw_ratio"] for r in rows
+                if r.get("bench") == "B2" and r["ranks"] == n and r["size"] >= 4 << 20 and "busbw_ratio" in r]
+        part = f"{n} ranks"
+        if vals and part in {t.part for t in targets_of("B2")}:   # a world size PERF.md gates
+            summarize(out, "B2", statistics.median(vals), part=part, ranks=n, worst=min(vals),
+                      covers=">= 4 MiB")
+    return out.rows
 
 
 main = main_tcp  # python -m hpcdp.bench tcp

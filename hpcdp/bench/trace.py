@@ -13,9 +13,10 @@ machine is shared and noisy), each trial a fixed number of steps (its median ste
   trial of a few dozen steps would charge them to every step (printed apart;
   ``--file-in-trial`` counts them, as this benchmark did before).
 
-Prints the median per-trial ratios: T1 = traced / ring (target <= 1.05) and ring / off, the
-recorder's cost per recorded operation, and (first, ``--calls``) the ring's cost on the tuned
-8 B allreduce fast path, recorder on against off in interleaved trials (target <= 0.5 us). Run under any launcher::
+Prints the median per-trial ratios: T1 = traced / ring and ring / off, the recorder's cost per
+recorded operation, and (first, ``--calls``) the ring's cost on the tuned 8 B allreduce fast
+path, recorder on against off in interleaved trials (targets: T1, T1 ring, T1 fast path of
+``_targets``). Run under any launcher::
 
     mpirun -n 2 --bind-to core python -m hpcdp.bench trace
     python -m hpcdp.run -n 2 -m hpcdp.bench trace      # TCP ranks
@@ -35,7 +36,8 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim, trace
 
-from ._common import JsonSink, interleaved
+from ._common import JsonSink, interleaved, summarize, verdict
+from ._targets import target
 from ._plot import PlotSink, add_plot_argument, maybe_plot
 
 __all__ = ["main"]
@@ -234,25 +236,25 @@ def main(argv: list[str] | None = None) -> int:
             ts = res["times"][m]
             print(f"  {m:<14} median {statistics.median(ts) * 1e3:8.3f} ms/step   "
                   + " ".join(f"{t * 1e3:.3f}" for t in ts))
-        rows = [("T1 DDP example step: HPCDP_TRACE=1 / off", res["t1"], "<= 1.05", res["t1_trials"]),
-                ("flight-recorder ring / HPCDP_FLIGHT_RECORDER=0", res["ring"], "<= 1.05",
-                 res["ring_trials"])]
-        for name, v, target, per in rows:
-            print(f"# {name}: {v:.3f} (target {target}; trials " + " ".join(f"{r:.3f}" for r in per) + ")")
-            sink.write({"bench": "summary", "name": name, "value": v, "target": target, "ranks": g.size,
-                        "trials": per})
+        rows = [("T1 DDP example step: HPCDP_TRACE=1 / off", "", res["t1"], res["t1_trials"]),
+                ("flight-recorder ring / HPCDP_FLIGHT_RECORDER=0", "ring", res["ring"], res["ring_trials"])]
+        for name, part, v, per in rows:
+            met = summarize(sink, "T1", v, part=part, ranks=g.size, name=name, trials=per)
+            print(f"# {name}: {v:.3f} (target {target('T1', part).text}: {verdict(met)}; trials "
+                  + " ".join(f"{r:.3f}" for r in per) + ")")
         if res["file"] is not None:
             print(f"# opening and closing the timeline file (once per job, not in T1; --file-in-trial "
                   f"counts it): {res['file'] * 1e6:.0f} us (median, slowest rank)")
         print(f"# ring cost per recorded operation: {res['ring_ns_per_op']:+.0f} ns (median of trials; "
               "noise of a step time spread over its operations)")
         if lat is not None:
+            met = summarize(sink, "T1", lat["diff"] * 1e6, part="fast path", ranks=g.size,
+                            name="flight recorder on - off, 8 B allreduce (us)")
             print(f"# 8 B allreduce fast path: recorder on {statistics.median(lat['on']) * 1e6:.2f} us, "
                   f"off {statistics.median(lat['off']) * 1e6:.2f} us; on - off {lat['diff'] * 1e6:+.3f} us "
-                  f"(median of {args.trials} interleaved trials of {args.calls} calls; trials "
+                  f"(target {target('T1', 'fast path').text}: {verdict(met)}; median of {args.trials} "
+                  f"interleaved trials of {args.calls} calls; trials "
                   + " ".join(f"{d * 1e6:+.2f}" for d in lat["diffs"]) + ")")
-            sink.write({"bench": "summary", "name": "flight recorder on - off, 8 B allreduce (us)",
-                        "value": lat["diff"] * 1e6, "target": "<= 0.5", "ranks": g.size})
         sink.close()
         maybe_plot(args, sink.rows, title=f"hpcdp tracing overhead (T1), {g.size} ranks")
     hpcdp.finalize()

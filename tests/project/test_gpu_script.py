@@ -29,9 +29,12 @@ def test_gpu_check_dry_run_runs_every_step_and_reports(tmp_path) -> None:
     found = report["found"]
     assert found["cupy"]["stand_in"] is True and "CUDA-aware" in found["cuda_aware"]
     assert "Open MPI" in found["mpi"]["library"] or "MPICH" in found["mpi"]["library"]
-    a6 = [r for r in report["figures"] if r["id"] == "A6"]
+    a6 = [r for r in report["figures"] if r["bench"] == "gpu" and r["id"] == "A6"]
     assert [r["size"] for r in a6] == [4096, 1048576]
     for r in a6:
         assert r["a6"] > 0 and r["staging_overhead"] > 0 and r["target"] == 0.95
     assert sorted(r["strategy"] for r in report["figures"] if r["id"] == "train") == ["ddp", "full_shard"]
+    summary = [r for r in report["figures"] if r["bench"] == "summary"]
+    assert [r["id"] for r in summary] == ["A6"] and summary[0]["value"] == min(
+        r["a6"] for r in a6 if r["size"] >= 1 << 20), summary
     assert (out / "gpu-check.log").read_text().count("== [") == 4
