@@ -12,8 +12,8 @@ Three parts (``--part``; default all that apply where it runs):
   ``deterministic_chunk=2`` against the same step with the mode off, same world size, one
   process, interleaved trials (target: ``_targets``' H1).
 * ``H2`` (under ``mpirun -n 2``): deterministic allreduce busbw against the plain allreduce on
-  the same buffers, 1-16 MiB, float64 and float32 (target: H2, at the worst size), with the bytes each moves:
-  4 bytes of codes per element, then 8 (float32 data: one float64) or 16 (float64 data: two).
+  the same buffers, 1-16 MiB, float64 and float32 (target: H2, at the worst size), with one row
+  per rank and with two (the general path; see ``part_h2``), and the bytes each moves.
 
     python -m hpcdp.bench determinism --part check
     OMP_NUM_THREADS=1 mpirun -n 2 --bind-to core python -m hpcdp.bench determinism --part H1,H2
@@ -194,41 +194,63 @@ def part_h1(args: argparse.Namespace, g: Any, sink: JsonSink) -> bool:
 
 # -- H2: the collective ------------------------------------------------------------------------
 def part_h2(args: argparse.Namespace, g: Any, sink: JsonSink) -> bool:
-    """Deterministic allreduce busbw vs plain on the same buffers."""
+    """Deterministic allreduce busbw vs plain on the same buffers, two ways:
+
+    - one row per rank (the allreduce itself). With two ranks this is at most two summands,
+      which ``sum_rows`` adds plainly: one IEEE addition is already the exact sum correctly
+      rounded, in either order, so only the block codes travel beside the data;
+    - two rows per rank (``deterministic_chunk``'s gradients: four summands on two ranks), the
+      general blocked path; its baseline adds the two rows locally, then the plain allreduce.
+    """
     from ..comm import reproducible
 
     sizes = [1 << 20, 4 << 20, 16 << 20]
     worst: dict[str, float] = {}
     if g.rank == 0:
         print(f"# H2 deterministic allreduce vs plain (busbw ratio; {judged('H2')})", flush=True)
-        print(f"# {'size':>8} {'dtype':>8} {'plain us':>10} {'exact us':>10} {'ratio':>7}  wire bytes/elem", flush=True)
-    for dtype in (np.float64, np.float32):
-        for nbytes in sizes:
-            count = nbytes // np.dtype(dtype).itemsize
-            rng = np.random.default_rng(g.rank)
-            x = rng.standard_normal(count).astype(dtype)
-            out = np.empty_like(x)
-            iters = max(3, int(args.iters * (1 << 20) / nbytes * 4))
+        print(f"# {'size':>8} {'dtype':>8} {'rows':>4} {'plain us':>10} {'exact us':>10} {'ratio':>7}  "
+              "wire bytes/elem (typical layout)", flush=True)
+    for rows in (1, 2):
+        for dtype in (np.float64, np.float32):
+            for nbytes in sizes:
+                count = nbytes // np.dtype(dtype).itemsize
+                rng = np.random.default_rng(g.rank)
+                x = rng.standard_normal((rows, count)).astype(dtype)
+                out = np.empty(count, dtype)
+                local = np.empty(count, dtype)
+                iters = max(3, int(args.iters * (1 << 20) / nbytes * 4))
 
-            def plain() -> float:
-                return time_loop(lambda: g.allreduce(x, out=out), iters, sync=g.barrier)
+                def plain() -> float:
+                    if rows == 1:
+                        return time_loop(lambda: g.allreduce(x[0], out=out), iters, sync=g.barrier)
 
-            def det() -> float:
-                return time_loop(lambda: reproducible.sum_rows(g, x[None], out=out), iters, sync=g.barrier)
+                    def both() -> None:
+                        np.add(x[0], x[1], out=local)
+                        g.allreduce(local, out=out)
+                    return time_loop(both, iters, sync=g.barrier)
 
-            t = interleaved(plain, det, args.trials)
-            ratio = 1.0 / t.median_ratio   # busbw ratio = time ratio inverted
-            name = np.dtype(dtype).name
-            worst[name] = min(worst.get(name, ratio), ratio)
-            # int16 codes x2, then one float64 per element, or two (hi, lo) for float64 data
-            wire = 4 + (8 if np.dtype(dtype).itemsize < 8 else 16)
-            sink.write({"bench": "determinism", "op": "H2", "ranks": g.size, "size": nbytes, "dtype": name,
-                        "plain_us": t.base_median * 1e6, "det_us": t.cand_median * 1e6, "busbw_ratio": ratio,
-                        "wire_bytes_per_elem": wire, "data_bytes_per_elem": np.dtype(dtype).itemsize})
-            if g.rank == 0:
-                print(f"  {fmt_size(nbytes):>8} {np.dtype(dtype).name:>8} {t.base_median * 1e6:>10.0f} "
-                      f"{t.cand_median * 1e6:>10.0f} {ratio:>7.3f}  {wire} vs {np.dtype(dtype).itemsize}",
-                      flush=True)
+                def det() -> float:
+                    return time_loop(lambda: reproducible.sum_rows(g, x, out=out), iters, sync=g.barrier)
+
+                t = interleaved(plain, det, args.trials)
+                ratio = 1.0 / t.median_ratio   # busbw ratio = time ratio inverted
+                name = np.dtype(dtype).name
+                variant = name if rows == 1 else f"{name}, {rows} rows per rank"
+                worst[variant] = min(worst.get(variant, ratio), ratio)
+                item = np.dtype(dtype).itemsize
+                # block codes (about 4 KiB per MiB), then the data as the layout sends it: one
+                # plain value where the sum is one addition; else float64 values (float32 data)
+                # or a float32 hi and a float64 lo (float64 data within its layout's depth)
+                one = rows * g.size <= 2
+                wire = item if one else (8 if item < 8 else 12)
+                sink.write({"bench": "determinism", "op": "H2", "ranks": g.size, "rows": rows,
+                            "size": nbytes, "dtype": name, "plain_us": t.base_median * 1e6,
+                            "det_us": t.cand_median * 1e6, "busbw_ratio": ratio,
+                            "wire_bytes_per_elem": wire, "data_bytes_per_elem": item})
+                if g.rank == 0:
+                    print(f"  {fmt_size(nbytes):>8} {name:>8} {rows:>4} {t.base_median * 1e6:>10.0f} "
+                          f"{t.cand_median * 1e6:>10.0f} {ratio:>7.3f}  {wire} vs {item}"
+                          + (" (one addition)" if one else ""), flush=True)
     ok = True
     for name, v in worst.items():   # a figure per dtype: its worst size (the bound holds at every size)
         ok &= bool(summarize(sink, "H2", v, ranks=g.size, variant=name))

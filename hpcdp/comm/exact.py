@@ -19,6 +19,10 @@ contribution has, ``low_i``; ``E_i - low_i`` is the element's depth. Then, with 
   bits, added as int64 (exact, associative), any depth (36 limbs for 1e308 beside a
   subnormal), rounded from the integers.
 
+The grid may as well be shared by a *block* of elements (:func:`block_codes`, a few bytes per
+block instead of 4 per element; :func:`block_layout`): coarser, so sometimes a wider layout
+than an element alone would need, exact the same way (see "the blocked path" below).
+
 Accuracy: a sum is the exact sum correctly rounded (error <= 0.5 ulp), so never less accurate
 than any order of plain float additions. A mean is that sum in float64 divided by the count,
 then cast (<= 1 ulp; exact when the count is a power of two and the result is normal). Special
@@ -40,7 +44,9 @@ from .._arrays import xp_of
 
 __all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "codes32", "limb_width", "nlimbs",
            "to_limbs", "round_limbs", "float_width", "float_layout", "split2", "combine2", "apply_specials",
-           "special_counts"]
+           "special_counts",
+           "BLOCKS", "block_codes", "block_layout", "split_blocks", "one_addition",
+           "wide_blocks"]
 
 #: (significand bits, exponent of the smallest subnormal) of each float dtype summed exactly
 FORMATS: dict[np.dtype, tuple[int, int]] = {
@@ -72,7 +78,7 @@ class Workspace:
 
     def take(self, name: str, shape: tuple[int, ...], dtype: Any, xp: Any) -> Any:
         dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         buf = self._bufs.get(name)
         if buf is None or buf.nbytes < nbytes or xp_of(buf) is not xp:
             buf = self._bufs[name] = xp.empty(max(nbytes, 1), dtype=np.uint8)
@@ -289,6 +295,161 @@ def combine2(hi: Any, lo: Any, dtype: Any, xp: Any, out: Any = None) -> Any:
         out[...] = res
         return out
     return res
+
+
+# -- the blocked path: one grid per block of elements ----------------------------------------------
+# Per-element codes cost 4 bytes per element on the wire (half the plain float32 sum's) and several
+# passes over memory. A grid only has to be shared by the values it adds, and may be coarser than
+# any element needs: one exponent E (above every value of a block, on every rank) and one lowest
+# bit (below every value's last bit) per *block* of elements is enough, and costs a few bytes per
+# block. A block's depth E - low decides its layout: <= w', the values themselves (one float64);
+# <= w32 + 1 + w' (w32 = 24 - ceil(log2 N)), a float32 hi and a float64 lo; <= min(w', 51) + 1 +
+# w', two float64 halves (:func:`split_blocks`); deeper, or inf/NaN, or so large that the halves'
+# constants would overflow: the per-element method above, for the whole range. Every layout adds
+# exactly and is rounded once, so the partition into blocks (and into ranges) never changes a
+# bit, and the accuracy is the one stated at the top: the exact sum correctly rounded.
+
+#: blocks per range of elements: element i of an n-element range belongs to block i % nb of its
+#: first ``(n // nb) * nb`` elements, the rest to one tail block (so reductions run across rows)
+BLOCKS = 1024
+
+# per format: unsigned type of its bits, exponent shift, exponent field of inf/NaN, e = field - this
+# bounds |x| < 2**e, field - this is the exponent of its last bit, all but the sign, all ones
+_BITS = {np.dtype(np.float64): (np.uint64, 52, 0x7FF, 1022, 1075, np.uint64(2 ** 63 - 1), np.uint64(2 ** 64 - 1)),
+         np.dtype(np.float32): (np.uint32, 23, 0xFF, 126, 150, np.uint32(2 ** 31 - 1), np.uint32(2 ** 32 - 1))}
+
+
+def block_codes(rows: Any, xp: Any, nb: int, out: Any) -> bool:
+    """int16 ``(2, nb + 1)`` into ``out``: per block of the columns of ``rows`` (``(m, n)``,
+    float32 or float64, read in its own format), the largest exponent field of any value
+    (all ones: inf or NaN) and ``ones - f``, ``f`` the smallest exponent field of a nonzero value
+    (-1: no nonzero value); both reduce by ``MAX`` across ranks. Block ``nb`` is the tail.
+    Returns whether any value is a zero (of either sign).
+
+    Read from the magnitudes' bits: the largest magnitude has the largest field, the smallest
+    the smallest; only where a block holds a zero, a second pass finds its smallest nonzero
+    magnitude (subtracting 1 wraps zeros to the top, out of the min)."""
+    utype, shift, ones, _, _, magnitude, top = _BITS[rows.dtype]
+    m, n = rows.shape
+    k = (n // nb) * nb
+    ab = workspace().take("ab", (m, n), utype, xp)
+    xp.bitwise_and(rows.view(utype), magnitude, out=ab)
+    body = ab[:, :k].reshape(m, k // nb, nb)
+    big = xp.empty(nb + 1, dtype=utype)
+    small = xp.empty(nb + 1, dtype=utype)
+    body.max(axis=(0, 1), initial=0, out=big[:nb])
+    big[nb] = ab[:, k:].max(initial=0)
+    body.min(axis=(0, 1), initial=top, out=small[:nb])
+    small[nb] = ab[:, k:].min(initial=top)
+    zeros = m > 0 and int(small.min()) == 0
+    if zeros:
+        xp.subtract(ab, utype(1), out=ab)
+        body.min(axis=(0, 1), initial=top, out=small[:nb])
+        small[nb] = ab[:, k:].min(initial=top)
+        xp.add(small, utype(1), out=small)        # back: 0 where no value was nonzero
+    xp.right_shift(big, utype(shift), out=big)
+    out[0] = big
+    none = small == 0
+    xp.right_shift(small, utype(shift), out=small)
+    xp.subtract(utype(ones), small, out=small)
+    out[1] = small
+    out[1][none] = -1
+    return zeros
+
+
+def block_layout(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[int, Any]:
+    """(1, None): every block's values add exactly as float64; (2, sigma): every block splits
+    into two float64 halves with :func:`split_blocks` and the constants ``sigma`` (float64,
+    one per block); (3, sigma): into a float32 hi and a float64 lo (float64 data whose blocks
+    span few binades: 12 bytes a value instead of 16); (0, None): some block needs the
+    per-element method. ``code``: the reduced
+    :func:`block_codes` of data of ``dtype``; the same decision on every rank."""
+    grid = _block_grid(code, summands, dtype, xp)
+    if grid is None:                               # inf or NaN
+        return 0, None
+    e, low, wp = grid
+    if int((e - low).max(initial=0)) <= wp:
+        return 1, None
+    wp32 = wp - 29                                 # float32 sums: 24 - ceil(log2 N)
+    e_max = int(e.max(initial=0))
+    if wp32 > 0 and e_max <= 127 - (24 - wp32):
+        g = xp.maximum(e - wp32, -149)
+        if int((g - 1 - low).max(initial=0)) <= wp:   # lo's sums exact too
+            return 3, _sigma(g, xp)
+    g = xp.maximum(e - min(wp, 51), -1074)
+    if e_max > 969 + wp or int((g - 1 - low).max(initial=0)) > wp:
+        return 0, None
+    return 2, _sigma(g, xp)
+
+
+def wide_blocks(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[Any, Any] | None:
+    """(mask of the blocks one float64 cannot take, layout 2's ``sigma``) where every such
+    block fits two float64 halves, else None: the others can travel as values and only these as
+    halves, in one exchange (:func:`block_layout` gave 2 or 3)."""
+    grid = _block_grid(code, summands, dtype, xp)
+    if grid is None:
+        return None
+    e, low, wp = grid
+    wide = (e - low) > wp
+    g = xp.maximum(e - min(wp, 51), -1074)
+    if int(e[wide].max(initial=0)) > 969 + wp or int((g - 1 - low)[wide].max(initial=0)) > wp:
+        return None
+    return wide, _sigma(g, xp)
+
+
+def _block_grid(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[Any, Any, int] | None:
+    """(e, low, w') per block from the reduced :func:`block_codes`: ``|x| < 2**e``, every value
+    a multiple of ``2**low``; None when some block holds inf or NaN."""
+    _, _, ones, top_bias, low_bias, _, _ = _BITS[np.dtype(dtype)]
+    f_top = xp.maximum(code[0], 1).astype(np.int32)
+    if int(f_top.max(initial=0)) >= ones:
+        return None
+    # low = max(ones - code[1], 1) - low_bias: the last bit of the block's smallest nonzero
+    # value; a block without one (code[1] = -1) gets a low above its e, as deep as nothing
+    low = xp.maximum(ones - code[1].astype(np.int32), 1) - low_bias
+    return f_top - top_bias, low, float_width(summands)
+
+
+def one_addition(code: Any, summands: int, dtype: Any) -> bool:
+    """Whether a sum is at most one IEEE addition of finite values of ``dtype`` (at most two
+    summands, all below half the format's largest binade in the reduced :func:`block_codes`:
+    no inf, NaN or overflow): then the plain sum in
+    ``dtype``, in either order, is already the exact sum correctly rounded (IEEE rounds every
+    operation correctly; -0 + -0 = -0, anything else that cancels +0)."""
+    return summands <= 2 and int(code[0].max(initial=0)) < _BITS[np.dtype(dtype)][2] - 1
+
+
+def _sigma(g: Any, xp: Any) -> Any:
+    """``1.5 * 2**(g + 52)`` per block: adding it to a value below ``2**(g + 51)`` rounds the
+    value to a multiple of ``2**g`` (:func:`split_blocks`)."""
+    return xp.ldexp(xp.full(g.shape, 1.5), (g + 52).astype(np.int32))
+
+
+def split_blocks(x: Any, sigma: Any, nb: int, xp: Any, hi: Any, lo: Any, tmp: Any = None) -> None:
+    """``x = hi + lo`` exactly (``x`` float32 or float64, one row; ``lo`` float64, ``hi``
+    float64, or float32 with a float64 ``tmp`` of x's size): hi is x rounded to the block's
+    grid ``2**g`` (``sigma = 1.5 * 2**(g + 52)``): adding sigma rounds away the bits under
+    ``2**g`` (``|x| <= 2**(g + 51)``, so the sum stays in sigma's binade) and subtracting it is
+    exact; lo is the rest, ``|lo| <= 2**(g - 1)``, exact.
+
+    Layout 2 (:func:`block_layout`), ``E`` the block's exponent and ``g = E - min(w', 51)``:
+    float64 sums of N hi stay below ``2**(g + 53)`` (exact), and of N lo too when the block's
+    depth is at most ``min(w', 51) + 1 + w'``. Layout 3, ``g = E - w32`` with ``w32 = 24 -
+    ceil(log2 N)``: hi has at most 24 bits and its float32 sums stay below ``2**(g + 24)``;
+    float64 sums of lo are exact to a depth of ``w32 + 1 + w'``. An exact zero hi is +0 (x = -0
+    included); lo keeps x's -0."""
+    n = x.shape[0]
+    k = (n // nb) * nb
+    t = hi if tmp is None else tmp   # float64 arithmetic throughout (mixed types cost more)
+    with np.errstate(invalid="ignore", over="ignore"):
+        xp.add(x[:k].reshape(-1, nb), sigma[:nb], out=t[:k].reshape(-1, nb))
+        xp.subtract(t[:k].reshape(-1, nb), sigma[:nb], out=t[:k].reshape(-1, nb))
+        if k < n:
+            xp.add(x[k:], sigma[nb], out=t[k:])
+            xp.subtract(t[k:], sigma[nb], out=t[k:])
+        xp.subtract(x, t, out=lo)
+        if t is not hi:
+            xp.copyto(hi, t, casting="same_kind")   # exact: at most 24 bits on float32's grid
 
 
 def _normalize(a: Any, width: int) -> None:

@@ -5,20 +5,30 @@ and ``mean`` of floating-point arrays in ``allreduce``, ``reduce`` and ``reduce_
 here; the layers above (DDP, ZeRO, FSDP, gradient clipping) call :func:`sum_rows` and
 :func:`exact_total` directly to add their per-chunk gradients in the same exact way.
 
-Each reduction is two ordinary collectives, both of which any backend and any algorithm
-compute exactly (``comm.exact`` has the arithmetic and its accuracy bound):
+Each reduction is ordinary collectives, all of which any backend and any algorithm compute
+exactly (``comm.exact`` has the arithmetic and its accuracy bound). Float32 and float64 data on
+the host go range by range (``_RANGE_BYTES`` of input each, so that every range's exchanges and
+temporaries stay in cache; a scatter is one range), each range in two steps:
 
-1. ``allreduce(MAX)`` of int16 codes, two per element (the top exponent and the lowest bit of
-   any contribution) plus one for the number of rows: every rank learns the same grid;
-2. ``allreduce``/``reduce``/``reduce_scatter(SUM)`` of the values on that grid as float64 (or
-   their hi/lo halves), whose sums cannot round, and int64 limbs for the rare elements that do
-   not fit two halves,
+1. ``allreduce(MAX)`` of int16 *block codes*, two per block of ``n / exact.BLOCKS`` elements
+   (the largest exponent and the smallest nonzero one), a zeros flag and the number of rows:
+   every rank learns the same grid per block (about 4 KiB per range);
+2. the values on that grid, summed by the plain ``allreduce``/``reduce``/``reduce_scatter``:
+   the values themselves as one float64 (float32 data within 27 binades per block), or split
+   into a float32 hi and a float64 lo (within 23 binades past 53 bits), or into two float64
+   halves (within 50); at most two finite summands (two ranks, one row each): the data itself
+   in its own dtype, whose one IEEE addition is the exact sum correctly rounded,
 
-then every rank rounds the exact sums once. Bytes on the wire per element: 4 for the codes,
-then 8 (float32 data) or 16 (float64 data), against 4 or 8 for the plain sum. Non-finite
-values cost one more small exchange, only when some element has one (the codes say so on
-every rank). ``max`` and ``min`` need nothing (they do not depend on order); ``prod`` is
-refused in this mode rather than silently order-dependent.
+then every rank rounds the exact sums once. A range with inf/NaN, or deeper than two halves
+hold, takes the per-element method instead (same on every rank: the codes say so): an
+``allreduce(MAX)`` of int16 codes per element, then values, halves or int64 limbs. Bytes on the
+wire per element: 8 for float32 data and 12 for float64 (16 for very wide blocks) against 4 or
+8 for the plain sum; 4 or 8 with at most two summands; plus 4 KiB per 1 MiB range. Memory passes
+per element, float64 with two ranks, a range without zeros: three reads and one write for the
+codes, four for the halves, one for the rounding, against the plain sum's none. Non-finite
+values cost one more small exchange, only when some element has one. ``max`` and ``min`` need
+nothing (they do not depend on order); ``prod`` is refused in this mode rather than silently
+order-dependent.
 
 Asynchronous calls complete before they return (the Work is already done): the two passes
 depend on each other, and a deterministic run is about the bits, not overlap.
@@ -43,6 +53,7 @@ from . import exact
 __all__ = ["sum_rows", "exact_total", "reducible", "routes", "takes", "run", "check_agreement"]
 
 _MAX_ROWS = 32767       # the rows count travels as an int16 code
+_RANGE_BYTES = 1 << 20  # input bytes per range of the blocked path (its exchanges stay in cache)
 _tls = threading.local()
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -176,9 +187,262 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         in_dtype = np.dtype(np.float64 if in_dtype == np.complex128 else np.float32)
     if in_dtype not in exact.FORMATS:
         in_dtype = np.dtype(np.float64)
-    ws = exact.workspace()
-    real = _real(xp.ascontiguousarray(rows).reshape(m, count)).reshape(m, -1)
+    if mode not in ("all", "root", "scatter"):
+        raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
+    real = _real(xp.ascontiguousarray(rows).reshape(m, count))   # complex: (m, 2 count)
     n = real.shape[1]
+    # a mean: the sum in float64 (no overflow of a narrower format on the way), then divided
+    rounded = part_dtype if divisor == 1 else np.dtype(np.float64)
+    direct = (out is not None and divisor == 1 and out_dtype.kind != "c" and out.dtype == part_dtype
+              and out.flags.c_contiguous)
+    target = out.reshape(-1) if direct else None
+    if xp is np and n and real.dtype in (np.float32, np.float64):
+        result = _blocked(group, real, mode, root, rounded, target, timeout, replicate)
+    else:
+        result = _elementwise(group, real, in_dtype, mode, root, rounded, target, timeout, replicate)
+    if result is None:
+        return None
+    if divisor != 1:
+        result = xp.divide(result, divisor).astype(part_dtype)
+    if out_dtype.kind == "c":
+        result = result.view(out_dtype)
+    result = result.reshape((shape[0] // group.size, *shape[1:]) if mode == "scatter" else shape)
+    if out is not None and not direct:
+        out[...] = result
+        return out
+    return out if direct else result
+
+
+def _blocked(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
+             timeout: float | None, replicate: Any) -> Any:
+    """The sum of ``real`` (``(m, n)`` float32 or float64 rows) range by range
+    (:func:`_blocked_range`): each range's exchanges and temporaries stay in cache, and each
+    element's sum is exact whatever the ranges (a scatter is one range: its parts are laid out
+    rank-major). The flat result in ``rounded``; None off the root in mode "root"."""
+    n = real.shape[1]
+    step = _RANGE_BYTES // real.dtype.itemsize
+    if mode == "scatter" or n <= step:
+        return _blocked_range(group, real, mode, root, rounded, target, timeout, replicate)
+    result = target
+    if result is None and (mode == "all" or group.rank == root):
+        result = np.empty(n, rounded)
+    for lo in range(0, n, step):
+        _blocked_range(group, real[:, lo:lo + step], mode, root, rounded,
+                       None if result is None else result[lo:lo + step], timeout, replicate)
+    return result
+
+
+def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
+                   timeout: float | None, replicate: Any) -> Any:
+    """One range of :func:`_blocked`: ``allreduce(MAX)`` of the block codes (a few bytes per
+    block of ``n / exact.BLOCKS`` elements), then the values (one float64 each) or their halves
+    (two) on the blocks' grids, summed by the plain backend; a range some block of which does
+    not fit goes to :func:`_elementwise` whole (every rank sees the same codes)."""
+    xp = np
+    m, n = real.shape
+    nb = min(exact.BLOCKS, n)
+    ws = exact.workspace()
+    head = ws.take("bhead", (2 * (nb + 1) + 2,), np.int16, xp)
+    head[-2] = exact.block_codes(real, xp, nb, head[:-2].reshape(2, nb + 1))   # any zero
+    head[-1] = m
+    agreed = group.allreduce(head, "max", out=head, timeout=timeout)
+    size = group.size
+    if replicate is not None:
+        agreed = replicate.allreduce(agreed, "max", timeout=timeout)
+        size *= replicate.size
+    summands = max(int(agreed[-1]), 1) * size
+    code = agreed[:-2].reshape(2, nb + 1)
+    if rounded == real.dtype and exact.one_addition(code, summands, real.dtype):
+        return _one_addition(group, real, mode, root, target, timeout, replicate)
+    halves, sigma = exact.block_layout(code, summands, real.dtype, xp)
+    if not halves:
+        return _elementwise(group, real, real.dtype, mode, root, rounded, target, timeout, replicate)
+    if halves > 1:   # halves only for the blocks that need them, values elsewhere
+        mixed = exact.wide_blocks(code, summands, real.dtype, xp)
+        if mixed is not None:
+            wide, sigma2 = mixed
+            k = (n // nb) * nb
+            nw = (k // nb) * int(wide[:nb].sum()) + (n - k) * int(wide[nb])
+            if nw < n and (halves == 2 or 2 * nw <= n):   # fewer bytes than all in halves
+                every = xp.empty(n, dtype=bool)
+                every[:k].reshape(-1, nb)[...] = wide[:nb]
+                every[k:] = wide[nb]
+                pos = xp.flatnonzero(every)
+                block = xp.where(pos < k, pos % nb, nb)
+                return _mixed(group, real, mode, root, rounded, target, timeout, replicate,
+                              pos, block, sigma2, bool(agreed[-2]))
+    parts = group.size if mode == "scatter" else 1
+    per = n // parts
+    if halves == 3:   # hi float32, lo float64: two exchanges, each already part-major
+        hi = ws.take("bhi", (n,), np.float32, xp)
+        lo = ws.take("blo", (n,), np.float64, xp)
+        if m == 0:
+            hi.fill(-0.0)
+            lo.fill(-0.0)
+        else:
+            t = ws.take("btmp", (n,), np.float64, xp)
+            exact.split_blocks(real[0], sigma, nb, xp, hi, lo, t)
+            if m > 1:
+                hi2 = ws.take("bhi2", (n,), np.float32, xp)
+                lo2 = ws.take("blo2", (n,), np.float64, xp)
+                for r in real[1:]:
+                    exact.split_blocks(r, sigma, nb, xp, hi2, lo2, t)
+                    xp.add(hi, hi2, out=hi)
+                    xp.add(lo, lo2, out=lo)
+        sends = [hi.reshape(parts, per), lo.reshape(parts, per)]
+    else:
+        main = ws.take("bmain", (halves, n), np.float64, xp)
+        if m == 0:
+            main.fill(-0.0)   # the sum's identity: no contribution, not a +0 one
+        elif halves == 1:     # rows added one by one: numpy's sum would start from +0
+            xp.copyto(main[0], real[0])
+            for r in real[1:]:
+                xp.add(main[0], r, out=main[0])
+        else:
+            exact.split_blocks(real[0], sigma, nb, xp, main[0], main[1])
+            if m > 1:
+                part = ws.take("bsplit", (2, n), np.float64, xp)
+                for r in real[1:]:
+                    exact.split_blocks(r, sigma, nb, xp, part[0], part[1])
+                    xp.add(main, part, out=main)
+        # (halves, n) -> part-major (parts, halves * per): each rank's part contiguous
+        sends = [main.reshape(halves, parts, per).transpose(1, 0, 2).reshape(parts, halves * per)
+                 if parts > 1 and halves > 1 else main.reshape(parts, halves * per)]
+    totals = []
+    for send in sends:
+        if mode == "all":
+            total = group.allreduce(send, "sum", out=send, timeout=timeout)
+        elif mode == "root":
+            total = group.reduce(send, "sum", root=root, timeout=timeout)
+        else:
+            total = group.reduce_scatter(send, "sum", timeout=timeout)
+        if replicate is not None:
+            total = replicate.allreduce(total, "sum", timeout=timeout)
+        totals.append(total)
+    if totals[0] is None:
+        return None
+    if halves == 3:
+        hi_sum, lo_sum = totals[0].reshape(per), totals[1].reshape(per)
+    else:
+        sums = totals[0].reshape(halves, per)
+        hi_sum, lo_sum = sums[0], sums[-1]
+    with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
+        if halves == 1:
+            if target is None:
+                return hi_sum.astype(rounded)
+            xp.copyto(target, hi_sum, casting="unsafe")
+            return target
+        if halves == 3 and rounded == np.float64:   # one rounding: float32 + float64 in float64
+            result = xp.add(hi_sum, lo_sum, out=target)
+        else:
+            result = exact.combine2(hi_sum.astype(np.float64, copy=False), lo_sum, rounded, xp, out=target)
+        if agreed[-2]:   # some zero: only there can a sum be -0 (all of it -0, hi +0
+            zero = hi_sum == 0    # even for x = -0): then the exact sum is lo's, sign included
+            if bool(zero.any()):
+                result[zero] = lo_sum[zero]
+    return result
+
+
+def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
+           timeout: float | None, replicate: Any, pos: Any, block: Any, sigma: Any,
+           zeros: bool) -> Any:
+    """A range whose elements ``pos`` (sorted; in blocks ``block``) need two halves and the
+    others one value: one float64 exchange of the values (the wide elements' hi in their
+    places), each part followed by its wide elements' lo (padded with -0, the sum's identity,
+    to the same length in every part)."""
+    xp = np
+    m, n = real.shape
+    parts = group.size if mode == "scatter" else 1
+    per = n // parts
+    nw = pos.shape[0]
+    starts = xp.searchsorted(pos, xp.arange(parts + 1) * per)
+    kmax = int((starts[1:] - starts[:-1]).max())
+    width = per + kmax
+    if parts == 1:
+        at_hi, at_lo = pos, xp.arange(per, per + nw)
+    else:   # flat places in the (parts, width) buffer: part row's values, then its lo
+        row = xp.repeat(xp.arange(parts), starts[1:] - starts[:-1])
+        at_hi = pos + row * kmax
+        at_lo = row * width + per + xp.arange(nw) - starts[row]
+    ws = exact.workspace()
+    buf = ws.take("xbuf", (parts, width), np.float64, xp)
+    flat = buf.reshape(-1)
+    if m:
+        vals = buf[:, :per]
+        xp.copyto(vals, real[0].reshape(parts, per))  # values (the wide ones overwritten)
+        for r in real[1:]:
+            xp.add(vals, r.reshape(parts, per), out=vals)
+        buf[:, per:] = -0.0                           # padding: the sum's identity
+        hl = ws.take("xhl", (4, nw), np.float64, xp)
+        xw = ws.take("xw", (nw,), real.dtype, xp)
+        sig = xp.append(sigma[block], 0.0)
+        for i in range(m):
+            h, l_ = (hl[0], hl[1]) if i == 0 else (hl[2], hl[3])
+            xp.take(real[i], pos, out=xw)
+            exact.split_blocks(xw, sig, max(nw, 1), xp, h, l_)
+            if i:
+                xp.add(hl[:2], hl[2:], out=hl[:2])
+        flat[at_hi] = hl[0]
+        flat[at_lo] = hl[1]
+    else:
+        buf.fill(-0.0)   # the sum's identity
+    if mode == "all":
+        total = group.allreduce(buf, "sum", out=buf, timeout=timeout)
+    elif mode == "root":
+        total = group.reduce(buf, "sum", root=root, timeout=timeout)
+        if total is None:
+            return None
+    else:
+        total = group.reduce_scatter(buf, "sum", timeout=timeout)
+    if replicate is not None:
+        total = replicate.allreduce(total, "sum", timeout=timeout)
+    p = group.rank if mode == "scatter" else 0
+    total = total.reshape(-1)[-width:]
+    lo_n, hi_n = int(starts[p]), int(starts[p + 1])
+    idx = pos[lo_n:hi_n] - p * per
+    result = target if target is not None else xp.empty(per, rounded)
+    with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
+        xp.copyto(result, total[:per], casting="unsafe")
+        hi, lo = xp.take(total, idx), total[per:per + hi_n - lo_n]
+        both = exact.combine2(hi, lo, rounded, xp)
+    if zeros:   # hi +0 (x = -0 gives +0 too): the exact sum is lo's, sign included
+        zero = hi == 0
+        both[zero] = lo[zero]
+    result[idx] = both
+    return result
+
+
+def _one_addition(group: Any, real: Any, mode: str, root: int, target: Any,
+                  timeout: float | None, replicate: Any) -> Any:
+    """A range of at most two finite summands (``exact.one_addition``): the plain sum in the
+    data's own dtype, which rounds the one addition correctly, whatever the order."""
+    m, n = real.shape
+    if m == 0:
+        x = np.full(n, -0.0, real.dtype)   # the sum's identity
+    else:
+        x = real[0] if m == 1 else real[0] + real[1]
+    if mode == "all":
+        return group.allreduce(x, "sum", out=target, timeout=timeout)
+    if mode == "root":
+        total = group.reduce(x, "sum", root=root, timeout=timeout)
+    else:
+        total = group.reduce_scatter(x.reshape(group.size, -1), "sum", timeout=timeout)
+    if replicate is not None:
+        total = replicate.allreduce(total, "sum", timeout=timeout)
+    if total is None or target is None:
+        return total
+    target[...] = total.reshape(-1)
+    return target
+
+
+def _elementwise(group: Any, real: Any, in_dtype: np.dtype, mode: str, root: int,
+                 rounded: np.dtype, target: Any, timeout: float | None, replicate: Any) -> Any:
+    """The sum of ``real`` (``(m, n)``) with a grid per element: codes, then halves or limbs,
+    non-finite values by IEEE's rule. The flat result in ``rounded`` (into ``target`` where
+    given); None off the root in mode "root"."""
+    xp = xp_of(real)
+    m, n = real.shape
+    ws = exact.workspace()
     size = group.size
     # pass 1: the grid (top exponent, lowest bit) per element and the most rows on any rank
     head = ws.take("head", (2 * n + 1,), np.int16, xp)
@@ -203,8 +467,6 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
             counts = replicate.allreduce(counts, "sum", timeout=timeout)
     # pass 2: the values themselves (or hi/lo halves) as float64, which the plain SUM adds
     # exactly (exact.float_layout); the rare elements that do not fit, as integer limbs
-    if mode not in ("all", "root", "scatter"):
-        raise ValueError(f"sum_rows: mode must be 'all', 'root' or 'scatter', got {mode!r}")
     summands = max(int(agreed[-1]), 1) * size
     parts = group.size if mode == "scatter" else 1
     per = n // parts
@@ -268,11 +530,6 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         if kmax:
             tail = replicate.allreduce(tail, "sum", timeout=timeout)
     sums = total.reshape(halves, per)
-    # a mean: the sum in float64 (no overflow of a narrower format on the way), then divided
-    rounded = part_dtype if divisor == 1 else np.dtype(np.float64)
-    direct = (out is not None and divisor == 1 and out_dtype.kind != "c" and out.dtype == part_dtype
-              and out.flags.c_contiguous)
-    target = out.reshape(-1) if direct else None
     with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
         if halves == 1:
             if target is not None:
@@ -282,8 +539,8 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
                 result = sums[0].astype(rounded)
         else:
             result = exact.combine2(sums[0], sums[1], rounded, xp, out=target)
-    if halves == 2 and int(code[0, lo:hi].min(initial=0)) == exact.NEG_ZERO:
-        result[code[0, lo:hi] == exact.NEG_ZERO] = -0.0   # all -0: the halves' +0 must not win
+    if int(code[0, lo:hi].min(initial=0)) == exact.NEG_ZERO:   # all -0: neither the halves'
+        result[code[0, lo:hi] == exact.NEG_ZERO] = -0.0       # +0 nor numpy's row sum may win
     w = wide[mine] if kmax else None
     if w is not None and w.shape[0]:
         mine_limbs = tail.reshape(-1)[:w.shape[0] * n_limbs].reshape(-1, n_limbs).copy()
@@ -292,15 +549,7 @@ def sum_rows(group: Any, rows: Any, *, mode: str = "all", root: int = 0, divisor
         bad_here = specials[lo:hi]
         if bool(bad_here.any()):
             result[bad_here] = exact.apply_specials(result[bad_here], counts[lo:hi][bad_here], xp)
-    if divisor != 1:
-        result = xp.divide(result, divisor).astype(part_dtype)
-    if out_dtype.kind == "c":
-        result = result.view(out_dtype)
-    result = result.reshape((shape[0] // group.size, *shape[1:]) if mode == "scatter" else shape)
-    if out is not None and not direct:
-        out[...] = result
-        return out
-    return out if direct else result
+    return result
 
 
 @_plain_inside

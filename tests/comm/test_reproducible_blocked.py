@@ -1,0 +1,216 @@
+"""Deterministic mode's blocked path (``comm.reproducible._blocked``, ``comm.exact.block_*``):
+one grid per block of elements, ranges of the array exchanged one after the other, a range
+that does not fit handed to the per-element method. Every sum is still the exact sum correctly
+rounded, whatever the range and block sizes: checked against the ``fractions.Fraction``
+reference with tiny ranges and blocks (so that a few hundred elements cross many range and
+block boundaries and tails), on every world, for every layout, signed zeros, rows that differ
+per rank (none included), and the three modes."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hpcdp
+from hpcdp.comm import exact, reproducible
+from hpcdp.testing import check
+from hpcdp.testing.fixtures import World, grid, worlds
+
+from test_deterministic import exact_ref, same_bits
+
+N = 203   # elements: with ranges of 24-48 elements and 5 blocks, every boundary and tail
+
+
+def _data(case: str, rank: int, m: int, dtype: str) -> np.ndarray:
+    """Rank ``rank``'s ``(m, N)`` rows of ``case``, the same in every process."""
+    rng = np.random.default_rng([sum(map(ord, case)), rank, m, len(dtype)])
+    dt = np.dtype(dtype)
+    a = rng.standard_normal((m, N))
+    if case == "wide":           # 40 binades per block: float64 in two float64 halves,
+        a *= 2.0 ** rng.integers(-20, 20, (m, N))    # float32 in a float32 and a float64
+    elif case == "wider":        # 70: float32 in two float64 halves (round-to-odd), float64
+        a *= 2.0 ** rng.integers(-35, 35, (m, N))    # to the per-element method
+    elif case == "onewide":      # one block of five 40 binades wide: halves there, values elsewhere
+        a[:, ::5] *= 2.0 ** rng.integers(-20, 20, a[:, ::5].shape)
+    elif case == "zeros":        # signed zeros beside values: all -0 columns stay -0
+        a[:, ::3] = -0.0
+        a[:, 1::7] = 0.0
+        a[:, 60:90] = -0.0       # whole blocks and ranges of -0
+    elif case == "mixed":        # one range per element method (deep, inf, NaN), the others fast
+        a[:, 40] = 1e300 if dt == np.float64 else 1e30
+        a[:, 41] = 1e-300 if dt == np.float64 else 1e-30
+        a[:, 120] = np.inf if rank % 2 else np.nan
+        a[:, 150] = 2.0 ** -1074 if dt == np.float64 else 2.0 ** -149
+    elif case == "subnormal":
+        tiny = 2.0 ** -1074 if dt == np.float64 else 2.0 ** -149
+        a = rng.integers(-1000, 1000, (m, N)) * tiny
+    with np.errstate(over="ignore"):
+        return a.astype(dt)
+
+
+CASES = ["normal", "wide", "wider", "onewide", "zeros", "mixed", "subnormal"]
+
+
+def _rows(rank: int) -> int:
+    """Rows per rank: different on every rank, none on rank 2. (The other patterns: one row
+    each; one on even ranks, none on odd; two, one, none: at most two summands on one or two
+    ranks, which the plain sum adds exactly.)"""
+    return [1, 3, 0, 2][rank % 4]
+
+
+def body_blocked(rank: int, range_bytes: int, blocks: int) -> list[str]:
+    g = hpcdp.get_default_group()
+    n = g.size
+    fails: list[str] = []
+    was = reproducible._RANGE_BYTES, exact.BLOCKS
+    reproducible._RANGE_BYTES, exact.BLOCKS = range_bytes, blocks
+    try:
+        for dtype in ("float64", "float32"):
+            for case in CASES:
+                for rows_of in (lambda r: 1, _rows, lambda r: 1 - r % 2, lambda r: 2 - r % 3):
+                    arrs = [_data(case, r, rows_of(r), dtype) for r in range(n)]
+                    every = [row for a in arrs for row in a]
+                    x = arrs[rank]
+                    want = exact_ref(every)
+                    got = reproducible.sum_rows(g, x, dtype=dtype)
+                    if not same_bits(got, want):
+                        bad = np.nonzero(got.view(f"u{got.itemsize}") != want.view(f"u{got.itemsize}"))[0][:4]
+                        fails.append(f"all {dtype} {case}: elements {bad.tolist()} got {got[bad].tolist()} "
+                                     f"want {want[bad].tolist()}")
+                    mean = reproducible.sum_rows(g, x, dtype=dtype, divisor=3)
+                    if not same_bits(mean, exact_ref(every, 3)):
+                        fails.append(f"mean {dtype} {case}")
+                    out = np.empty(N, dtype)
+                    if reproducible.sum_rows(g, x, dtype=dtype, out=out) is not out or not same_bits(out, want):
+                        fails.append(f"out= {dtype} {case}")
+                    red = reproducible.sum_rows(g, x, mode="root", root=n - 1, dtype=dtype)
+                    if (red is None) != (rank != n - 1) or (red is not None and not same_bits(red, want)):
+                        fails.append(f"root {dtype} {case}")
+                    cut = (N // n) * n
+                    part = reproducible.sum_rows(g, x[:, :cut], mode="scatter", dtype=dtype)
+                    per = cut // n
+                    if not same_bits(part, want[rank * per:(rank + 1) * per]):
+                        fails.append(f"scatter {dtype} {case}")
+    finally:
+        reproducible._RANGE_BYTES, exact.BLOCKS = was
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
+def test_blocked_sums_are_exact_across_ranges(world: World) -> None:
+    """Ranges of 24 float64 / 48 float32 elements, 5 blocks each (tails of 4 and 3)."""
+    check(world.run(body_blocked, 192, 5))
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3"), indirect=True)
+def test_range_and_block_sizes_change_no_bit(world: World) -> None:
+    """One range, one element per block; and the default sizes (one range for N elements)."""
+    check(world.run(body_blocked, 1 << 20, 1))
+    check(world.run(body_blocked, 1 << 20, exact.BLOCKS))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("summands", [1, 2, 3, 5, 9])
+def test_block_halves_are_exact_in_any_order(dtype: str, summands: int) -> None:
+    """The kernel alone: block codes over every contribution, reduced by max, give a layout
+    whose float64 sums (values, or halves) are exact in a shuffled and the reverse order;
+    the layouts' limits sit where the docstrings put them (one float64 for float32 within 27
+    binades, two halves for float64 within 50, the per-element method beyond)."""
+    rng = np.random.default_rng(summands)
+    dt = np.dtype(dtype)
+    seen = set()
+    nb = 7
+    for span in (1, 10, 20, 40, 60, 200):
+        rows = rng.standard_normal((summands, 300)) * 2.0 ** rng.integers(0, span, (summands, 300))
+        rows[:, :5] = -0.0
+        rows[0, 2] = 0.0
+        if span == 200:
+            rows[-1, 8] = 2.0 ** -1074 if dt == np.float64 else 2.0 ** -149
+        with np.errstate(over="ignore"):
+            rows = rows.astype(dt)
+        per_row = np.empty((summands, 2, nb + 1), np.int16)
+        zeros = [exact.block_codes(r[None], np, nb, per_row[i]) for i, r in enumerate(rows)]
+        assert all(zeros)   # every row has a zero
+        code = per_row.max(axis=0)   # the exchange's MAX
+        halves, sigma = exact.block_layout(code, summands, dt, np)
+        seen.add(halves)
+        if not halves:
+            continue
+        want = exact_ref(list(rows))
+        for order in (rng.permutation(summands), np.arange(summands)[::-1]):
+            assert same_bits(_add_in_order(rows, order, halves, sigma, nb, dt), want), (dtype, summands, span, halves)
+    if dtype == "float32":
+        assert {1, 3} <= seen
+    else:
+        assert {2, 3, 0} <= seen
+
+
+
+@pytest.mark.parametrize("dtype, depth, layout, deeper", [
+    ("float32", 52, 1, 3), ("float64", 76, 3, 2), ("float64", 104, 2, 0)])
+def test_layouts_end_where_their_sums_stop_being_exact(dtype: str, depth: int, layout: int,
+                                                        deeper: int) -> None:
+    """Two summands in [1, 2) and just under 2**(2 - depth) with every bit set: at ``depth``
+    the layout still takes them (and adds them exactly, in both orders); one bit deeper it
+    hands them on to the next (0: the per-element method)."""
+    dt = np.dtype(dtype)
+    prec = exact.FORMATS[dt][0]
+    for d, want_layout in ((depth, layout), (depth + 1, deeper)):
+        rows = np.array([[1.5 - 2.0 ** (1 - prec)], [(2.0 ** prec - 1) * 2.0 ** (1 - d)]]).astype(dt)
+        per_row = np.empty((2, 2, 2), np.int16)
+        for i in range(2):
+            exact.block_codes(rows[i:i + 1], np, 1, per_row[i])
+        got_layout, sigma = exact.block_layout(per_row.max(axis=0), 2, dt, np)
+        assert got_layout == want_layout, (dtype, d)
+        if d > depth:
+            continue
+        want = exact_ref([rows[0], rows[1]])
+        for order in ((0, 1), (1, 0)):
+            assert same_bits(_add_in_order(rows, order, layout, sigma, 1, dt), want), (dtype, d, order)
+
+
+def _add_in_order(rows: np.ndarray, order: Any, layout: int, sigma: Any, nb: int, dt: np.dtype) -> np.ndarray:
+    """The rows in ``order`` in ``layout`` (as the exchanges would add them), rounded to ``dt``."""
+    n = rows.shape[1]
+    acc = None
+    for r in order:
+        if layout == 1:
+            part = [rows[r].astype(np.float64)]
+        else:
+            part = [np.empty(n, np.float32 if layout == 3 else np.float64), np.empty(n)]
+            exact.split_blocks(rows[r], sigma, nb, np, part[0], part[1], np.empty(n))
+        acc = [p.copy() for p in part] if acc is None else [a + p for a, p in zip(acc, part)]
+    assert all(a.dtype == p.dtype for a, p in zip(acc, part))   # float32 his add as float32
+    if layout == 1:
+        return acc[0].astype(dt)
+    got = exact.combine2(acc[0].astype(np.float64), acc[1], dt, np)
+    zero = acc[0] == 0
+    got[zero] = acc[1][zero]
+    return got
+
+
+def body_large(rank: int) -> list[str]:
+    """Arrays over several default ranges: ranks 0 and 1 contribute values, the others -0
+    (the sum's identity), so the exact sum correctly rounded is one IEEE addition."""
+    g = hpcdp.get_default_group()
+    fails = []
+    for dtype in ("float64", "float32"):
+        n = (3 << 20) // np.dtype(dtype).itemsize + 12345
+        pair = [np.random.default_rng([7, r]).standard_normal(n).astype(dtype) for r in (0, 1)]
+        pair[0][::1000] = -0.0
+        pair[1][::1000] = -0.0                    # all -0: -0
+        pair[1][1::1000] = -pair[0][1::1000]      # cancellation: +0
+        pair[0][n // 2:n // 2 + 50] = 1e-30       # one range deeper than two halves hold
+        x = pair[rank] if rank < 2 else np.full(n, -0.0, dtype)
+        want = pair[0] + pair[1]
+        got = reproducible.sum_rows(g, x[None])
+        if not same_bits(got, want):
+            bad = np.nonzero(got.view(f"u{got.itemsize}") != want.view(f"u{got.itemsize}"))[0][:4]
+            fails.append(f"{dtype}: elements {bad.tolist()} got {got[bad].tolist()} want {want[bad].tolist()}")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "tcp-2", "mpi"), indirect=True)
+def test_large_arrays_over_default_ranges(world: World) -> None:
+    check(world.run(body_large))
