@@ -31,7 +31,7 @@ from .._arrays import is_cupy
 from ..errors import CheckpointError
 
 __all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
-           "encode_manifest", "storage_dtype", "type_note", "checksum_of",
+           "encode_manifest", "storage_dtype", "type_note", "checksum_of", "checksum_fn",
            "default_checksum", "SEQ_DTYPES", "seq_value", "h5_attrs",
            "BF16_META", "rank_file", "vds_name"]
 
@@ -173,13 +173,23 @@ def default_checksum() -> str:
     return "crc32c"
 
 
-def checksum_of(a: np.ndarray, algorithm: str = "crc32", value: int = 0) -> int:
-    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order, continuing from
-    ``value`` (the checksum of the bytes before them)."""
+def checksum_fn(algorithm: str) -> Callable[[Any, int], int]:
+    """``fn(bytes, running_value) -> value`` of the checksum ``algorithm`` (from CHECKSUMS)."""
     try:
         fn = CHECKSUMS[algorithm]
     except KeyError:
         raise CheckpointError(f"unknown checksum {algorithm!r} in the manifest") from None
+    if fn is _crc32c:
+        import crc32c
+
+        return crc32c.crc32c
+    return fn
+
+
+def checksum_of(a: np.ndarray, algorithm: str = "crc32", value: int = 0) -> int:
+    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order, continuing from
+    ``value`` (the checksum of the bytes before them)."""
+    fn = checksum_fn(algorithm)
     a = np.require(a, requirements="C")
     return fn(a.reshape(-1).view(np.uint8), value) if a.size else value
 

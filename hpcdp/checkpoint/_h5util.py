@@ -1,13 +1,15 @@
 """Small h5py helpers shared by the writers and the reader (low-level calls, no fill values)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import h5py
 import numpy as np
 
 __all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
-           "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text"]
+           "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text", "raw_place",
+           "pread_into"]
 
 
 class SlabWriteError(Exception):
@@ -99,6 +101,51 @@ def read_into(dset: Any, out: np.ndarray, out_offsets: Sequence[int], offsets: S
     mem = h5py.h5s.create_simple(tuple(out.shape))
     mem.select_hyperslab(tuple(out_offsets), tuple(shape))
     _did(dset).read(mem, file_space(dset, offsets, shape), out)
+
+
+def raw_place(dset: Any, offsets: Sequence[int], shape: Sequence[int]) -> tuple[int, int] | None:
+    """(file descriptor, byte offset) of the block ``shape`` at ``offsets`` of ``dset`` when
+    reading it with ``pread`` gives exactly what HDF5's read would: the dataset is stored
+    contiguously in a file HDF5 opened with its POSIX driver, its file type is the very type numpy's
+    dtype maps to (HDF5 would convert nothing), and the block is one run of bytes in C order. Else
+    None (HDF5 reads it). The caller has checked that the stored bytes lie inside the file."""
+    did = _did(dset)
+    try:
+        if did.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
+            return None
+        dt = did.dtype
+        if not did.get_type().equal(h5py.h5t.py_create(dt)):
+            return None
+        fid = h5py.h5i.get_file_id(did)
+        if fid.get_access_plist().get_driver() != h5py.h5fd.SEC2:
+            return None
+        fd = fid.get_vfd_handle()
+        base = did.get_offset()
+        dshape = did.shape
+    except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
+        return None
+    if base is None or not isinstance(fd, int) or len(offsets) != len(dshape):
+        return None
+    # one run: after the first axis along which the block is longer than 1, it spans whole axes
+    k = next((a for a, n in enumerate(shape) if n > 1), len(shape))
+    if any(n != d or o != 0 for n, d, o in zip(shape[k + 1:], dshape[k + 1:], offsets[k + 1:])):
+        return None
+    flat = 0
+    for o, d in zip(offsets, dshape):
+        flat = flat * d + o
+    return fd, base + flat * dt.itemsize
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    """Fill the C-contiguous ``buf`` with the file's bytes at ``offset`` (short reads retried; a
+    file that ends first raises ``OSError``)."""
+    mv = memoryview(buf.reshape(-1).view(np.uint8))
+    got, n = 0, mv.nbytes
+    while got < n:
+        k = os.preadv(fd, [mv[got:]], offset + got)
+        if k <= 0:
+            raise OSError(f"the file ends {n - got} bytes before the end of the data")
+        got += k
 
 
 def text_dtype(n: int) -> np.dtype:

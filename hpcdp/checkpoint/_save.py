@@ -5,11 +5,13 @@
    they agree (rank 0's scalars are the ones written) and that shards tile;
 3. rank 0 checks that ``path`` is free or a committed checkpoint it may replace (anything else
    raises, untouched), creates the temporary directory and broadcasts its name;
-4. write the slabs (``_writer_mpio`` or ``_writer_vds``), CRC32 of each slab computed on the way;
-   a rank that fails goes on taking part in the remaining collective writes with nothing to write;
+4. write the slabs (``_writer_mpio`` or ``_writer_vds``); a rank that fails goes on taking part in
+   the remaining collective writes with nothing to write; a helper thread fsyncs what is written
+   as it goes (``_flush``), and the checksum of each slab runs while the last ones go out;
 5. gather the slab checksums (and any failure); build the manifest, identical on every rank;
-6. finish the files (manifest, close), fsync each rank's files;
-7. rank 0 verifies the directory, renames it into place, fsyncs the parent; broadcasts; then
+6. finish the files (manifest, close), fsync each rank's files; rank 0 meanwhile verifies the
+   directory (what it reads is what the fsync makes durable; a failure of either fails the save);
+7. rank 0 renames the directory into place, fsyncs the parent; broadcasts; then
    rotates (a rotation failure is a warning: the new checkpoint is already committed).
 A failure on any rank at any step makes every rank raise the same ``CheckpointError`` listing the
 failing ranks; the files are closed on every rank together, the temporary directory is discarded
@@ -22,7 +24,6 @@ import json
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 
@@ -37,6 +38,7 @@ from ..errors import (
     public, public_error,
 )
 from . import _commit
+from ._flush import Flusher
 from ._format import (
     FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten, rank_file,
 )
@@ -182,6 +184,25 @@ def _check_trees(group: Any, final: str, digests: list[str | None], tree: dict |
                           "save the same non-array values")
 
 
+def _manifest(plans: list, got: list, mode: str, size: int, algo: str, tree0: dict) -> dict:
+    """The manifest, from the plan and every rank's (plan index, slab with checksum) only."""
+    datasets = {p.path: {"shape": list(p.shape), "dtype": p.dtype, "type": p.note or p.dtype,
+                         "kind": p.kind, "mode": p.mode, "slabs": []} for p in plans}
+    for per_rank in got:
+        for i, slab in per_rank:
+            datasets[plans[i].path]["slabs"].append(slab)
+    for d in datasets.values():
+        d["slabs"].sort(key=lambda s: s["offsets"])
+    files = []
+    if mode == "vds":
+        from ._writer_vds import _in_main  # (h5py: imported when a save writes)
+
+        files = sorted({rank_file(s.rank) for p in plans if not _in_main(p) for s in p.slabs})
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": __version__,
+            "world_size": size, "mode": mode, "checksum": algo, "created_unix": None,
+            "tree": tree0, "datasets": datasets, "files": files}
+
+
 class _Phases:
     """The save's consecutive steps as ``checkpoint.<phase>`` spans on the timeline (``HPCDP_TRACE``)."""
 
@@ -254,62 +275,67 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
         from ._writer_vds import VdsWriter
 
         writer = VdsWriter(tmp, rank)
-    err, crcs = None, []
-    # Checksums in a helper thread while this one writes (both release the GIL). Whatever fails
-    # here, every rank still runs writer.write to its end: in mpio mode it joins every collective
-    # write (with nothing to write after a local failure), so no rank is left waiting in one.
-    with ThreadPoolExecutor(1, thread_name_prefix="hpcdp-ckpt-crc") as pool:
-        futs: list = []
-        try:
-            mine = [(i, s) for i, p in enumerate(plans) if (s := p.slab_of(rank)) is not None]
-            futs = [(i, s, pool.submit(checksum_of, slab_data(leaves[i], plans[i], rank), algo))
-                    for i, s in mine]
-        except Exception as exc:  # noqa: BLE001
-            err = _describe(exc)
-        try:
-            writer.write(plans, leaves, tree0, failed=err is not None)
-        except Exception as exc:  # noqa: BLE001
-            err = err or _describe(exc)
-        if err is None:
-            try:
-                crcs = [(i, s.as_json(f.result())) for i, s, f in futs]
-            except Exception as exc:  # noqa: BLE001
-                err = _describe(exc)
+    err, crcs, mine = None, [], []
+    # Whatever fails here, every rank still runs writer.write to its end: in mpio mode it joins
+    # every collective write (with nothing to write after a local failure), so no rank is left
+    # waiting in one.
     try:
-        got = _agree(group, "writing", final, err, crcs)
-    except CheckpointError:
-        writer.abort()  # all ranks together: closing an mpio file is collective
-        if rank == 0:
-            _commit.discard(tmp)
-        raise
-
-    # 5. manifest (identical on every rank: built from gathered data only)
-    datasets = {p.path: {"shape": list(p.shape), "dtype": p.dtype, "type": p.note or p.dtype,
-                         "kind": p.kind, "mode": p.mode, "slabs": []} for p in plans}
-    for per_rank in got:
-        for i, slab in per_rank:
-            datasets[plans[i].path]["slabs"].append(slab)
-    for d in datasets.values():
-        d["slabs"].sort(key=lambda s: s["offsets"])
-    files = []
-    if mode == "vds":
-        from ._writer_vds import _in_main  # (h5py: imported when a save writes)
-
-        files = sorted({rank_file(s.rank) for p in plans if not _in_main(p) for s in p.slabs})
-    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "hpcdp_version": __version__,
-                "world_size": size, "mode": mode, "checksum": algo, "created_unix": None,
-                "tree": tree0, "datasets": datasets, "files": files}
-    raw, mcrc = encode_manifest(manifest)
-
-    # 6. finish and fsync (finish closes the file on every rank even when it fails on one)
-    phase("fsync")
-    err = None
-    try:
-        written = writer.finish(raw, mcrc)
-        for p in written:
-            _commit.fsync_path(p)
+        mine = [(i, s, slab_data(leaves[i], plans[i], rank))
+                for i, p in enumerate(plans) if (s := p.slab_of(rank)) is not None]
     except Exception as exc:  # noqa: BLE001
         err = _describe(exc)
+    # The device writes earlier slabs out while later ones are copied (``Flusher``), and the rest
+    # as soon as the last is written; the checksums run meanwhile, in time this core would idle
+    # in the final fsync (run beside the writes, they would only slow them: the same core copies
+    # the bytes into the page cache, or aggregates them).
+    early = Flusher()
+    try:
+        writer.write(plans, leaves, tree0, failed=err is not None, wrote=early.wrote)
+    except Exception as exc:  # noqa: BLE001
+        err = err or _describe(exc)
+    try:
+        if err is None:
+            early.flush(writer.early_files())
+            try:
+                crcs = [(i, s.as_json(checksum_of(data, algo))) for i, s, data in mine]
+            except Exception as exc:  # noqa: BLE001
+                err = _describe(exc)
+        try:
+            got = _agree(group, "writing", final, err, crcs)
+        except CheckpointError:
+            early.wait()
+            writer.abort()  # all ranks together: closing an mpio file is collective
+            if rank == 0:
+                _commit.discard(tmp)
+            raise
+
+        # 5. manifest (identical on every rank: built from gathered data only)
+        raw, mcrc = encode_manifest(_manifest(plans, got, mode, size, algo, tree0))
+
+        # 6. finish and fsync (finish closes the file on every rank even when it fails on one);
+        # rank 0 checks what it wrote (from the page cache) while the device writes
+        phase("fsync")
+        err = None
+        try:
+            written = writer.finish(raw, mcrc)
+            sync = Flusher()
+            sync.flush(written)
+            try:
+                if rank == 0:
+                    from ._reader import verify_structure
+
+                    verify_structure(tmp)
+            finally:
+                exc_sync = sync.wait()
+            if exc_sync is not None:
+                raise exc_sync
+        except Exception as exc:  # noqa: BLE001
+            err = _describe(exc)
+        exc_early = early.wait()
+        if exc_early is not None:  # the kernel reports a write-back error to one fsync only
+            err = _describe(exc_early)
+    finally:
+        early.wait()
     try:
         _agree(group, "finishing the files", final, err)
     except CheckpointError:
@@ -318,16 +344,13 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
             _commit.discard(tmp)
         raise
 
-    # 7. verify and commit (rank 0), then rotate: the save succeeded once committed, so a
+    # 7. commit (rank 0), then rotate: the save succeeded once committed, so a
     # rotation failure is a warning, not a failed save.
     phase("commit")
     err, rotate_err = None, None
     if rank == 0:
         try:
-            from ._reader import verify_structure
-
-            verify_structure(tmp)
-            _commit.commit(tmp, final)
+            _commit.commit(tmp, final)  # verify_structure ran with the fsync
         except Exception as exc:  # noqa: BLE001
             err = _describe(exc)
             _commit.discard(tmp)

@@ -17,7 +17,7 @@ part in that call (it is not joined again). A rank that dies outright is the lau
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import h5py
 import numpy as np
@@ -45,16 +45,23 @@ class MpioWriter:
     def files(self) -> list[str]:
         return []
 
+    def early_files(self) -> list[str]:
+        """What to fsync early, once the slabs are written: the one shared file, from one rank
+        (every rank fsyncs it after ``finish``)."""
+        return [self.path] if self.rank == 0 else []
+
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc.__cause__ if isinstance(exc, SlabWriteError) and exc.__cause__ else exc
 
     def write(self, plans: Sequence[DatasetPlan], leaves: Sequence[Leaf], tree0: dict, *,
-              failed: bool = False) -> list[tuple]:
+              failed: bool = False, wrote: Callable[[str, int], None] | None = None) -> list[tuple]:
         """Create everything and write this rank's slabs; returns ``(plan index, slab)`` written here.
 
         Args:
             failed: this rank already failed: take part in every collective, write nothing.
+            wrote: told (on rank 0: the file is shared) the bytes of each dataset once written,
+                for early write-back (``Flusher.wrote``).
         """
         from mpi4py import MPI
 
@@ -100,6 +107,8 @@ class MpioWriter:
                         self._fail(exc)
             elif 0 not in p.shape:
                 self._collective(d, leaf, p, s, coll, i, mine)
+            if wrote is not None and self.rank == 0 and self.error is None:
+                wrote(self.path, p.nbytes)
         if self.error is not None:
             raise self.error
         return mine

@@ -17,7 +17,8 @@ whole directory. hpcdp's own loader refuses a missing rank file, naming it.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from math import prod
+from typing import Callable, Sequence
 
 import h5py
 import numpy as np
@@ -73,8 +74,9 @@ class VdsWriter:
         self.tree0: dict = {}
 
     def write(self, plans: Sequence[DatasetPlan], leaves: Sequence[Leaf], tree0: dict, *,
-              failed: bool = False) -> list[tuple]:
-        """Write this rank's slabs to its own file (nothing collective: ``failed`` skips it all)."""
+              failed: bool = False, wrote: Callable[[str, int], None] | None = None) -> list[tuple]:
+        """Write this rank's slabs to its own file (nothing collective: ``failed`` skips it all);
+        ``wrote`` is told the bytes of each slab once written (``Flusher.wrote``)."""
         self.plans, self.leaves, self.tree0 = plans, leaves, tree0
         if failed:
             return []
@@ -88,6 +90,8 @@ class VdsWriter:
                     d = create_dataset(f, p.path, s.shape, np.dtype(p.dtype))
                     write_slab(d, slab_data(leaves[i], p, self.rank), (0,) * len(s.shape))
                     mine.append((i, s))
+                    if wrote is not None:
+                        wrote(self.own, prod(s.shape) * np.dtype(p.dtype).itemsize)
             self.wrote_own = True
         if self.rank == 0:
             mine += [(i, p.slabs[0]) for i, p in enumerate(plans) if _in_main(p) and p.slabs]
@@ -95,6 +99,10 @@ class VdsWriter:
 
     def files(self) -> list[str]:
         return [self.own] if self.wrote_own else []
+
+    def early_files(self) -> list[str]:
+        """What to fsync early, once the slabs are written: this rank's own file (closed)."""
+        return self.files()
 
     def finish(self, manifest: bytes, crc: int) -> list[str]:
         """Rank 0 writes the main file (the manifest: UTF-8 JSON text); every rank returns the
