@@ -511,3 +511,117 @@ def body_foreign(rank: int) -> list[str]:
     if r == 0:
         fails += compare({"weight": ref.weight.data, "bias": ref.bias.data}, full, 1e-12, "foreign model")
     return fails
+
+
+# -- the step's buffers and its breakdown -------------------------------------------------------
+def _address(a: Any) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def body_zero2_buffers(rank: int) -> list[str]:
+    """shard_grad_op keeps its step buffers: a steady-state step gathers into the memory the step
+    before used and reduces into the same shard gradients (after ``zero_grad``), so it allocates
+    none; an array the user still holds (a gradient, a gathered parameter) is never reused or
+    written to; full_shard keeps nothing; ``close`` drops the cache."""
+    fails: list[str] = []
+    model = nn.Sequential(nn.Linear(16, 32, dtype=F64, seed=1), nn.Tanh(), nn.Linear(32, 16, dtype=F64, seed=2))
+    fsdp = FSDP(model, strategy="shard_grad_op", auto_wrap={nn.Linear})
+    opt = optim.Adam(fsdp.parameters(), lr=0.01)
+    loss_fn = nn.MSELoss()
+    x = np.random.default_rng(rank).normal(size=(4, 16))
+    gathered: list[Any] = []
+    model[0].register_forward_hook(lambda m, a, o: gathered.append(m.weight.data))
+
+    def step() -> list[int]:
+        loss_fn(fsdp(x), x)
+        fsdp.backward(loss_fn.backward())
+        opt.step()
+        return [_address(p.grad) for p in fsdp.parameters()]
+
+    def settle() -> int:
+        """Drop every reference the test holds; the bytes cached for the next step."""
+        opt.zero_grad()
+        gathered.clear()
+        return int(fsdp.memory_stats()["buffer_cache"])
+
+    first = step()
+    w_first = _address(gathered[-1])
+    gathered.clear()
+    opt.zero_grad()
+    second = step()
+    if second != first:
+        fails.append("the shard gradients of a steady-state step are new arrays, not the last step's")
+    if _address(gathered[-1]) != w_first:
+        fails.append("a steady-state step gathered into new memory, not the last step's buffer")
+    cached = settle()
+    if cached <= 0:
+        fails.append("memory_stats reports no cached step buffers under shard_grad_op")
+    third = step()
+    held = [p.grad for p in fsdp.parameters()]       # the user keeps the gradients ...
+    held_values = [g.copy() for g in held]
+    held_w = gathered[-1]                             # ... and a gathered weight (a view)
+    held_w_values = held_w.copy()
+    settle()
+    fourth = step()
+    if any(a == b for a, b in zip(third, fourth)):
+        fails.append("a gradient array the user still holds was reused for the next step's gradient")
+    if any(not np.array_equal(g, v) for g, v in zip(held, held_values)):
+        fails.append("a gradient array the user still holds was overwritten by the next step")
+    if _address(gathered[-1]) == _address(held_w) or not np.array_equal(held_w, held_w_values):
+        fails.append("a gathered weight the user still holds was reused by the next step's gather")
+    fsdp.close()
+    if fsdp.memory_stats()["buffer_cache"] != 0:
+        fails.append("close() left cached step buffers")
+    f3 = FSDP(nn.Sequential(nn.Linear(16, 16, dtype=F64, seed=3)), strategy="full_shard", auto_wrap={nn.Linear})
+    opt3 = optim.SGD(f3.parameters(), lr=0.1)
+    for _ in range(2):
+        loss_fn(f3(x), x)
+        f3.backward(loss_fn.backward())
+        opt3.step()
+        opt3.zero_grad()
+    if f3.memory_stats()["buffer_cache"] != 0:
+        fails.append("full_shard kept step buffers (it promises to free what it gathered)")
+    return fails
+
+
+def body_step_breakdown(rank: int, kind: str) -> list[str]:
+    """``step_breakdown`` times every phase, the waits inside them, the same figures on every
+    rank, and trains the model; DDP reports no waits."""
+    from hpcdp.fsdp import step_breakdown
+
+    fails: list[str] = []
+    model = nn.Sequential(nn.Linear(16, 32, dtype=F64, seed=1), nn.Tanh(), nn.Linear(32, 16, dtype=F64, seed=2))
+    w: Any = (hpcdp.DDP(model) if kind == "ddp"
+              else FSDP(model, strategy=kind, auto_wrap={nn.Linear}))
+    opt = optim.SGD(w.parameters(), lr=0.1)
+    x = np.random.default_rng(rank).normal(size=(4, 16))
+    before = [np.array(p.data, copy=True) for p in w.parameters()]
+    b = step_breakdown(w, opt, x, nn.MSELoss(), steps=1)
+    keys = ("forward", "all_gather_wait", "backward", "reduce_wait", "optimizer", "zero_grad", "step",
+            "page_faults", "sys_seconds")
+    if sorted(b) != sorted(keys):
+        return [f"step_breakdown keys {sorted(b)}"]
+    if any(b[k] < 0 for k in keys):
+        fails.append(f"negative figures: {dict(b)}")
+    parts = b["forward"] + b["backward"] + b["optimizer"] + b["zero_grad"]
+    if not parts >= b["step"] * (1 - 1e-9) or not b["step"] > 0:   # one step: the phases tile it
+        fails.append(f"phases {parts} s do not add up to the step {b['step']} s")
+    if b["reduce_wait"] > b["backward"] or b["all_gather_wait"] > b["forward"] + b["backward"]:
+        fails.append(f"a wait is longer than the phase that contains it: {dict(b)}")
+    sharded = kind != "ddp" and hpcdp.get_default_group().size > 1
+    if sharded != (b["all_gather_wait"] > 0 and b["reduce_wait"] > 0):
+        fails.append(f"{kind}: waits {b['all_gather_wait']}, {b['reduce_wait']}")
+    mine = np.array([b[k] for k in keys])
+    every = hpcdp.all_gather(mine)
+    if not np.array_equal(every[0], every[rank]):
+        fails.append("ranks report different figures (the slowest rank's, everywhere, expected)")
+    if all(np.array_equal(p0, p.data) for p0, p in zip(before, w.parameters())):
+        fails.append("the timed step did not train the model")
+    if "forward" not in str(b) or " ms" not in str(b):
+        fails.append(f"str: {b}")
+    try:
+        step_breakdown(w, opt, x, nn.MSELoss(), steps=0)
+        fails.append("steps=0 did not raise")
+    except ValueError:
+        pass
+    return fails

@@ -35,7 +35,7 @@ import numpy as np
 import hpcdp
 from hpcdp import nn, optim
 from hpcdp.fsdp import FSDP, zero_formula
-from hpcdp.fsdp import distinct_nbytes, optimizer_state_bytes
+from hpcdp.fsdp import distinct_nbytes, optimizer_state_bytes, step_breakdown
 
 from ._common import JsonSink, interleaved, judged, summarize, verdict
 from ._targets import target
@@ -258,6 +258,13 @@ def bench_e3(depth: int, width: int, batch: int, trials: int, iters: int, sink: 
                     "ddp_ms": tr.base_median * 1e3})
         summarize(sink, "E3", r, part=kind, ranks=n, trials=tr.ratios, ms=tr.cand_median * 1e3,
                   ddp_ms=tr.base_median * 1e3)
+
+    _say("  per phase, slowest rank's median step (hpcdp.fsdp.step_breakdown):")
+    for k in ("ddp", "zero2", "zero3"):
+        t = trainers[k]
+        b = step_breakdown(t.w, t.opt, t.x, t.loss, steps=iters)
+        _say(f"  {k:<8} {b}")
+        sink.write({"bench": "E3", "kind": f"{k} breakdown", "ranks": n, **dict(b)})
 
     def ag_wait(t: Trainer) -> float:
         total = 0.0

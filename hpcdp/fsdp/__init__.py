@@ -11,14 +11,17 @@
 
 Modules by concern: ``_api`` (policies), ``_wrap`` (units), ``_param`` (one parameter's layout),
 ``_unit`` (a unit's buffers), ``_collectives``, ``_state`` (the per-step schedule and event log),
-``_checkpoint``, ``_memory``, ``_torch`` (what differs for torch models), and the ``fsdp`` facade.
+``_checkpoint``, ``_memory``, ``_pool`` (the step's buffers, reused across steps), ``_breakdown``
+(a step's time per phase), ``_torch`` (what differs for torch models), and the ``fsdp`` facade.
 """
 from __future__ import annotations
 
 from ._api import STRATEGIES, Event, MixedPrecision, SizeBasedPolicy, size_based
+from ._breakdown import StepBreakdown, step_breakdown
 from ._memory import MemoryStats, distinct_nbytes, optimizer_state_bytes, zero_formula
 from ._param import FreedGrad
 from .fsdp import FSDP
 
 __all__ = ["FSDP", "MixedPrecision", "SizeBasedPolicy", "size_based", "STRATEGIES", "Event",
-           "MemoryStats", "FreedGrad", "zero_formula", "distinct_nbytes", "optimizer_state_bytes"]
+           "MemoryStats", "FreedGrad", "zero_formula", "distinct_nbytes", "optimizer_state_bytes",
+           "StepBreakdown", "step_breakdown"]

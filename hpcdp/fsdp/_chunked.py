@@ -26,6 +26,7 @@ class ExactReduction:
     """A finished reduction with ``Reduction``'s interface (the schedule polls and waits)."""
 
     awaiting_second = False
+    scale = 1.0   # the exact sum is already divided by the number of chunks
 
     def __init__(self, result: Any) -> None:
         self._result = result

@@ -83,14 +83,16 @@ class Reduction:
     """A unit's gradient reduction in flight: reduce-scatter, then (hybrid) allreduce.
 
     ``send`` is the rank-major (n, S) gradient in the travelling dtype; the result is this rank's
-    (S,) piece, summed over all ``n * m`` ranks and divided by that number unless ``predivided``.
+    (S,) piece, summed over all ``n * m`` ranks; it still has to be multiplied by ``scale`` (one
+    over that number, or 1 when ``predivided``), which the caller does while copying it out.
     A bfloat16 reduce-scatter is an ``all_to_all`` of bf16 chunks summed here in float32 (no
     transport has a bfloat16 sum); across replicas a bf16 partial is allreduced in float32.
     """
 
-    def __init__(self, comm: ShardComm, send: Any, dtype: Any, predivided: bool, label: str) -> None:
+    def __init__(self, comm: ShardComm, send: Any, dtype: Any, predivided: bool, label: str,
+                 pool: Any = None) -> None:
         self.comm, self.dtype, self.label = comm, dtype, label
-        self.divide = not predivided and comm.world > 1
+        self.scale = 1.0 / comm.world if not predivided and comm.world > 1 else 1.0
         self._send: Any = send
         self._first: Any = None       # shard-group work
         self._second: Any = None      # replicate-group work
@@ -102,8 +104,9 @@ class Reduction:
         elif dtype == BF16:
             self._first = comm.shard.all_to_all(send, async_op=True)
         else:
-            self._first = comm.shard.reduce_scatter(send, "sum", out=xp.empty((1, send.shape[1]), send.dtype),
-                                                    async_op=True)
+            shape = (1, send.shape[1])
+            out = xp.empty(shape, send.dtype) if pool is None else pool.take(xp, shape, send.dtype)
+            self._first = comm.shard.reduce_scatter(send, "sum", out=out, async_op=True)
         if self._first is None:
             self._start_second()
 
@@ -141,7 +144,8 @@ class Reduction:
         return True
 
     def wait(self) -> Any:
-        """Block until done; return this rank's reduced piece (S,) as numbers."""
+        """Block until done; return this rank's summed piece (S,) as numbers (times ``scale``
+        is the mean)."""
         if self._result is not None:
             return self._result
         if self._first is not None:
@@ -150,8 +154,6 @@ class Reduction:
             self._second.wait()
             self._second = None
         res = self._partial
-        if self.divide:
-            res *= 1.0 / self.comm.world
         self._result = res
         self._partial = None
         return res

@@ -61,7 +61,7 @@ class MemoryStats(dict):
     """
 
     ORDER = ("params", "grads", "optim_state", "gathered_peak", "gathered_now", "padding",
-             "full_params")
+             "full_params", "buffer_cache")
     LABELS = {
         "params": "sharded parameters",
         "grads": "gradients",
@@ -70,6 +70,7 @@ class MemoryStats(dict):
         "gathered_now": "gathered now",
         "padding": "padding in the shards",
         "full_params": "unsharded model (for scale)",
+        "buffer_cache": "step buffers kept for reuse",
     }
 
     def __str__(self) -> str:

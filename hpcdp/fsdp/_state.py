@@ -50,8 +50,10 @@ class Schedule:
     """Step state shared by the hooks of every unit of one FSDP instance."""
 
     def __init__(self, units: list[Unit], *, reshard_after_forward: bool, prefetch: bool,
-                 limit_all_gathers: bool, mixed: Any, rank: int, record_events: bool = True) -> None:
+                 limit_all_gathers: bool, mixed: Any, rank: int, record_events: bool = True,
+                 pool: Any = None) -> None:
         self.units = units
+        self.pool = pool   # the units' BufferPool: told when a step begins
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch
         self.ahead_cap = 1 if limit_all_gathers else 2
@@ -147,6 +149,8 @@ class Schedule:
         self.ahead.clear()
         self.stack.clear()
         self.events.clear()
+        if self.pool is not None:
+            self.pool.new_step()
         self.waits = {"all_gather": 0.0, "reduce": 0.0}
         self.phase = "fwd"
         self.forward_pending = False

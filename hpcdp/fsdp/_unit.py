@@ -12,7 +12,9 @@ Life of a unit in one training step (the schedule in ``_state`` decides when)::
     finish_reduction()  wait; this rank's piece becomes (or is added to) the shard parameters' ``.grad``
 
 Outside those windows a model parameter's ``.data`` is an empty placeholder and its ``.grad`` is a
-:class:`FreedGrad`, so nothing full-size stays behind and misuse raises.
+:class:`FreedGrad`, so nothing full-size stays behind and misuse raises. The flat buffers (receive,
+gathered, unsharded gradient, send, the reduced piece) come from the FSDP's ``BufferPool``: under
+shard_grad_op the next step reuses them once nothing refers to them any more (``_pool``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ._chunked import exact_reduction
 from ..nn.chunking import ChunkCount
 from ._collectives import Reduction, ShardComm, comm_dtype, decode, encode
 from ._param import FreedGrad, ParamSlot
+from ._pool import BufferPool
 from ._wrap import UnitSpec
 
 __all__ = ["Unit", "FREE", "PENDING", "GATHERED"]
@@ -48,10 +51,12 @@ class Unit:
         param_dtype: dtype gathered and computed in (``"bfloat16"`` emulated), None: master's.
         reduce_dtype: dtype gradients are reduced in, None: the compute dtype.
         track: ``track(delta_bytes)`` told of every gathered buffer allocated or dropped.
+        pool: where the step's flat buffers come from (shared by the units of one FSDP).
     """
 
     def __init__(self, spec: UnitSpec, index: int, comm: ShardComm, master_dtype: Any,
-                 param_dtype: Any, reduce_dtype: Any, track: Callable[[int], None]) -> None:
+                 param_dtype: Any, reduce_dtype: Any, track: Callable[[int], None],
+                 pool: BufferPool | None = None) -> None:
         self.spec, self.index, self.comm = spec, index, comm
         self.name = spec.label
         self.module = spec.module
@@ -60,6 +65,7 @@ class Unit:
         self.compute_dtype = np.dtype(np.float32) if self.param_dtype == BF16 else np.dtype(self.param_dtype)
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else self.param_dtype
         self._track = track
+        self.pool = pool if pool is not None else BufferPool(keep=False)
         n, r = comm.n, comm.shard_rank
         self.slots: list[ParamSlot] = []
         s_off = f_off = 0
@@ -142,7 +148,7 @@ class Unit:
             return True
         send = encode(self.flat, travel)
         n = self.comm.n
-        self._ag_buf = self.xp.empty((n, self.S), comm_dtype(travel))
+        self._ag_buf = self.pool.take(self.xp, (n, self.S), comm_dtype(travel))
         self._ag_bytes = int(self._ag_buf.nbytes)
         self._track(self._ag_bytes)
         self._ag_work = self.comm.all_gather(send, self._ag_buf)
@@ -170,7 +176,7 @@ class Unit:
                 self._ag_work = None
             gathered = decode(self._ag_buf, travel)
             dtype = np.dtype(np.float32) if travel == BF16 else np.dtype(travel)
-            self.full = self.xp.empty(self.F, dtype)
+            self.full = self.pool.take(self.xp, self.F, dtype)
             self._full_bytes = int(self.full.nbytes)
             self._track(self._full_bytes)
             if self.comm.n == 1:  # no_shard with mixed precision: a cast copy, same layout
@@ -214,7 +220,7 @@ class Unit:
     def begin_grads(self) -> None:
         """Point the model's gradients at a zeroed parameter-major buffer (kept under no_sync)."""
         if self.grad_full is None:
-            self.grad_full = self.xp.zeros(self.F, self.compute_dtype)
+            self.grad_full = self.pool.zeros(self.xp, self.F, self.compute_dtype)
             fresh = True
         else:
             fresh = False
@@ -262,7 +268,7 @@ class Unit:
             full *= 1.0 / self.comm.world
         n, k = self.comm.n, len(self.slots)
         staging = np.dtype(np.float32) if self.reduce_dtype == BF16 else np.dtype(self.reduce_dtype)
-        send = self.xp.empty((n, self.S + k), staging)
+        send = self.pool.take(self.xp, (n, self.S + k), staging)   # every element is written below
         if n == 1:   # no_shard: the flat shard is the whole unit, same layout
             send[0, :self.F] = full
         else:
@@ -278,7 +284,7 @@ class Unit:
         for i in self.trainable:
             slot = self.slots[i]
             slot.param.grad = FreedGrad(slot.name)
-        self.reduction = Reduction(self.comm, send, self.reduce_dtype, predivide, self.name)
+        self.reduction = Reduction(self.comm, send, self.reduce_dtype, predivide, self.name, self.pool)
         if trace_state.on:
             trace.instant("reduction posted", "fsdp", unit=self.name, bytes=int(send.nbytes))
 
@@ -290,7 +296,17 @@ class Unit:
         with trace.span("fsdp.reduce_scatter", "fsdp", unit=self.name):
             res = red.wait()
         used = to_host(res[self.S:]) > 0
-        res = res[:self.S].astype(self.master_dtype)   # a copy: the flags do not stay behind
+        # a copy (the flags and the reduction's buffer do not stay behind), divided on the way
+        piece_all = self.pool.take(self.xp, self.S, self.master_dtype)
+        if red.scale == 1.0:
+            piece_all[...] = res[:self.S]
+        elif res.dtype == piece_all.dtype:
+            self.xp.multiply(res[:self.S], red.scale, out=piece_all)
+        else:   # divide in the reduction's dtype, as the sum was made, then widen
+            res = res[:self.S]
+            res *= red.scale
+            piece_all[...] = res
+        res = piece_all
         for i in self.trainable:
             sp, slot = self.shard_params[i], self.slots[i]
             if not used[i]:

@@ -34,6 +34,7 @@ from . import _checkpoint
 from ._api import STRATEGIES, Event, MixedPrecision
 from ._collectives import ShardComm
 from ._memory import MemoryStats, Tracker, optimizer_state_bytes
+from ._pool import BufferPool
 from ._state import Schedule, _cast_input
 from ._torch import SavedParams, TorchPass
 from ..nn.torch_module import TorchModule, from_torch, is_torch_module
@@ -183,6 +184,7 @@ class FSDP:
         if sync_module_states and self.group.size > 1:
             _broadcast_arrays(self.group, [p.data for _, p in named] + [b for _, b in bufs])
         self._tracker = Tracker()
+        self._pool = BufferPool(keep=strategy == "shard_grad_op")   # see _pool
         self.units: list[Unit] = []
         for i, sp in enumerate(specs):
             dtypes = {np.dtype(p.data.dtype) for _, p in sp.params}
@@ -193,7 +195,8 @@ class FSDP:
             master = np.dtype(np.float32) if mixed_precision is not None and dt.itemsize < 4 else dt
             unit = Unit(sp, i, self.comm, master,
                         mixed_precision.param_dtype if mixed_precision else None,
-                        mixed_precision.reduce_dtype if mixed_precision else None, self._tracker)
+                        mixed_precision.reduce_dtype if mixed_precision else None, self._tracker,
+                        self._pool)
             unit.shard_from_model()
             self.units.append(unit)
         order = {id(p): k for k, (_, p) in enumerate(named)}
@@ -203,7 +206,7 @@ class FSDP:
             sp._state_owner = weakref.ref(self)
         self._sched = Schedule(self.units, reshard_after_forward=strategy in ("full_shard", "hybrid_shard"),
                                prefetch=prefetch, limit_all_gathers=limit_all_gathers,
-                               mixed=mixed_precision, rank=rank)
+                               mixed=mixed_precision, rank=rank, pool=self._pool)
         self._require_sync = True
         self._chunks = None if deterministic_chunk is None else ChunkCount(deterministic_chunk, "FSDP")
         for u in self.units:
@@ -460,7 +463,8 @@ class FSDP:
                 u.reshard()
 
     def memory_stats(self, optimizer: Any = None, *, reset_peak: bool = False) -> MemoryStats:
-        """Bytes this rank holds: shard parameters, gradients, optimizer state, peaks.
+        """Bytes this rank holds: shard parameters, gradients, optimizer state, peaks, and the step
+        buffers shard_grad_op keeps for the next step (``buffer_cache``, idle now).
 
         Args:
             optimizer: the optimizer whose state to count; by default every live ``hpcdp.optim``
@@ -481,7 +485,8 @@ class FSDP:
                 optimizer, [p for _, p in self.named_parameters()]),   # torch.optim: keyed by tensor
             gathered_peak=self._tracker.peak, gathered_now=self._tracker.now,
             padding=sum(u.padding_elements() * u.master_dtype.itemsize for u in self.units),
-            full_params=sum(u.F * u.master_dtype.itemsize for u in self.units))
+            full_params=sum(u.F * u.master_dtype.itemsize for u in self.units),
+            buffer_cache=self._pool.idle_bytes())
         if reset_peak:
             self._tracker.reset_peak()
         return stats
@@ -509,10 +514,12 @@ class FSDP:
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove every hook from the model (its parameters stay sharded placeholders). Idempotent."""
+        """Remove every hook from the model (its parameters stay sharded placeholders) and drop the
+        cached step buffers. Idempotent."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._pool.clear()
 
     def __repr__(self) -> str:
         units = ", ".join(f"{u.name}({len(u.slots)})" for u in self.units)
