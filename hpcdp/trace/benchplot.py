@@ -172,15 +172,23 @@ _TARGET = re.compile(r"^\s*(>=|<=)\s*\+?\s*([0-9.]+)")
 
 
 def _figure_rows(rows: list[dict[str, Any]]) -> list[tuple[str, float, str, float]]:
-    """(label, value, direction, target) of every single-figure result."""
+    """(label, value, direction, target) of every single-figure result.
+
+    Files from benchmarks that write summary records (one per judged figure, with an ``id`` and
+    the target it is judged by, declared once in ``hpcdp/bench/_targets.py``) are drawn from
+    those alone; the per-benchmark rows below serve files written before them."""
     out = []
+    summaries = any(r.get("bench") == "summary" and "id" in r for r in rows)
     for r in rows:
         b = r.get("bench")
         if b == "summary":
             m = _TARGET.match(str(r.get("target", "")))
             v = _num(r.get("value"))
             if m and v is not None:
-                out.append((str(r.get("name"))[:60], v, m.group(1), float(m.group(2))))
+                label = r.get("name") or " ".join(str(x) for x in (r.get("id"), r.get("part")) if x)
+                out.append((str(label)[:60], v, m.group(1), float(m.group(2))))
+        elif summaries:
+            continue
         elif b in ("ddp", "checkpoint") and isinstance(r.get("extra"), dict):
             ex = r["extra"]
             if b == "ddp":
@@ -195,7 +203,7 @@ def _figure_rows(rows: list[dict[str, Any]]) -> list[tuple[str, float, str, floa
         elif b == "ddp" and r.get("op") == "D4" and _num(r.get("efficiency")) is not None:
             out.append((f"D4 weak scaling efficiency, {r.get('ranks')} ranks", float(r["efficiency"]), ">=", 0.85))
         elif b == "E3" and r.get("kind") == "zero3" and _num(r.get("ratio")) is not None:
-            out.append((f"E3 ZeRO-3 step / DDP step, {r.get('ranks')} ranks", float(r["ratio"]), "<=", 1.6))
+            out.append((f"E3 ZeRO-3 step / DDP step, {r.get('ranks')} ranks", float(r["ratio"]), "<=", 1.3))
         elif b == "E4" and _num(r.get("ratio")) is not None and _num(r.get("ranks")):
             out.append((f"E4 ZeRO-3 / DDP model size, {r.get('ranks')} ranks", float(r["ratio"]), ">=",
                         0.8 * float(r["ranks"])))
