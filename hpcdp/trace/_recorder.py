@@ -114,6 +114,26 @@ def where_of(where: tuple[Any, int] | None) -> str | None:
     return f"{code.co_filename}:{line} ({code.co_name})"
 
 
+#: ``(code, line)`` of a call site, by ``(id(code), f_lasti)``: ``f_lineno`` decodes the code's
+#: line table from its start on every read (in a long function or module, more than walking
+#: the stack costs), while the offset of the call is at hand. One tuple per site (a recorded
+#: line costs no allocation). The entry keeps its code alive, so an id is never matched to
+#: another code (checked anyway: ``hit[0] is code``).
+_sites: dict[tuple[int, int], tuple[Any, int]] = {}
+
+
+def _site(f: Any) -> tuple[Any, int]:
+    """``(f.f_code, f.f_lineno)``, one tuple per call site (``_sites``)."""
+    code = f.f_code
+    key = (id(code), f.f_lasti)
+    hit = _sites.get(key)
+    if hit is None or hit[0] is not code:
+        if len(_sites) >= 10_000:  # bounded: code made at run time (exec, lambdas) comes and goes
+            _sites.clear()
+        hit = _sites[key] = (code, f.f_lineno)
+    return hit
+
+
 def _caller(depth: int) -> tuple[Any, int] | None:
     pinned = _tls.line
     if pinned is not None:  # inside ``pinned_line``: the user's call that started it all
@@ -122,7 +142,7 @@ def _caller(depth: int) -> tuple[Any, int] | None:
         f = user_frame(sys._getframe(depth + 1))
     except ValueError:
         return None
-    return None if f is None else (f.f_code, f.f_lineno)
+    return None if f is None else _site(f)
 
 
 class pinned_line:

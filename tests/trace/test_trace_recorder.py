@@ -94,6 +94,29 @@ def test_lines_mode_records_every_callers_line() -> None:
     assert o.line.startswith(f"{HERE}:{here} (test_lines_mode_records_every_callers_line)")
 
 
+def test_lines_are_kept_per_call_site_not_per_function() -> None:
+    """Source lines are looked up once per call site (by code and instruction offset): repeated
+    calls from one site share one entry, while other sites of the same function, on other lines
+    or on the same line, get their own."""
+    rec = Recorder(0, 16, lines=True)
+
+    @hooks.hide_frames  # a wrapper: the line is its caller's
+    def call() -> None:
+        rec.end(rec.begin("allreduce", "world", 1))
+
+    first = sys._getframe().f_lineno + 2
+    for _ in range(3):
+        call()
+    call(); call(); second = sys._getframe().f_lineno  # noqa: E702
+    ops = rec.snapshot()
+    assert [o.where[1] for o in ops] == [first] * 3 + [second] * 2, [o.line for o in ops]
+    me = sys._getframe().f_code
+    assert all(o.where[0] is me for o in ops)
+    assert ops[0].where is ops[1].where is ops[2].where  # one site, one entry
+    assert ops[3].where is not ops[4].where  # two calls on one line: two sites
+    assert ops[0].line.startswith(f"{HERE}:{first} (test_lines_are_kept_per_call_site_not_per_function)")
+
+
 def test_pinned_line_names_the_call_around_what_it_starts() -> None:
     """Operations started deep inside a ``pinned_line`` block take the block's line (DDP's backward:
     one shallow stack walk instead of one deep walk per bucket); outside it, their own caller's."""
