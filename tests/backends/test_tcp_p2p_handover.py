@@ -103,3 +103,44 @@ def test_take_and_probe_never_see_what_the_cap_dropped(pair) -> None:
     assert t.take(1, CH, 7) is None
     got = t.take(1, CH, 8)
     assert got is not None and got.tobytes() == b"x" * 1000
+
+
+def test_a_ping_pong_keeps_the_socket_through_its_sends() -> None:
+    """A thread that read its peer's socket itself and then sends the peer a large message (a
+    ping-pong) keeps the background receiver parked through the send, so the reply is read
+    on this thread too rather than handed over (B1's large ping-pong). A send from a thread
+    that was not reading extends nothing."""
+    import threading
+
+    from hpcdp.backends.tcp._transport import LINGER
+
+    with raw_peer_transport(park_receiver=False) as (t, raw):
+        peer = t.peers[1]
+        big = np.ones(8 << 20, np.uint8)
+
+        def slow_reader() -> None:
+            time.sleep(0.05)  # the send blocks well past LINGER on full socket buffers
+            got, view = 0, memoryview(bytearray(wire.HEADER.size + big.nbytes))
+            while got < len(view):
+                got += raw.recv_into(view[got:])
+
+        assert peer.linger_until == 0.0
+        reader = threading.Thread(target=slow_reader)
+        reader.start()
+        assert t.isend(big, 1, P2P, CH, 9, "big send").wait(10.0)
+        reader.join(10.0)
+        assert peer.linger_until == 0.0  # nobody was reading directly: nothing to extend
+
+        _send(raw, 1, b"x" * 16)
+        head = np.zeros(16, np.uint8)
+        assert t.irecv(head, 1, P2P, CH, 1, "head").wait(10.0)  # read on this thread
+        assert peer.linger_until > 0.0
+        reader = threading.Thread(target=slow_reader)
+        reader.start()
+        t0 = time.monotonic()
+        assert t.isend(big, 1, P2P, CH, 9, "big send").wait(10.0)
+        took = time.monotonic() - t0
+        reader.join(10.0)
+        assert took > LINGER, took  # (else this test would show nothing)
+        # extended from the send's end, not left at the direct read's end + LINGER
+        assert peer.linger_until > t0 + LINGER, (peer.linger_until - t0, took)

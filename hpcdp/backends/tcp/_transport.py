@@ -47,6 +47,8 @@ INLINE_BYTES = 64 * 1024
 DIRECT_BYTES = 256 * 1024
 #: after a direct read the background receiver stays parked this long (seconds) unless kicked
 LINGER = 0.002
+#: a receive's own transfer, at this pace (1 GB/s), does not count as waiting (``_direct_wait``)
+_TRANSFER_SECONDS_PER_BYTE = 1e-9
 #: how long (seconds) a probe waits for a peer's socket that another thread is reading
 PROBE_WAIT = 2e-4
 _EMPTY = memoryview(bytearray(0))
@@ -235,7 +237,10 @@ class Transport:
                     self._reader_failed(peer, exc)
                 finally:
                     t1 = _monotonic()
-                    if t1 - t0 > LINGER:  # a long wait, not a ping-pong: hand back at once
+                    # a long wait, not a ping-pong: hand back at once. The time the bytes
+                    # take to arrive at a slow link's pace is not waiting: a ping-pong of large
+                    # messages keeps reading on the caller's thread, with no hand-over per message
+                    if t1 - t0 > LINGER + req.nbytes * _TRANSFER_SECONDS_PER_BYTE:
                         rlock.release()
                         self._kick(peer)
                     else:
@@ -498,6 +503,7 @@ class Transport:
                 peer.qcv.notify()
         if inline:
             failed: OSError | None = None
+            t0 = _monotonic()
             try:
                 self._write(peer, hdr, view)
             except OSError as exc:
@@ -506,6 +512,11 @@ class Transport:
                 # released before the peer is failed: a sender thread waits for it holding
                 # ``qcv``, which ``mark_dead`` takes
                 peer.send_lock.release()
+            if kind == P2P and peer.linger_until > t0:
+                # a thread that reads this peer's socket itself, now sending to it (a
+                # ping-pong): the background receiver stays parked through the send too, or
+                # a large send outlasts the linger and the reply goes through a hand-over
+                peer.linger_until = _monotonic() + LINGER
             if failed is not None:
                 why = self._send_failed(peer, failed)
                 req.finish(PeerFailureError(f"{_text(req.desc)}: rank {dst} {why}", peers=[dst]))
