@@ -129,22 +129,26 @@ class _Completer:
 
     #: how long ``close`` waits for the call the thread is completing
     JOIN_SECONDS = 10.0
+    #: completers with a running thread (``close_all`` at exit, registered at the first start:
+    #: after ``hpcdp.init``'s own exit handler, so it runs before hpcdp finalises)
     _live: "set[_Completer]" = set()
     _atexit_registered = False
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queue: queue.SimpleQueue[HpcdpTorchWork | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._closing = False
+        #: the running thread, its queue and its stop flag; each thread has its own, so one
+        #: still finishing after ``close`` never takes a later thread's calls
+        self._thread: threading.Thread | None = None
+        self._queue: queue.SimpleQueue[HpcdpTorchWork | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
 
     def submit(self, work: "HpcdpTorchWork") -> None:
         with self._lock:
             if self._thread is None:
-                self._closing = False
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name=f"hpcdp-torch {self._name}")
+                self._queue, self._stop = queue.SimpleQueue(), threading.Event()
+                self._thread = threading.Thread(target=self._loop, args=(self._queue, self._stop),
+                                                daemon=True, name=f"hpcdp-torch {self._name}")
                 self._thread.start()
                 with _register_lock:
                     _Completer._live.add(self)
@@ -159,9 +163,10 @@ class _Completer:
         PowerSGD's hook does) must not wait for this thread, which is busy running it."""
         return threading.current_thread() is self._thread
 
-    def _loop(self) -> None:
-        while (work := self._queue.get()) is not None:
-            if self._closing:
+    @staticmethod
+    def _loop(q: "queue.SimpleQueue[HpcdpTorchWork | None]", stop: threading.Event) -> None:
+        while (work := q.get()) is not None:
+            if stop.is_set():
                 work._abandon(f"destroy_process_group() while {work._where} was in flight")
             else:
                 work._complete()
@@ -171,7 +176,7 @@ class _Completer:
             thread, self._thread = self._thread, None  # a later call starts a new thread
             if thread is None:
                 return
-            self._closing = True
+            self._stop.set()
             self._queue.put(None)
         with _register_lock:
             _Completer._live.discard(self)

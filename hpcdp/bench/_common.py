@@ -188,11 +188,6 @@ def pretouch(*arrays: np.ndarray) -> None:
         a.reshape(-1).view(np.uint8)[::4096] = 0
 
 
-def summary_line(name: str, ratios: Sequence[float], target: str) -> str:
-    med = statistics.median(ratios) if ratios else float("nan")
-    return f"# {name}: median ratio {med:.3f} (target {target})"
-
-
 def verdict(met: bool | None) -> str:
     """How a judged figure is printed: ``met``, ``MISSED``, or ``not judged`` (a report-only
     figure, or none: no size in the range the target covers)."""

@@ -14,18 +14,17 @@ gate on 2 ranks) is listed on its own row as a trend, not judged. Ids with no re
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, TextIO
 
+from ..trace.benchplot import load_rows
 from ._targets import TARGETS, Target
 
 __all__ = ["main", "parser", "read_records", "build_rows", "format_table", "ReportRow"]
 
-_MAX_LINE = 1 << 20
 NOT_RUN = "not run"
 TREND = "trend"
 
@@ -57,32 +56,9 @@ def _num(v: float) -> str:
 
 def read_records(paths: Iterable[str], err: TextIO = sys.stderr) -> list[dict[str, Any]]:
     """The summary records of ``paths`` (JSON lines). A file that cannot be read, or a line that is
-    not a JSON object, is named on ``err`` and skipped: one bad file must not hide the rest."""
-    out: list[dict[str, Any]] = []
-    for path in paths:
-        try:
-            fh = open(path, encoding="utf-8", errors="replace")
-        except OSError as exc:
-            print(f"# report: cannot read {path}: {exc.strerror or exc}", file=err)
-            continue
-        with fh:
-            for i, line in enumerate(fh, 1):
-                if len(line) > _MAX_LINE:
-                    print(f"# report: {path}:{i}: line longer than {_MAX_LINE} characters, skipped",
-                          file=err)
-                    continue
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    obj = json.loads(line)
-                except (ValueError, RecursionError):
-                    print(f"# report: {path}:{i}: not JSON, skipped", file=err)
-                    continue
-                if isinstance(obj, dict) and obj.get("bench") == "summary" and isinstance(obj.get("id"), str):
-                    obj["_file"] = path
-                    out.append(obj)
-    return out
+    not a benchmark row, is named on ``err`` and skipped: one bad file must not hide the rest."""
+    rows = load_rows(paths, on_bad=lambda msg: print(f"# report: {msg}, skipped", file=err))
+    return [r for r in rows if r.get("bench") == "summary" and isinstance(r.get("id"), str)]
 
 
 def _value(rec: dict[str, Any]) -> float | None:

@@ -20,7 +20,7 @@ import os
 import re
 from collections import defaultdict
 from dataclasses import asdict, is_dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ._plot import save_png
 
@@ -44,23 +44,41 @@ def _num(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
-def load_rows(paths: Iterable[str]) -> list[dict[str, Any]]:
-    """Every JSON object of the given JSON-lines files (a bad line is an error naming file:line)."""
+def load_rows(paths: Iterable[str], on_bad: Callable[[str], Any] | None = None) -> list[dict[str, Any]]:
+    """Every JSON object of the given JSON-lines files. A bad line is an error naming file:line;
+    with ``on_bad``, that message (and a file that cannot be read) goes to ``on_bad`` and the rest
+    is read on (the benchmark report: one bad file must not hide the others)."""
     rows: list[dict[str, Any]] = []
+
+    def bad(msg: str) -> None:
+        if on_bad is None:
+            raise ValueError(msg)
+        on_bad(msg)
+
     for path in paths:
-        with open(path) as fh:
+        try:
+            fh = open(path, encoding="utf-8", errors="replace")
+        except OSError as exc:
+            if on_bad is None:
+                raise
+            on_bad(f"cannot read {path}: {exc.strerror or exc}")
+            continue
+        with fh:
             for i, line in enumerate(fh, 1):
                 if len(line) > _MAX_LINE:
-                    raise ValueError(f"{path}:{i}: line longer than {_MAX_LINE} characters")
+                    bad(f"{path}:{i}: line longer than {_MAX_LINE} characters")
+                    continue
                 line = line.strip()
                 if not line:
                     continue
                 try:
                     obj = json.loads(line)
                 except (ValueError, RecursionError) as exc:  # also too deeply nested, too long a number
-                    raise ValueError(f"{path}:{i}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+                    bad(f"{path}:{i}: not JSON ({type(exc).__name__}: {str(exc)[:200]})")
+                    continue
                 if not isinstance(obj, dict) or not isinstance(obj.get("bench"), str):
-                    raise ValueError(f"{path}:{i}: not a benchmark row (an object with 'bench')")
+                    bad(f"{path}:{i}: not a benchmark row (an object with 'bench')")
+                    continue
                 rows.append(obj)
     return rows
 
