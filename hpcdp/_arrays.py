@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["is_cupy", "xp_of", "split_sizes", "shard_bounds", "to_host", "SUPPORTED_DTYPES", "SUPPORTED_SET", "is_array", "cupy_or_none",
+__all__ = ["refs_at", "free_refs", "is_cupy", "xp_of", "split_sizes", "shard_bounds", "to_host", "SUPPORTED_DTYPES", "SUPPORTED_SET", "is_array", "cupy_or_none",
            "contiguous", "overlaps"]
 
 # Dtypes every collective accepts. float16 travels as raw bits and is reduced in float32 where the
@@ -88,3 +88,25 @@ def overlaps(a: Any, b: Any) -> bool:
         return ptr(a) < ptr(b) + b.nbytes and ptr(b) < ptr(a) + a.nbytes
     except AttributeError:
         return False
+
+
+# -- reuse of buffers by reference count -------------------------------------------------------
+def refs_at(entries: list, i: int) -> int:
+    """The reference count of ``entries[i]`` as a pool's scan sees it (``free_refs`` calibrates
+    it): a buffer pool whose only reference to a free buffer is a list slot reuses it when this
+    equals ``free_refs()``; any view, request or user reference raises it."""
+    return sys.getrefcount(entries[i])
+
+
+def free_refs() -> int | None:
+    """What ``refs_at`` reports for a buffer only its pool's list refers to, or None if this
+    interpreter's counts cannot tell such a buffer from one with a live view (then a pool must
+    not reuse anything)."""
+    entries = [np.empty(1, np.uint8)]
+    free = refs_at(entries, 0)
+    view = entries[0][:]
+    held = refs_at(entries, 0)
+    del view
+    if held != free + 1 or refs_at(entries, 0) != free:
+        return None
+    return free

@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.trials} interleaved trials, dir {root}")
         print(f"# {'what':<34} {'base(ms)':>10} {'hpcdp(ms)':>10} {'base GB/s':>10} "
               f"{'hpcdp GB/s':>10} {'bw ratio':>9}  per-trial bw ratios")
-        for name, op, t, (id, part) in (("G1 save (+fsync) vs Write_at_all+Sync", "save", g1, ("G1", "")),
+        for name, op, t, (tid, part) in (("G1 save (+fsync) vs Write_at_all+Sync", "save", g1, ("G1", "")),
                                         ("G2 load (page cache) vs Read_at_all", "load", g2, ("G2", "page cache")),
                                         ("G2 load (evicted) vs Read_at_all", "load-cold", g2c, ("G2", "evicted"))):
-            goal = target(id, part)
+            goal = target(tid, part)
             ratio = 1.0 / t.median_ratio  # bandwidth ratio = baseline time / hpcdp time
             per = " ".join(f"{1 / r:.3f}" for r in t.ratios)
             print(f"  {name:<34} {t.base_median * 1e3:>10.1f} {t.cand_median * 1e3:>10.1f} "
@@ -173,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                            t.base_median * 1e6, t.median_ratio, n,
                            {"bw_ratio": ratio, "target": goal.bound,
                             "trial_bw_ratios": [1 / r for r in t.ratios]}))
-            met = summarize(sink, id, ratio, part=part, ranks=n, op=op, total_bytes=total,
+            met = summarize(sink, tid, ratio, part=part, ranks=n, op=op, total_bytes=total,
                             trial_bw_ratios=[1 / r for r in t.ratios])
             print(f"# {goal.key}: median bandwidth ratio {ratio:.3f} (target {goal.text}: {verdict(met)})")
         print(f"# (not judged) G2 page cache against Read_at_all into fresh arrays: "
-              f"{g2f.median_ratio and 1.0 / g2f.median_ratio:.3f} ({total / g2f.base_median / 1e9:.3f} "
+              f"{1.0 / g2f.median_ratio:.3f} ({total / g2f.base_median / 1e9:.3f} "
               f"vs {total / g2f.cand_median / 1e9:.3f} GB/s): the part of the gap that is fresh memory")
         shutil.rmtree(root, ignore_errors=True)
         maybe_plot(args, sink.rows, title=f"hpcdp checkpoint (G1, G2) vs raw MPI-IO, {n} ranks")

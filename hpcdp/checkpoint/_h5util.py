@@ -9,7 +9,7 @@ import numpy as np
 
 __all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
            "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text", "raw_place",
-           "pread_into"]
+           "pread_into", "flat_index"]
 
 
 class SlabWriteError(Exception):
@@ -130,16 +130,21 @@ def raw_place(dset: Any, offsets: Sequence[int], shape: Sequence[int]) -> tuple[
     k = next((a for a, n in enumerate(shape) if n > 1), len(shape))
     if any(n != d or o != 0 for n, d, o in zip(shape[k + 1:], dshape[k + 1:], offsets[k + 1:])):
         return None
-    flat = 0
-    for o, d in zip(offsets, dshape):
-        flat = flat * d + o
-    return fd, base + flat * dt.itemsize
+    return fd, base + flat_index(offsets, dshape) * dt.itemsize
+
+
+def flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:
+    """C-order index of ``offsets`` in an array of ``shape``."""
+    i = 0
+    for o, n in zip(offsets, shape):
+        i = i * n + o
+    return i
 
 
 def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
     """Fill the C-contiguous ``buf`` with the file's bytes at ``offset`` (short reads retried; a
     file that ends first raises ``OSError``)."""
-    mv = memoryview(buf.reshape(-1).view(np.uint8))
+    mv = memoryview(buf).cast("B")  # (raises on a non-contiguous buffer: no silent copy)
     got, n = 0, mv.nbytes
     while got < n:
         k = os.preadv(fd, [mv[got:]], offset + got)

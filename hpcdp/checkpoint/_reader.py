@@ -33,7 +33,7 @@ from ._format import (
     unflatten,
 )
 from ._group import resolve as resolve_group
-from ._h5util import pread_into, raw_place, read_into, read_slab
+from ._h5util import flat_index, pread_into, raw_place, read_into, read_slab
 from ._layout import Names, Piece, open_rank_file, read_manifest, survey
 
 __all__ = ["load", "verify_structure", "data_file", "READ_BLOCK_BYTES", "RAW_BLOCK_BYTES"]
@@ -88,14 +88,6 @@ def _blocks(shape: tuple[int, ...], itemsize: int, budget: int
         for lo in range(0, shape[axis], step):
             k = min(step, shape[axis] - lo)
             yield lead + (lo,) + (0,) * (n - axis - 1), (1,) * axis + (k,) + tuple(shape[axis + 1:])
-
-
-def _flat(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    """C-order index of ``offsets`` in an array of ``shape``."""
-    i = 0
-    for o, n in zip(offsets, shape):
-        i = i * n + o
-    return i
 
 
 def _box(offsets: Any, shape: Any) -> tuple[slice, ...]:
@@ -175,7 +167,7 @@ class _Reader:
         for bo, bs in blocks:  # only part is wanted: never hold the whole slab
             buf = np.empty(bs, out.dtype)
             if raw is not None:  # the slab is one run of bytes: so is each C-order block of it
-                crc = self._read_checked(raw[0], raw[1] + _flat(bo, ss) * item, buf, crc)
+                crc = self._read_checked(raw[0], raw[1] + flat_index(bo, ss) * item, buf, crc)
             else:
                 read_slab(d, buf, tuple(a + b for a, b in zip(p.at, bo)))
                 crc = checksum_of(buf, self.algo, crc)
@@ -190,6 +182,8 @@ class _Reader:
     def _read_checked(self, fd: int, offset: int, dest: np.ndarray, crc: int) -> int:
         """Read the file's bytes at ``offset`` into the C-contiguous ``dest``; the checksum of
         them, continuing ``crc``. Each piece is checksummed straight after its read, from cache."""
+        if not dest.flags.c_contiguous:  # a reshape would copy: the bytes would miss ``dest``
+            raise ValueError("_read_checked: dest must be C-contiguous")
         flat = dest.reshape(-1).view(np.uint8)
         fn = checksum_fn(self.algo)
         for a in range(0, flat.size, RAW_BLOCK_BYTES):

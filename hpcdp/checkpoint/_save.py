@@ -290,10 +290,10 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
     # the bytes into the page cache, or aggregates them).
     early = Flusher()
     try:
-        writer.write(plans, leaves, tree0, failed=err is not None, wrote=early.wrote)
-    except Exception as exc:  # noqa: BLE001
-        err = err or _describe(exc)
-    try:
+        try:
+            writer.write(plans, leaves, tree0, failed=err is not None, wrote=early.wrote)
+        except Exception as exc:  # noqa: BLE001
+            err = err or _describe(exc)
         if err is None:
             early.flush(writer.early_files())
             try:
@@ -313,27 +313,20 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
         raw, mcrc = encode_manifest(_manifest(plans, got, mode, size, algo, tree0))
 
         # 6. finish and fsync (finish closes the file on every rank even when it fails on one);
-        # rank 0 checks what it wrote (from the page cache) while the device writes
+        # rank 0 checks what it wrote (from the page cache) while the helper fsyncs it
         phase("fsync")
         err = None
         try:
-            written = writer.finish(raw, mcrc)
-            sync = Flusher()
-            sync.flush(written)
-            try:
-                if rank == 0:
-                    from ._reader import verify_structure
+            early.flush(writer.finish(raw, mcrc))
+            if rank == 0:
+                from ._reader import verify_structure
 
-                    verify_structure(tmp)
-            finally:
-                exc_sync = sync.wait()
-            if exc_sync is not None:
-                raise exc_sync
+                verify_structure(tmp)
         except Exception as exc:  # noqa: BLE001
             err = _describe(exc)
-        exc_early = early.wait()
-        if exc_early is not None:  # the kernel reports a write-back error to one fsync only
-            err = _describe(exc_early)
+        exc_sync = early.wait()
+        if exc_sync is not None:  # the kernel reports a write-back error to one fsync only
+            err = _describe(exc_sync)
     finally:
         early.wait()
     try:

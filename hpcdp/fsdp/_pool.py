@@ -24,21 +24,17 @@ afresh and keeps nothing. Device arrays are not kept either: CuPy's own memory p
 """
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
 
+from .._arrays import free_refs, refs_at
+
 __all__ = ["BufferPool"]
 
-
-def _refs_when_free() -> int:
-    """``sys.getrefcount`` of a buffer that only a pool entry (a list) refers to."""
-    entry = [object(), 0]
-    return sys.getrefcount(entry[0])
-
-
-_FREE = _refs_when_free()
+#: ``refs_at`` of a buffer only its pool entry refers to; None: this interpreter's counts cannot
+#: tell (then nothing is kept)
+_FREE = free_refs()
 
 
 class BufferPool:
@@ -49,7 +45,7 @@ class BufferPool:
     """
 
     def __init__(self, keep: bool = True) -> None:
-        self.keep = bool(keep)
+        self.keep = bool(keep) and _FREE is not None
         self._entries: dict[tuple[str, tuple[int, ...], str], list[list[Any]]] = {}
         self._step = 0
         #: buffers handed out again (``reused``) and allocated (``allocated``), for tests and reports
@@ -65,7 +61,7 @@ class BufferPool:
         key = (xp.__name__, shape, np.dtype(dtype).str)
         entries = self._entries.setdefault(key, [])
         for e in entries:
-            if sys.getrefcount(e[0]) == _FREE:
+            if refs_at(e, 0) == _FREE:
                 e[1] = self._step
                 self.reused += 1
                 return e[0]
@@ -76,6 +72,9 @@ class BufferPool:
 
     def zeros(self, xp: Any, shape: Any, dtype: Any) -> Any:
         """``take``, zero-filled."""
+        if not self.keep or xp is not np:
+            self.allocated += 1
+            return xp.zeros(shape, dtype)
         buf = self.take(xp, shape, dtype)
         buf.fill(0)
         return buf
@@ -95,7 +94,7 @@ class BufferPool:
     def idle_bytes(self) -> int:
         """Bytes of the buffers held for reuse and not in use now."""
         return sum(int(e[0].nbytes) for es in self._entries.values() for e in es
-                   if sys.getrefcount(e[0]) == _FREE)
+                   if refs_at(e, 0) == _FREE)
 
     def held_bytes(self) -> int:
         """Bytes of every buffer the pool holds, in use or not."""

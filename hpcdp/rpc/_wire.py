@@ -20,13 +20,13 @@ nothing refers to it any more (see ``RecvBuffers``).
 from __future__ import annotations
 
 import struct
-import sys
 import threading
 from typing import Any, Sequence
 
 import msgpack
 import numpy as np
 
+from .._arrays import free_refs, refs_at
 from .._config import setting
 from ..errors import ProtocolError
 from ._codec import Limits, _packer
@@ -110,24 +110,6 @@ def unpack_envelope(env: bytes | None) -> list[Any]:
     return fields
 
 
-def _refs_at(entries: list, i: int) -> int:
-    """The reference count of ``entries[i]`` as the scan sees it (also used to calibrate)."""
-    return sys.getrefcount(entries[i])
-
-
-def _calibrate() -> int | None:
-    """The count ``_refs_at`` reports for a buffer only its pool refers to, or None if this
-    interpreter's counts cannot tell such a buffer from one with a live view."""
-    entries = [np.empty(1, np.uint8)]
-    free = _refs_at(entries, 0)
-    view = entries[0][:]
-    held = _refs_at(entries, 0)
-    del view
-    if held != free + 1 or _refs_at(entries, 0) != free:
-        return None
-    return free
-
-
 class RecvBuffers:
     """Buffers for large received array parts, reused once nothing else refers to them.
 
@@ -142,7 +124,7 @@ class RecvBuffers:
     array, view or memoryview of its memory (a decoded argument, an MPI receive in flight, a
     ``Frame``) refers to it, directly or through the views it came from, so memory still in
     use is never reused. Reference counts are calibrated at import; where the interpreter's
-    cannot show this (``_calibrate`` is None) every part gets fresh memory. The pool keeps at
+    cannot show this (``free_refs()`` is None) every part gets fresh memory. The pool keeps at
     most ``cap`` bytes of buffers (``HPCDP_RPC_RECV_CACHE``, 0 turns reuse off), forgetting the
     oldest first: a buffer a callee kept stays the callee's.
     """
@@ -153,7 +135,7 @@ class RecvBuffers:
 
     def __init__(self, cap: int) -> None:
         self.cap = max(0, cap)
-        self._free = _calibrate()
+        self._free = free_refs()
         self._lock = threading.Lock()
         self._entries: list[np.ndarray] = []
         self._bytes = 0
@@ -170,7 +152,7 @@ class RecvBuffers:
             entries, free = self._entries, self._free
             hi = n + (n >> 3)  # a slightly larger free buffer serves too
             for i in range(len(entries) - 1, -1, -1):  # the newest first: warm in the caches
-                if n <= entries[i].size <= hi and _refs_at(entries, i) == free:
+                if n <= entries[i].size <= hi and refs_at(entries, i) == free:
                     self.reused += 1
                     return entries[i][:n]
             buf = np.empty(n, np.uint8)

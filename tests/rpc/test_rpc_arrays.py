@@ -18,7 +18,8 @@ from hpcdp.testing.fixtures import worlds
 from hpcdp.testing import check
 from hpcdp._arrays import SUPPORTED_DTYPES
 from hpcdp.rpc import _codec as C, _protocol as P
-from hpcdp.rpc._wire import RECV_BUFFERS, RecvBuffers, _calibrate
+from hpcdp._arrays import free_refs
+from hpcdp.rpc._wire import RECV_BUFFERS, RecvBuffers
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -142,7 +143,7 @@ def body_oversized_allocates_nothing(rank: int) -> list[str]:
 def test_receive_buffers_reused_only_when_nothing_refers_to_them() -> None:
     """A buffer comes back only once every array, view and memoryview of it is gone; the pool
     never holds more than its cap; small parts and a zero cap get fresh memory."""
-    assert _calibrate() is not None, "this interpreter's reference counts cannot be used"
+    assert free_refs() is not None, "this interpreter's reference counts cannot be used"
     n = 4 * RecvBuffers.MIN
     pool = RecvBuffers(8 * n)
 
