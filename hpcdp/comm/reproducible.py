@@ -310,15 +310,7 @@ def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtyp
                  if parts > 1 and halves > 1 else main.reshape(parts, halves * per)]
     totals = []
     for send in sends:
-        if mode == "all":
-            total = group.allreduce(send, "sum", out=send, timeout=timeout)
-        elif mode == "root":
-            total = group.reduce(send, "sum", root=root, timeout=timeout)
-        else:
-            total = group.reduce_scatter(send, "sum", timeout=timeout)
-        if replicate is not None:
-            total = replicate.allreduce(total, "sum", timeout=timeout)
-        totals.append(total)
+        totals.append(_exchange(group, send, mode, root, timeout, replicate, out=send))
     if totals[0] is None:
         return None
     if halves == 3:
@@ -386,16 +378,9 @@ def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, targe
         flat[at_lo] = hl[1]
     else:
         buf.fill(-0.0)   # the sum's identity
-    if mode == "all":
-        total = group.allreduce(buf, "sum", out=buf, timeout=timeout)
-    elif mode == "root":
-        total = group.reduce(buf, "sum", root=root, timeout=timeout)
-        if total is None:
-            return None
-    else:
-        total = group.reduce_scatter(buf, "sum", timeout=timeout)
-    if replicate is not None:
-        total = replicate.allreduce(total, "sum", timeout=timeout)
+    total = _exchange(group, buf, mode, root, timeout, replicate, out=buf)
+    if total is None:
+        return None
     p = group.rank if mode == "scatter" else 0
     total = total.reshape(-1)[-width:]
     lo_n, hi_n = int(starts[p]), int(starts[p + 1])
@@ -412,6 +397,22 @@ def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, targe
     return result
 
 
+def _exchange(group: Any, buf: Any, mode: str, root: int, timeout: float | None,
+              replicate: Any, out: Any = None) -> Any:
+    """The plain sum of ``buf`` over ``group`` as ``mode`` asks (every rank, ``root`` only, or
+    each rank its part of axis 0), then over ``replicate``; None off the root. The values are on
+    a grid whose sums cannot round, so any algorithm adds them exactly."""
+    if mode == "all":
+        total = group.allreduce(buf, "sum", out=out, timeout=timeout)
+    elif mode == "root":   # (replicate= does not go with "root": refused by sum_rows)
+        return group.reduce(buf, "sum", root=root, timeout=timeout)
+    else:
+        total = group.reduce_scatter(buf, "sum", timeout=timeout)
+    if replicate is not None:
+        total = replicate.allreduce(total, "sum", timeout=timeout)
+    return total
+
+
 def _one_addition(group: Any, real: Any, mode: str, root: int, target: Any,
                   timeout: float | None, replicate: Any) -> Any:
     """A range of at most two finite summands (``exact.one_addition``): the plain sum in the
@@ -421,14 +422,10 @@ def _one_addition(group: Any, real: Any, mode: str, root: int, target: Any,
         x = np.full(n, -0.0, real.dtype)   # the sum's identity
     else:
         x = real[0] if m == 1 else real[0] + real[1]
-    if mode == "all":
+    if mode == "all" and replicate is None:
         return group.allreduce(x, "sum", out=target, timeout=timeout)
-    if mode == "root":
-        total = group.reduce(x, "sum", root=root, timeout=timeout)
-    else:
-        total = group.reduce_scatter(x.reshape(group.size, -1), "sum", timeout=timeout)
-    if replicate is not None:
-        total = replicate.allreduce(total, "sum", timeout=timeout)
+    total = _exchange(group, x if mode != "scatter" else x.reshape(group.size, -1), mode, root,
+                      timeout, replicate)
     if total is None or target is None:
         return total
     target[...] = total.reshape(-1)
@@ -511,24 +508,12 @@ def _elementwise(group: Any, real: Any, in_dtype: np.dtype, mode: str, root: int
                 cols = p * per + w
                 limbs[p, :w.shape[0] * n_limbs] = exact.to_limbs(
                     flat[:, cols], code[:, cols], limb_w, n_limbs, xp).reshape(-1)
-    if mode == "all":
-        total = group.allreduce(send, "sum", out=send, timeout=timeout)   # parts == 1: a view
-        tail = group.allreduce(limbs, "sum", timeout=timeout) if kmax else None
-        lo, hi, mine = 0, n, 0
-    elif mode == "root":
-        total = group.reduce(send, "sum", root=root, timeout=timeout)
-        tail = group.reduce(limbs, "sum", root=root, timeout=timeout) if kmax else None
-        if total is None:
-            return None
-        lo, hi, mine = 0, n, 0
-    else:
-        total = group.reduce_scatter(send, "sum", timeout=timeout)
-        tail = group.reduce_scatter(limbs, "sum", timeout=timeout) if kmax else None
-        lo, hi, mine = group.rank * per, (group.rank + 1) * per, group.rank
-    if replicate is not None:
-        total = replicate.allreduce(total, "sum", timeout=timeout)
-        if kmax:
-            tail = replicate.allreduce(tail, "sum", timeout=timeout)
+    total = _exchange(group, send, mode, root, timeout, replicate, out=send)  # parts == 1: a view
+    tail = _exchange(group, limbs, mode, root, timeout, replicate) if kmax else None
+    if total is None:
+        return None
+    lo, hi, mine = (group.rank * per, (group.rank + 1) * per, group.rank) if mode == "scatter" \
+        else (0, n, 0)
     sums = total.reshape(halves, per)
     with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
         if halves == 1:

@@ -59,11 +59,12 @@ def _rows(rank: int) -> int:
     return [1, 3, 0, 2][rank % 4]
 
 
-def body_blocked(rank: int, range_bytes: int, blocks: int) -> list[str]:
+def body_blocked(rank: int, range_bytes: int, blocks: int, was: tuple[int, int]) -> list[str]:
+    """``was``: the sizes to restore, read by the test before any rank changed them (simulated
+    ranks share the module: one that starts late must not take another's test sizes for them)."""
     g = hpcdp.get_default_group()
     n = g.size
     fails: list[str] = []
-    was = reproducible._RANGE_BYTES, exact.BLOCKS
     reproducible._RANGE_BYTES, exact.BLOCKS = range_bytes, blocks
     try:
         for dtype in ("float64", "float32"):
@@ -97,17 +98,21 @@ def body_blocked(rank: int, range_bytes: int, blocks: int) -> list[str]:
     return fails
 
 
+def _sizes() -> tuple[int, int]:
+    return reproducible._RANGE_BYTES, exact.BLOCKS
+
+
 @pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
 def test_blocked_sums_are_exact_across_ranges(world: World) -> None:
     """Ranges of 24 float64 / 48 float32 elements, 5 blocks each (tails of 4 and 3)."""
-    check(world.run(body_blocked, 192, 5))
+    check(world.run(body_blocked, 192, 5, _sizes()))
 
 
 @pytest.mark.parametrize("world", worlds("sim-2", "sim-3"), indirect=True)
 def test_range_and_block_sizes_change_no_bit(world: World) -> None:
     """One range, one element per block; and the default sizes (one range for N elements)."""
-    check(world.run(body_blocked, 1 << 20, 1))
-    check(world.run(body_blocked, 1 << 20, exact.BLOCKS))
+    check(world.run(body_blocked, 1 << 20, 1, _sizes()))
+    check(world.run(body_blocked, 1 << 20, exact.BLOCKS, _sizes()))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -214,3 +219,24 @@ def body_large(rank: int) -> list[str]:
 @pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "tcp-2", "mpi"), indirect=True)
 def test_large_arrays_over_default_ranges(world: World) -> None:
     check(world.run(body_large))
+
+
+def body_replicated_pair(rank: int) -> list[str]:
+    """Each rank alone in its group, the world as ``replicate`` (FSDP's hybrid layout turned
+    inside out): on two ranks the sum has two summands, the one-addition case, which must still
+    add over ``replicate``."""
+    g = hpcdp.get_default_group()
+    alone = g.split(rank)
+    fails = []
+    for dtype in ("float64", "float32"):
+        every = [_data("normal", r, 1, dtype) for r in range(g.size)]
+        want = exact_ref([row for a in every for row in a])
+        got = reproducible.sum_rows(alone, every[rank], mode="all", dtype=dtype, replicate=g)
+        if not same_bits(got, want):
+            fails.append(f"rank {rank} {dtype}: the sum over replicate= was left out")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
+def test_replicate_is_summed_in_every_layout(world: World) -> None:
+    check(world.run(body_replicated_pair))
