@@ -28,9 +28,10 @@ from ..backends.base import Backend, Request
 from ..errors import HpcdpError, public, public_error
 from ..ops import ReduceOp, as_op, check_op_dtype
 from ..trace import hooks as trace  # the recording hooks (on_error, active_recorder)
-from .work import WATCH_AFTER, CompletedWork, Work, annotate, finish_wait, work_where
+from .work import CompletedWork, Work, annotate, work_where
 from .topology import CartGroup, cart_create, group_payload, group_ranks, split_layout, split_payload
 from . import reproducible
+from ._lane import allreduce_now
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -43,14 +44,7 @@ def default_timeout() -> float:
 
 
 _ndarray = np.ndarray
-#: dtypes and ops for which ``allreduce``'s latency lane needs no further checks
-_FAST_DTYPES = frozenset(np.dtype(t) for t in (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float32", "float64"))
-_FAST_OPS: dict[Any, ReduceOp] = {}
-for _o in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.PROD):
-    _FAST_OPS[_o] = _o
-    _FAST_OPS[_o.value] = _o
+
 
 
 class ProcessGroup:
@@ -204,15 +198,6 @@ class ProcessGroup:
                 raise
         return seq, tok
 
-    def _check_sampled(self, opname: str, seq: int, t: float, tok: int, op: str, shape: Any,
-                       dtype: Any) -> None:
-        """The latency lane's sampled check (``comm.debug``), failing its flight-record entry."""
-        try:
-            _debug.check_sampled(self, opname, seq, t, op=op, shape=shape, dtype=dtype)
-        except HpcdpError as exc:
-            trace.on_error(self._rec, tok, exc)
-            raise
-
     def _note_failure(self, op: str, seq: int, what: str) -> None:
         """A collective that timed out or failed leaves an MPI group out of step (MPI cannot
         cancel it): later calls must not reuse the group. Point to point (seq 0) is unaffected."""
@@ -273,7 +258,7 @@ class ProcessGroup:
         """Reduce ``x`` elementwise across ranks; every rank gets the result."""
         try:
             if self._fast and not async_op:
-                done = self._allreduce_now(x, op, out, timeout)
+                done = allreduce_now(self, x, op, out, timeout)
                 if done is not None:
                     return done
             where = self._where("allreduce")
@@ -296,62 +281,6 @@ class ProcessGroup:
             return self._run("allreduce", seq, req, finish_into(result, buf, post), async_op, t, tok)
         except HpcdpError as exc:  # raised from here, not from a dozen frames below
             raise public_error(exc)  # noqa: B904 - exc is its __context__
-
-    def _allreduce_now(self, x: Any, op: Any, out: Any, timeout: float | None) -> Any:
-        """The latency lane of ``allreduce``: a blocking call on plain host arrays, which need
-        nothing of the general path but its bookkeeping, handed to the backend's
-        ``quick_allreduce`` where it has one. None: not such a call (the general path, with its
-        checks and messages, takes it). Two arrays that both own their memory cannot overlap
-        (``np.may_share_memory`` costs more than this lane); views take the general path."""
-        try:
-            rop = _FAST_OPS.get(op)
-        except TypeError:  # unhashable: the general path says what is wrong with it
-            return None
-        if (rop is None or type(x) is not _ndarray or (xd := x.dtype) not in _FAST_DTYPES
-                or not (xf := x.flags).c_contiguous):
-            return None
-        small = x.nbytes <= 65536
-        if out is None:  # small: a copy reduced in place is cheaper than empty + separate
-            out = send = x.copy() if small else np.empty(x.shape, xd)
-            if not small:
-                send = x
-        elif (type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable
-              and (out is x or (f.owndata and xf.owndata and out.dtype is xd
-                                and out.shape == x.shape))):
-            send = x
-        else:
-            return None
-        t = self._timeout if timeout is None else self._timeout_of("allreduce", timeout)
-        seq = next(self._seq)
-        rec = self._rec
-        tok = rec.begin("allreduce", self, seq, x.shape, xd, -1) if rec is not None else 0
-        # ``_debug.sampled(seq)``, inlined: this lane is A2's, where a call costs what it shows
-        if self._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
-            self._check_sampled("allreduce", seq, t, tok, rop.value, x.shape, xd)
-        be = self.backend
-        if x.ndim == 1:
-            sflat, rflat = send, out
-        else:
-            rflat = out.reshape(-1)
-            sflat = rflat if send is out else send.reshape(-1)
-        try:
-            quick = be.quick_allreduce
-            first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog (work.finish_wait)
-            if quick is not None:
-                req = quick(sflat, rflat, rop, first)
-            elif (req := be.allreduce(sflat, rflat, rop)).wait(first):
-                req = None
-        except HpcdpError as exc:
-            self._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
-            err = annotate(exc, work_where(self, "allreduce", seq))
-            trace.on_error(rec, tok, err)
-            raise err from exc
-        if req is not None and (err := finish_wait(self, "allreduce", seq, req, t, first)):
-            trace.on_error(rec, tok, err)
-            raise err
-        if rec is not None:
-            rec.end(tok)
-        return out
 
     @public
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
