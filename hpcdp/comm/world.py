@@ -28,7 +28,7 @@ from ._watchdog import set_warn_after
 __all__ = [
     "init", "finalize", "is_initialized", "rank", "world_size", "get_default_group",
     "new_group", "detect_backend", "local_rank", "on_finalize", "group_or_default",
-    "check_options", "start_tracing", "set_thread_default", "started_as",
+    "check_options", "start_tracing", "set_thread_default", "started_as", "report_death",
 ]
 
 _default: ProcessGroup | None = None
@@ -192,15 +192,16 @@ def _install_excepthook() -> None:
 
     def hpcdp_excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         try:
-            _report_death(exc_type, exc)
+            report_death(exc_type, exc)
         finally:
             previous(exc_type, exc, tb)
 
     sys.excepthook = hpcdp_excepthook
 
 
-def _report_death(exc_type: type[BaseException], exc: BaseException) -> None:
-    """The main thread ends in an uncaught exception: tell the default group's peers (the
+def report_death(exc_type: type[BaseException], exc: BaseException) -> None:
+    """The main thread ends in an uncaught exception (the excepthook, or ``hpcdp-run``'s catch
+    before it aborts an MPI job): tell the default group's peers (the
     backend's ``report_death``, where it has one) what this rank died of. Not in an interactive
     interpreter, where the excepthook runs for every error and the process lives on; threads
     other than the main one do not come here (``threading.excepthook``) and end nothing."""

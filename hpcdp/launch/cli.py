@@ -30,10 +30,12 @@ import os
 import runpy
 import sys
 import threading
+import time
 import traceback
 from typing import Sequence
 
 from .. import trace
+from ..comm.world import report_death
 from ..progress import launcher_rank
 from ._boot import remember as remember_early_signals
 from ._local import GRACE, attempt_secret, launch, rank_command
@@ -113,9 +115,23 @@ def run_inprocess(script: str, args: Sequence[str], module: bool = False) -> int
         sys.stderr.flush()
         _dump_flight_record(exc)  # the abort below skips the excepthook's dump
         if under_mpi:
-            _abort(1)
+            _abort_after_peers_dumped(exc)
         return 1
     return 0
+
+
+#: seconds an MPI rank that failed waits before aborting the job: peers blocked in a call with
+#: it are told (its timeout's notice, or ``report_death``) and write their own flight records
+ABORT_GRACE = 1.0
+
+
+def _abort_after_peers_dumped(exc: BaseException) -> None:
+    """``MPI_Abort`` the job, once the peers had a moment to write their flight records: the
+    abort kills every rank at once, and a rank that would have failed a few milliseconds later
+    (timed out in the same collective) would leave no record of where it was."""
+    report_death(type(exc), exc)
+    time.sleep(ABORT_GRACE)
+    _abort(1)
 
 
 def _dump_flight_record(exc: BaseException) -> None:
