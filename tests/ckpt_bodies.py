@@ -284,3 +284,75 @@ def plain_w(f: h5py.File, data: Any = DATA) -> None:
 
 def good_manifest() -> dict:
     return manifest({"w": meta([16], "|u1", [slab([0], [16], DATA)])}, tree("w"))
+
+
+def _zeroed(x: Any) -> Any:
+    """``x`` with every array replaced by a zero-filled one of its shape and dtype (a fresh
+    model to load into) and every scalar by a different value."""
+    if isinstance(x, dict):
+        return {k: _zeroed(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_zeroed(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_zeroed(v) for v in x)
+    if isinstance(x, Shard):
+        return Shard(_zeroed(x.local), x.global_shape, x.offsets)
+    if isinstance(x, np.ndarray):
+        return np.zeros(x.shape, x.dtype)
+    return "not loaded"
+
+
+def _arrays_of(x: Any) -> list[np.ndarray]:
+    if isinstance(x, dict):
+        return [a for v in x.values() for a in _arrays_of(v)]
+    if isinstance(x, (list, tuple)):
+        return [a for v in x for a in _arrays_of(v)]
+    if isinstance(x, Shard):
+        return [x.local]
+    return [x] if isinstance(x, np.ndarray) else []
+
+
+def body_load_out(rank: int, path: str) -> list[str]:
+    """``load(out=)``: saved with uneven shards, loaded into this world's even layout in place
+    (every array keeps its identity, the dicts get the scalars); a shape that does not match,
+    found in the last array checked, leaves every array of ``out`` untouched on every rank; a
+    read-only array in ``out`` is refused on every rank; ``like=`` with ``out=`` is a TypeError."""
+    n = hpcdp.world_size()
+    body_save(rank, path)
+    fails: list[str] = []
+    want = make_state(rank, n, shards="even")
+    out = _zeroed(want)
+    before = _arrays_of(out)
+    got = load(path, out=out)
+    if got is not out:
+        fails.append("load(out=) did not return out")
+    after = _arrays_of(out)
+    if len(before) != len(after) or any(a is not b for a, b in zip(before, after)):
+        fails.append("load(out=) replaced arrays instead of filling them")
+    _eq(want, out, "out", fails)
+    # a mismatch in the last leaf checked: nothing may have been written before it was found
+    bad = _zeroed(want)
+    bad["odd/key"]["w/b%"] = np.zeros((3, 3), np.int16)  # saved (2, 3)
+    try:
+        load(path, out=bad)
+        fails.append("a wrong shape in out= loaded")
+    except hpcdp.CheckpointError as exc:
+        if "w/b%" not in str(exc) and "shape" not in str(exc):
+            fails.append(f"wrong shape: {exc}")
+    if any(np.any(a != 0) for a in _arrays_of(bad)):
+        fails.append("a load that failed its checks wrote into out")
+    ro = _zeroed(want)
+    if rank == n - 1:  # on one rank only: every rank must still raise
+        ro["big"].flags.writeable = False
+    try:
+        load(path, out=ro)
+        fails.append("a read-only array in out= was accepted")
+    except hpcdp.CheckpointError as exc:
+        if rank == n - 1 and "read-only" not in str(exc):
+            fails.append(f"read-only: {exc}")
+    try:
+        load(path, like=want, out=_zeroed(want))
+        fails.append("like= and out= together were accepted")
+    except TypeError:
+        pass
+    return fails

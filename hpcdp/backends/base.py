@@ -239,6 +239,11 @@ class Backend(abc.ABC):
     #: A transport sets it where skipping the request bookkeeping that only asynchronous
     #: callers need pays (MPI's small-message path, ``backends/mpi/_fastpath.py``).
     quick_allreduce: Callable[..., Request | None] | None = None
+    #: ``quick_all_gather(send, recv, timeout)`` and ``quick_broadcast(buf, root, timeout)``:
+    #: blocking, of host arrays, returning as ``quick_allreduce`` does (latency-bound calls up
+    #: to a few MiB, where the general path's bookkeeping shows). None: post and wait.
+    quick_all_gather: Callable[..., Request | None] | None = None
+    quick_broadcast: Callable[..., Request | None] | None = None
     #: the quick lane of point-to-point (``backends/mpi/_quick_p2p.Lane``): ``send``/``recv``
     #: ``(buf, peer, tag, timeout)`` and ``sendrecv(sbuf, dst, stag, rbuf, src, rtag,
     #: timeout)``, blocking, returning as ``quick_allreduce`` does; ``post(send, buf, peer,

@@ -11,7 +11,9 @@ bytes that HDF5 would copy unconverted is read with ``pread`` straight into its 
 ``RAW_BLOCK_BYTES`` piece at a time, each checksummed at once while it is still in the CPU's
 cache: one pass over memory instead of a read pass and then a checksum pass. Errors are gathered
 so every rank raises the same ``CheckpointError`` naming the file and dataset; nothing is loaded
-in part: ``load`` returns a new state and never modifies ``like``.
+in part: ``load`` returns a new state and never modifies ``like``. ``load(out=)`` reads into the
+caller's arrays instead (no second copy of the state; pages already touched), after checking
+every shape and dtype; only a checksum failure found mid-read can leave it filled in part.
 """
 from __future__ import annotations
 
@@ -122,10 +124,13 @@ class _Reader:
         return entry[1].get(p.name)
 
     # -- one region of one dataset, verified --------------------------------------------------
-    def region(self, path: str, offsets: tuple, shape: tuple) -> np.ndarray:
-        """The verified block ``shape`` at ``offsets`` of dataset ``path`` (storage dtype)."""
+    def region(self, path: str, offsets: tuple, shape: tuple, dest: np.ndarray | None = None
+               ) -> np.ndarray:
+        """The verified block ``shape`` at ``offsets`` of dataset ``path`` (storage dtype), read
+        into ``dest`` when given (a writeable host array of that shape and dtype: ``load(out=)``)."""
         dtype = np.dtype(self.m["datasets"][path]["dtype"])
-        out = np.empty(shape, dtype)  # within the declared shape, which survey saw stored
+        # within the declared shape, which survey saw stored
+        out = np.empty(shape, dtype) if dest is None else dest
         for p in self.pieces[path]:
             so, ss = tuple(p.slab["offsets"]), tuple(p.slab["shape"])
             lo = tuple(max(a, b) for a, b in zip(so, offsets))
@@ -203,8 +208,12 @@ class _Reader:
         if not ok:
             raise CheckpointError(f"{self.where}: dataset {path!r} holds {meta['type']}, like has {dt}")
 
-    def from_like(self, like: Any, node: dict, where: str) -> Any:
+    def from_like(self, like: Any, node: dict, where: str, mode: str = "new") -> Any:
+        """The state shaped as ``like``. ``mode`` "into": ``like`` is ``load``'s ``out=``, whose
+        arrays receive the data in place (its dicts and lists the loaded scalars); "check":
+        every structure, shape and dtype checked as for "into", no array read or written."""
         t, fn = node["t"], self.fn
+        into = mode == "into"
         what = node["seq"] if t == "seq" else t  # in messages: a stored list is a list
         if isinstance(like, dict):
             if t != "dict":
@@ -214,13 +223,16 @@ class _Reader:
             for k, v in like.items():
                 if str(k) not in items:
                     raise CheckpointError(f"load {fn}: key {where}[{k!r}] is not in the checkpoint")
-                out[k] = self.from_like(v, items[str(k)], f"{where}[{k!r}]")
+                out[k] = self.from_like(v, items[str(k)], f"{where}[{k!r}]", mode)
             # Entries like does not have (e.g. optimizer state created lazily) are loaded whole.
             known = {str(k) for k in like}
             for it in node["items"]:
-                if str(it["k"]) not in known:
+                if str(it["k"]) not in known and mode != "check":
                     k = int(it["k"]) if it["kt"] == "int" else it["k"]
                     out[k] = self.whole(it["v"])
+            if into:
+                like.update(out)
+                return like
             return out
         if isinstance(like, (list, tuple)) and t == "seq":
             return self._seq_like(like, node, where)
@@ -229,8 +241,11 @@ class _Reader:
                 n = len(node.get("items", ()))
                 raise CheckpointError(f"load {fn}: {where} is a {what} of {n} in the checkpoint, "
                                       f"like has a {type(like).__name__} of {len(like)}")
-            items = [self.from_like(v, c, f"{where}[{i}]")
+            items = [self.from_like(v, c, f"{where}[{i}]", mode)
                      for i, (v, c) in enumerate(zip(like, node["items"]))]
+            if into and isinstance(like, list):
+                like[:] = items
+                return like
             return items if isinstance(like, list) else tuple(items)
         if isinstance(like, Shard) or (hasattr(like, "shape") and hasattr(like, "dtype")
                                        and not isinstance(like, np.generic)):
@@ -246,6 +261,10 @@ class _Reader:
                 raise CheckpointError(f"load {fn}: dataset {path!r} has shape {tuple(meta['shape'])}, "
                                       f"like has {tuple(gshape)} at {where}")
             self._check_dtype(path, meta, local.dtype)
+            if mode != "new":
+                if into:
+                    _fill(self, path, tuple(offsets), local, meta)
+                return like
             a = _as_like(self.region(path, tuple(offsets), tuple(local.shape)), meta["type"], local)
             return Shard(a, gshape, offsets) if isinstance(like, Shard) else a
         if t != "scalar":
@@ -292,6 +311,37 @@ class _Reader:
         return unflatten(node, arrays)
 
 
+def _fill(r: _Reader, path: str, offsets: tuple, dest: Any, meta: dict) -> None:
+    """``load(out=)``'s read of one array: straight into ``dest`` where it is a C-contiguous,
+    writeable numpy array (viewed as the storage dtype: bfloat16 as its bits), else into a new
+    array copied into ``dest`` (a cupy array, a strided view)."""
+    storage = np.dtype(meta["dtype"])
+    if (type(dest) is np.ndarray and dest.flags.c_contiguous and dest.flags.writeable
+            and dest.dtype.itemsize == storage.itemsize):
+        r.region(path, offsets, tuple(dest.shape), dest.view(storage))
+        return
+    a = _as_like(r.region(path, offsets, tuple(dest.shape)), meta["type"], dest)
+    dest[...] = a
+
+
+def _check_out(out: Any, where: str) -> None:
+    """``out=`` is filled in place: every array in it must be writeable, and the containers
+    that hold scalars must be ones that can take new values."""
+    stack = [(out, "state")]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, dict):
+            stack.extend((v, f"{at}[{k!r}]") for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(x))
+        elif isinstance(x, Shard):
+            stack.append((x.local, at))
+        elif hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.generic):
+            flags = getattr(x, "flags", None)
+            if flags is not None and not flags.writeable:
+                raise ValueError(f"{where}: out={at} is read-only; load(out=) fills arrays in place")
+
+
 def _as_like(a: np.ndarray, note: str, like: Any) -> Any:
     note = "bfloat16" if note == "bfloat16" else ""
     if like is not None:
@@ -304,17 +354,23 @@ def _as_like(a: np.ndarray, note: str, like: Any) -> Any:
     return a.view(memory_dtype(a.dtype.str, note)) if note else a
 
 
-def _read(fn: str, like: Any) -> Any:
+def _read(fn: str, like: Any, into: bool = False) -> Any:
     with _open(fn) as f:
         r = _Reader(f, fn)
         try:
-            return r.whole(r.m["tree"]) if like is None else r.from_like(like, r.m["tree"], "state")
+            if like is None:
+                return r.whole(r.m["tree"])
+            if into:  # every shape and dtype checked before the first byte lands in ``out``
+                r.from_like(like, r.m["tree"], "state", "check")
+            return r.from_like(like, r.m["tree"], "state", "into" if into else "new")
         finally:
             r.close()
 
 
-def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any:
-    """Read the checkpoint ``path`` (collective over ``group``); returns a new state.
+
+def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: Any = None) -> Any:
+    """Read the checkpoint ``path`` (collective over ``group``); returns a new state, or ``out``
+    filled in place.
 
     A re-save of ``path`` that died between moving the old copy aside and renaming the new one in
     left only temporary names: the old copy is put back under ``path`` first.
@@ -326,6 +382,14 @@ def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any
             mirrors it (numpy or cupy, int or str keys); saved entries that ``like`` lacks (say,
             optimizer state not created yet) come back whole. ``like`` itself is not modified.
             None: the whole saved state, every array at its global shape.
+        out: instead of ``like``, a state to load into (as ``torch.distributed.checkpoint``
+            loads): its arrays (and ``Shard``s' local arrays) receive the data in place, so a
+            load needs no second copy of the model in memory and writes pages already touched;
+            its dicts and lists get the loaded scalars and the entries it lacks; returns
+            ``out``. Every structure, shape and dtype is checked before the first byte is
+            written, but a slab that fails its checksum is found only as it is read: after a
+            ``CheckpointError`` from that, ``out``'s arrays may hold part of the file. Load
+            with ``like=`` where the current values must survive a corrupt file.
         group: the ranks that load together (default: the default group, or none at all).
 
     Collective: every rank of ``group`` must call ``load``; one guarded by ``if rank == 0:``
@@ -334,13 +398,15 @@ def load(path: str | os.PathLike, like: Any = None, *, group: Any = None) -> Any
     """
     from ._save import raised_from
 
+    if out is not None and like is not None:
+        raise TypeError("load: pass like= (a new state) or out= (filled in place), not both")
     try:
-        return _load(path, like, group)
+        return _load(path, like if out is None else out, group, out is not None)
     except HpcdpError as exc:
         raise raised_from("load", path, group, exc)  # noqa: B904 - exc is its __context__
 
 
-def _load(path: str | os.PathLike, like: Any, group: Any) -> Any:
+def _load(path: str | os.PathLike, like: Any, group: Any, into: bool = False) -> Any:
     from ._save import wait_pending
 
     group = resolve_group(group)
@@ -353,8 +419,10 @@ def _load(path: str | os.PathLike, like: Any, group: Any) -> Any:
             # another rank may have restored the directory since ``data_file`` saw no directory
             recover(os.fspath(path))
             fn = data_file(path)
+        if into:  # (inside the try: a bad ``out`` on one rank fails the load on every rank)
+            _check_out(like, f"load {fn}")
         with trace.span("checkpoint.read", "checkpoint"):
-            result = _read(fn, like)
+            result = _read(fn, like, into)
     except CheckpointError as exc:
         err = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure becomes the same error on every rank

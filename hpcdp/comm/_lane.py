@@ -1,9 +1,13 @@
-"""``allreduce``'s latency lane: a blocking allreduce of a plain host array, with nothing of the
-general path but its bookkeeping (A2 of PERF.md: a small allreduce costs what this shows).
+"""The latency lanes of blocking collectives on plain host arrays, with nothing of the general
+path but its bookkeeping: ``allreduce`` (A2 of PERF.md: a small allreduce costs what this shows),
+``all_gather`` and ``broadcast`` (A3: at 1-2 MiB the general path's request, ``Work`` and checks
+were a tenth of the call).
 
-``ProcessGroup.allreduce`` tries it first when the group's ``_fast`` switch is on (debug level
-not "detail", the group usable, not deterministic); None sends the call to the general path,
-which checks and explains everything this lane does not look at.
+``ProcessGroup`` tries them first when the group's ``_fast`` switch is on (debug level not
+"detail", the group usable, not deterministic) and the call is blocking; None sends the call to
+the general path, which checks and explains everything a lane does not look at. A lane posts
+what the general path posts (the backend's own requests, the same sequence number, flight-record
+entry and sampled check), so ranks taking different lanes for the same call still match.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from ..ops import ReduceOp
 from ..trace import hooks as trace
 from .work import WATCH_AFTER, annotate, finish_wait, work_where
 
-__all__ = ["allreduce_now"]
+__all__ = ["allreduce_now", "all_gather_now", "broadcast_now"]
 
 _ndarray = np.ndarray
 #: dtypes and ops for which the lane needs no further checks
@@ -93,3 +97,69 @@ def _check_sampled(g: Any, seq: int, t: float, tok: int, op: str, shape: Any, dt
     except HpcdpError as exc:
         trace.on_error(g._rec, tok, exc)
         raise
+
+
+def all_gather_now(g: Any, x: Any, out: Any, timeout: float | None) -> Any:
+    """``g.all_gather(x, out=out, timeout=timeout)``, blocking, through the backend's
+    ``quick_all_gather``; None: not such a call. ``out`` must own its memory and ``x`` own
+    its own (or be a view of another owner), so that they cannot overlap without a check."""
+    be = g.backend
+    quick = be.quick_all_gather
+    if (quick is None or type(x) is not _ndarray or (xd := x.dtype) not in _FAST_DTYPES
+            or not (xf := x.flags).c_contiguous):
+        return None
+    shape = (g.size, *x.shape)
+    if out is None:
+        out = np.empty(shape, xd)
+    elif not (type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable and f.owndata
+              and out.dtype is xd and out.shape == shape
+              and (xf.owndata or (type(b := x.base) is _ndarray and b is not out
+                                  and b.flags.owndata))):
+        return None
+    _quick(g, "all_gather", timeout, x, -1, quick,
+           (x if x.ndim == 1 else x.reshape(-1), out.reshape(g.size, -1)), {})
+    return out
+
+
+def broadcast_now(g: Any, x: Any, root: Any, timeout: float | None) -> Any:
+    """``g.broadcast(x, root, timeout=timeout)`` in place, blocking, through the backend's
+    ``quick_broadcast``; None: not such a call (a read-only or non-contiguous ``x``, a root
+    to check)."""
+    quick = g.backend.quick_broadcast
+    if (quick is None or type(x) is not _ndarray or type(root) is not int
+            or not 0 <= root < g.size or x.dtype not in _FAST_DTYPES
+            or not (f := x.flags).c_contiguous or not f.writeable):
+        return None
+    _quick(g, "broadcast", timeout, x, root, quick, (x if x.ndim == 1 else x.reshape(-1), root),
+           {"root": root})
+    return x
+
+
+def _quick(g: Any, op: str, timeout: float | None, x: np.ndarray, peer: int,
+           quick: Any, args: tuple[Any, ...], call: dict[str, Any]) -> None:
+    """A lane's bookkeeping around ``quick(*args, first)``: the general path's sequence number,
+    flight-record entry and sampled check (``call``: the arguments it compares besides shape and
+    dtype), the timeout and its error."""
+    t = g._timeout if timeout is None else g._timeout_of(op, timeout)
+    seq = next(g._seq)
+    rec = g._rec
+    tok = rec.begin(op, g, seq, x.shape, x.dtype, peer) if rec is not None else 0
+    if g._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
+        try:
+            _debug.check_sampled(g, op, seq, t, **call, shape=x.shape, dtype=x.dtype)
+        except HpcdpError as exc:
+            trace.on_error(rec, tok, exc)
+            raise
+    first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog (work.finish_wait)
+    try:
+        req = quick(*args, first)
+    except HpcdpError as exc:
+        g._note_failure(op, seq, f"failed ({type(exc).__name__})")
+        err = annotate(exc, work_where(g, op, seq))
+        trace.on_error(rec, tok, err)
+        raise err from exc
+    if req is not None and (err := finish_wait(g, op, seq, req, t, first)):
+        trace.on_error(rec, tok, err)
+        raise err
+    if rec is not None:
+        rec.end(tok)

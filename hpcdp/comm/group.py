@@ -31,7 +31,7 @@ from ..trace import hooks as trace  # the recording hooks (on_error, active_reco
 from .work import CompletedWork, Work, annotate, work_where
 from .topology import CartGroup, cart_create, group_payload, group_ranks, split_layout, split_payload
 from . import reproducible
-from ._lane import allreduce_now
+from ._lane import all_gather_now, allreduce_now, broadcast_now
 
 __all__ = ["ProcessGroup", "default_timeout"]
 
@@ -294,6 +294,10 @@ class ProcessGroup:
             if out is not None:
                 raise TypeError(f"{self._where('broadcast')}: torch's form (src=) takes no out=")
             return self._torch.broadcast(x, src, async_op, timeout)
+        if self._fast and not async_op and out is None:
+            done = broadcast_now(self, x, root, timeout)
+            if done is not None:
+                return done
         where = self._where("broadcast")
         if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
             x = tc.write(x, strict=False)  # in place when it can be, as for a read-only array
@@ -370,6 +374,10 @@ class ProcessGroup:
             if out is not None:
                 raise TypeError(f"{self._where('all_gather')}: torch's form takes no out=")
             return self._torch.all_gather(x, tensor, async_op, timeout)
+        if self._fast and not async_op:
+            done = all_gather_now(self, x, out, timeout)
+            if done is not None:
+                return done
         where = self._where("all_gather")
         if (type(x) is not _ndarray or out is not None) and (tc := tensor_call(where, x, out)):
             return via_tensors(tc, self.all_gather(tc.read(x), out=tc.out(out), async_op=async_op, timeout=timeout))

@@ -10,8 +10,8 @@ import pytest
 
 import hpcdp
 from ckpt_bodies import (
-    body_async, body_load_check, body_load_error, body_reshard_subgroups, body_roundtrip,
-    body_save, make_state, shared_dir,
+    body_async, body_load_check, body_load_error, body_load_out, body_reshard_subgroups,
+    body_roundtrip, body_save, make_state, shared_dir,
 )
 from hpcdp.testing import check, run_mpi, run_ranks
 from hpcdp.testing.fixtures import World, grid, worlds
@@ -23,6 +23,12 @@ from hpcdp.checkpoint._format import MANIFEST
 def test_roundtrip(world: World, shared_tmp_path: str) -> None:
     """In the default mode (auto: mpio under MPI with a parallel h5py, vds otherwise)."""
     check(world.run(body_roundtrip, os.path.join(shared_tmp_path, "ck", "step-1")))
+
+
+@pytest.mark.parametrize("world", worlds(*grid([1, 3]), "mpi"), indirect=True)
+def test_load_into_out(world: World, shared_tmp_path: str) -> None:
+    """``load(out=)`` fills the caller's arrays in place (resharded), after checking them all."""
+    check(world.run(body_load_out, os.path.join(shared_tmp_path, "ck", "step-1")))
 
 
 # MPI only: "vds" forced where "auto" would choose mpio (the spawned worlds use vds already).

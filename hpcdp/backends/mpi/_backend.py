@@ -177,6 +177,12 @@ class MPIBackend(Backend):
         self.fastpath = fast_path(self, comm, self._internal, self._types, self._op,
                                   self.notices, self._nbc, _MAX_COUNT)
         self.quick_allreduce = None if self.fastpath is None else self.fastpath.allreduce
+        fast = self.fastpath
+        if fast is not None:  # host arrays only: the lane in comm/_lane.py sends no cupy here
+            self.quick_all_gather = lambda s, r, t: fast.collective(
+                "all_gather", self._all_gather_reqs, (s, r), r.nbytes, t)
+            self.quick_broadcast = lambda b, root, t: fast.collective(
+                "broadcast", self._broadcast_reqs, (b, root), b.nbytes, t)
         self.quick_p2p = (None if self.fastpath is None
                           else Lane(self, comm, self._types, self.notices, _MAX_COUNT,
                                     self.meta if self.meta.on else None))
@@ -230,8 +236,11 @@ class MPIBackend(Backend):
 
     @_posting()
     def broadcast(self, buf, root):
-        reqs = [self.comm.Ibcast(self._buf(buf, lo, hi), root) for lo, hi in _chunks(buf.size)]
-        return self._coll(reqs, "broadcast")
+        return self._coll(self._broadcast_reqs(buf, root), "broadcast")
+
+    def _broadcast_reqs(self, buf: Any, root: int) -> list[Any]:
+        """The MPI requests of a broadcast (both lanes post these: ranks in either match)."""
+        return [self.comm.Ibcast(self._buf(buf, lo, hi), root) for lo, hi in _chunks(buf.size)]
 
     @_posting()
     def reduce(self, sendbuf, recvbuf, op, root):
@@ -251,6 +260,10 @@ class MPIBackend(Backend):
 
     @_posting()
     def all_gather(self, sendbuf, recvbuf):
+        return self._coll(self._all_gather_reqs(sendbuf, recvbuf), "all_gather")
+
+    def _all_gather_reqs(self, sendbuf: Any, recvbuf: Any) -> list[Any]:
+        """The MPI requests of an all_gather (both lanes post these: ranks in either match)."""
         # (chosen by size alone, so every rank takes the same path whatever its array module)
         if _P2P_GATHER_MIN <= recvbuf.nbytes < _P2P_GATHER_MAX and sendbuf.size <= _MAX_COUNT[0]:
             # Open MPI 4's libnbc Iallgather copies this rank's block before it sends anything
@@ -263,15 +276,13 @@ class MPIBackend(Backend):
             reqs += [self._internal.Isend([sendbuf, t], j, _GATHER_TAG)
                      for j in range(self.size) if j != me]
             recvbuf[me] = sendbuf
-            return self._coll(reqs or [_MPI.REQUEST_NULL], "all_gather")
+            return reqs or [_MPI.REQUEST_NULL]
         if sendbuf.size <= _MAX_COUNT[0]:
-            return self._coll([self.comm.Iallgather(self._buf(sendbuf), self._buf(recvbuf))],
-                              "all_gather")
+            return [self.comm.Iallgather(self._buf(sendbuf), self._buf(recvbuf))]
         # Too big for one count: every rank broadcasts its block, in chunks.
         recvbuf[self.rank] = sendbuf
-        reqs = [self.comm.Ibcast(self._buf(recvbuf[r], lo, hi), r)
+        return [self.comm.Ibcast(self._buf(recvbuf[r], lo, hi), r)
                 for r in range(self.size) for lo, hi in _chunks(sendbuf.size)]
-        return self._coll(reqs, "all_gather")
 
     @_posting()
     def gather(self, sendbuf, recvbuf, root):

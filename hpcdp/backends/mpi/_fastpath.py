@@ -46,6 +46,7 @@ collectives do outside ``HPCDP_DEBUG``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -444,6 +445,9 @@ class FirstCall(_rq.MPIRequest):
 #: took seconds on 4 ranks of a loaded 2-core machine, so a call outlived its deadline (and
 #: then succeeded, where the caller had to see a timeout).
 _SPIN, _SPIN_S = 16, 1e-4
+#: a larger collective's lane spins as long as its bytes take at this rate (a registered wait
+#: polls as busily for its first milliseconds, at the cost of the request bookkeeping), capped
+_SPIN_BPS, _SPIN_MAX_S = 2e9, 2e-3
 _monotonic = time.monotonic
 
 
@@ -577,6 +581,59 @@ class FastPath:
             slow = slot.tail = SmallRequest(self, slot, None, recv, index, started=True)
         slow.keep = (send, recv)  # MPI owns them until the request completes
         return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
+
+    def collective(self, what: str, post: Callable[..., list[Any]], args: tuple[Any, ...],
+                   nbytes: int, timeout: float) -> Request | None:
+        """The quick lane of a blocking collective other than allreduce (the backend's
+        ``quick_all_gather``/``quick_broadcast``): ``post(*args)`` posts the same MPI requests
+        the backend's nonblocking call posts (so ranks in either lane match), then a ``Test``
+        spin as long as moving ``nbytes`` takes at ``_SPIN_BPS`` (at least ``_SPIN_S``, at most
+        ``_SPIN_MAX_S``); None once complete, else the registered request still pending at the
+        deadline. Numbered like every collective (the roll call names it)."""
+        notices = self.notices
+        notices.index = index = notices.index + 1
+        if notices.left is not None:  # a peer already left this group: fail before posting
+            notices.check(index)
+        reqs: list[Any] = []
+        try:
+            reqs = post(*args)
+            test = (reqs[0].Test if len(reqs) == 1
+                    else functools.partial(_rq._MPI.Request.Testall, reqs))
+            deadline = _spun(test, self._view, timeout,
+                             min(_SPIN_MAX_S, max(_SPIN_S, nbytes / _SPIN_BPS)))
+        except _rq._MPI.Exception as exc:
+            raise notices.mpi_error(exc, what, index) from None
+        except BaseException:  # KeyboardInterrupt in the spin: MPI may still use the buffers
+            if reqs:
+                _rq.MPIRequest(self.owner, reqs, what, index).keep = args
+            raise
+        if deadline is None:
+            if self._view[0]:  # a notice landed: answer it, or fail if a peer left
+                notices.check(index)
+            return None
+        slow = _rq.MPIRequest(self.owner, reqs, what, index)
+        slow.keep = args  # MPI owns them until the request completes
+        return None if slow.wait(max(0.0, deadline - _monotonic())) else slow
+
+
+def _spun(test: Callable[[], bool], view: Any, timeout: float, spin_s: float) -> float | None:
+    """``test`` in spins of ``_SPIN`` until it is true (None), or ``spin_s`` passed or a
+    notice landed (``view[0]``): then the call's deadline, ``timeout`` from the first spin's end
+    (its Tests took microseconds; tens of milliseconds at worst, when every Test yields)."""
+    stop = deadline = None
+    while True:
+        k = _SPIN  # (a while loop on Test() measured faster than for/range)
+        while not test():
+            k -= 1
+            if not k:
+                break
+        else:
+            return None
+        now = _monotonic()
+        if stop is None:
+            deadline, stop = now + timeout, now + min(spin_s, timeout)
+        elif now >= stop or view[0]:
+            return deadline
 
 
 #: ops a family has requests for, in the order they are made (the same on every rank)
