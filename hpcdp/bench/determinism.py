@@ -204,13 +204,14 @@ def part_h2(args: argparse.Namespace, g: Any, sink: JsonSink) -> bool:
     """
     from ..comm import reproducible
 
-    sizes = [1 << 20, 4 << 20, 16 << 20]
+    sizes = [int(float(v) * (1 << 20)) for v in args.sizes.split(",")]
     worst: dict[str, float] = {}
+    phases: list[str] = []
     if g.rank == 0:
         print(f"# H2 deterministic allreduce vs plain (busbw ratio; {judged('H2')})", flush=True)
         print(f"# {'size':>8} {'dtype':>8} {'rows':>4} {'plain us':>10} {'exact us':>10} {'ratio':>7}  "
-              "wire bytes/elem (typical layout)", flush=True)
-    for rows in (1, 2):
+              "wire bytes/elem sent (det vs plain)", flush=True)
+    for rows in [int(v) for v in args.rows.split(",")]:
         for dtype in (np.float64, np.float32):
             for nbytes in sizes:
                 count = nbytes // np.dtype(dtype).itemsize
@@ -234,23 +235,36 @@ def part_h2(args: argparse.Namespace, g: Any, sink: JsonSink) -> bool:
 
                 t = interleaved(plain, det, args.trials)
                 ratio = 1.0 / t.median_ratio   # busbw ratio = time ratio inverted
+                # where the time goes: one more loop with the steps' clocks on (rank 0's)
+                reproducible.record_phases(True)
+                time_loop(lambda: reproducible.sum_rows(g, x, out=out), iters, sync=g.barrier)
+                steps = reproducible.record_phases(False)
+                sent = steps.pop("bytes", 0.0) / iters / count   # wire bytes per element, as sent
+                phases.append(f"  {fmt_size(nbytes):>8} {np.dtype(dtype).name:>8} {rows:>4}  "
+                              + ", ".join(f"{k} {v / iters * 1e6:.0f}" for k, v in steps.items())
+                              + f"; {sent:.2f} bytes/elem sent")
                 name = np.dtype(dtype).name
                 variant = name if rows == 1 else f"{name}, {rows} rows per rank"
                 worst[variant] = min(worst.get(variant, ratio), ratio)
                 item = np.dtype(dtype).itemsize
-                # block codes (about 4 KiB per MiB), then the data as the layout sends it: one
-                # plain value where the sum is one addition; else float64 values (float32 data)
-                # or a float32 hi and a float64 lo (float64 data within its layout's depth)
+                # what each rank hands its exchanges per element (block codes, about 4 KiB per
+                # MiB, included), as counted: the data in its own dtype where the sum is one
+                # addition; else float64 values (float32 data) or a float32 hi and a float64 lo
+                # (float64 data), plus 8 per element of the few blocks that need two halves
                 one = rows * g.size <= 2
-                wire = item if one else (8 if item < 8 else 12)
+                wire = round(sent, 2)
                 sink.write({"bench": "determinism", "op": "H2", "ranks": g.size, "rows": rows,
                             "size": nbytes, "dtype": name, "plain_us": t.base_median * 1e6,
                             "det_us": t.cand_median * 1e6, "busbw_ratio": ratio,
                             "wire_bytes_per_elem": wire, "data_bytes_per_elem": item})
                 if g.rank == 0:
                     print(f"  {fmt_size(nbytes):>8} {name:>8} {rows:>4} {t.base_median * 1e6:>10.0f} "
-                          f"{t.cand_median * 1e6:>10.0f} {ratio:>7.3f}  {wire} vs {item}"
+                          f"{t.cand_median * 1e6:>10.0f} {ratio:>7.3f}  {wire:.2f} vs {item}"
                           + (" (one addition)" if one else ""), flush=True)
+    if g.rank == 0:
+        print("# H2 steps of the deterministic sum, us per call (rank 0; their sum is below the "
+              "call's time by the Python between them):", flush=True)
+        print("\n".join(phases), flush=True)
     ok = True
     for name, v in worst.items():   # a figure per dtype: its worst size (the bound holds at every size)
         ok &= bool(summarize(sink, "H2", v, ranks=g.size, variant=name))
@@ -277,6 +291,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", default="fsdp", choices=["fsdp", "ddp"], help="H1: the example's FSDP or DDP")
     p.add_argument("--trials", type=int, default=5, help="H1, H2: interleaved trials per figure")
     p.add_argument("--iters", type=int, default=5, help="H1: steps per trial; H2: calls per trial at 1 MiB")
+    p.add_argument("--sizes", default="1,4,16", help="H2: sizes in MiB")
+    p.add_argument("--rows", default="1,2",
+                   help="H2: rows per rank (1: the allreduce itself; 2: the general path)")
     p.add_argument("--json", default=None, help="append JSON lines here (rank 0's)")
     return p
 

@@ -46,7 +46,7 @@ __all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "codes32", "
            "to_limbs", "round_limbs", "float_width", "float_layout", "split2", "combine2", "apply_specials",
            "special_counts",
            "BLOCKS", "block_codes", "block_layout", "split_blocks", "one_addition",
-           "wide_blocks"]
+           "block_plan", "tail_positions", "round_blocks"]
 
 #: (significand bits, exponent of the smallest subnormal) of each float dtype summed exactly
 FORMATS: dict[np.dtype, tuple[int, int]] = {
@@ -305,9 +305,11 @@ def combine2(hi: Any, lo: Any, dtype: Any, xp: Any, out: Any = None) -> Any:
 # block. A block's depth E - low decides its layout: <= w', the values themselves (one float64);
 # <= w32 + 1 + w' (w32 = 24 - ceil(log2 N)), a float32 hi and a float64 lo; <= min(w', 51) + 1 +
 # w', two float64 halves (:func:`split_blocks`); deeper, or inf/NaN, or so large that the halves'
-# constants would overflow: the per-element method above, for the whole range. Every layout adds
-# exactly and is rounded once, so the partition into blocks (and into ranges) never changes a
-# bit, and the accuracy is the one stated at the top: the exact sum correctly rounded.
+# constants would overflow: the per-element method above, for the whole range. A range takes one
+# layout, and the blocks that layout cannot take travel as two halves beside it
+# (:func:`block_plan`). Every layout adds exactly and is rounded once, so the partition into
+# blocks (and into ranges, and which block takes which layout) never changes a bit, and the
+# accuracy is the one stated at the top: the exact sum correctly rounded.
 
 #: blocks per range of elements: element i of an n-element range belongs to block i % nb of its
 #: first ``(n // nb) * nb`` elements, the rest to one tail block (so reductions run across rows)
@@ -382,19 +384,66 @@ def block_layout(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[int, An
     return 2, _sigma(g, xp)
 
 
-def wide_blocks(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[Any, Any] | None:
-    """(mask of the blocks one float64 cannot take, layout 2's ``sigma``) where every such
-    block fits two float64 halves, else None: the others can travel as values and only these as
-    halves, in one exchange (:func:`block_layout` gave 2 or 3)."""
+def block_plan(code: Any, summands: int, dtype: Any, xp: Any, n: int) -> tuple[int, Any, Any, Any]:
+    """The layout that moves the fewest bytes for a range of ``n`` elements, from its reduced
+    :func:`block_codes` (the same decision on every rank): ``(layout, sigma, tail, sigma2)``.
+
+    ``layout`` as :func:`block_layout` (0: the per-element method; 1: one float64 a value;
+    2: two float64 halves, ``sigma``; 3: a float32 hi and a float64 lo, ``sigma``). ``tail``:
+    None, or the mask of the blocks the layout cannot take; their elements travel as layout 2's
+    halves (constants ``sigma2``) instead: the hi in the element's float64 place (layout 3: the
+    lo's place, its float32 hi +0), the lo in a tail of the float64 exchange. Bytes per element:
+    8, 16 or 12, plus 8 for each element of a tail block (a range of normal float64 data with
+    one value far under its block's largest stays at about 12, not 16).
+
+    Exact for every plan: each block's values, in its own layout, add exactly in any order
+    (:func:`split_blocks` proves each), and a tail block satisfies layout 2's bound; which
+    layout a block takes changes no bit of the correctly rounded result."""
     grid = _block_grid(code, summands, dtype, xp)
-    if grid is None:
-        return None
+    if grid is None:                               # inf or NaN
+        return 0, None, None, None
     e, low, wp = grid
-    wide = (e - low) > wp
-    g = xp.maximum(e - min(wp, 51), -1074)
-    if int(e[wide].max(initial=0)) > 969 + wp or int((g - 1 - low)[wide].max(initial=0)) > wp:
-        return None
-    return wide, _sigma(g, xp)
+    wide = (e - low) > wp                          # blocks one float64 cannot take
+    if not bool(wide.any()):
+        return 1, None, None, None
+    g2 = xp.maximum(e - min(wp, 51), -1074)
+    unfit2 = (e > 969 + wp) | ((g2 - 1 - low) > wp)
+    if bool((unfit2 & wide).any()):
+        return 0, None, None, None
+    nb = code.shape[1] - 1
+    per_block = n // nb
+    tail_len = n - per_block * nb
+
+    def elements(mask: Any) -> int:
+        return per_block * int(xp.count_nonzero(mask[:nb])) + tail_len * int(mask[nb])
+
+    layout, tail = 2, None
+    cost = None if bool(unfit2.any()) else 16 * n
+    wp32 = wp - 29                                 # float32 sums: 24 - ceil(log2 N)
+    if wp32 > 0 and int(e.max(initial=0)) <= 127 - (24 - wp32):
+        g3 = xp.maximum(e - wp32, -149)
+        deep = (g3 - 1 - low) > wp                 # lo's sums not exact there: halves instead
+        n3 = elements(deep)
+        if cost is None or 12 * n + 8 * n3 < cost:
+            layout, tail, cost = 3, (deep if n3 else None), 12 * n + 8 * n3
+    if cost is None or 8 * n + 8 * elements(wide) < cost:
+        return 1, None, wide, _sigma(g2, xp)
+    if layout == 2:
+        return 2, _sigma(g2, xp), None, None
+    return 3, _sigma(g3, xp), tail, (None if tail is None else _sigma(g2, xp))
+
+
+def tail_positions(mask: Any, nb: int, n: int, xp: Any) -> tuple[Any, Any]:
+    """(sorted positions, their blocks) of the elements of the blocks in ``mask`` (``nb + 1``
+    entries, the last the tail block) of a range of ``n`` elements."""
+    k = (n // nb) * nb
+    bs = xp.flatnonzero(mask[:nb])
+    pos = (xp.arange(0, k, nb)[:, None] + bs[None, :]).reshape(-1)
+    block = xp.broadcast_to(bs, (k // nb, bs.shape[0])).reshape(-1)
+    if bool(mask[nb]) and k < n:
+        pos = xp.concatenate([pos, xp.arange(k, n)])
+        block = xp.concatenate([block, xp.full(n - k, nb)])
+    return pos, block
 
 
 def _block_grid(code: Any, summands: int, dtype: Any, xp: Any) -> tuple[Any, Any, int] | None:
@@ -423,6 +472,22 @@ def _sigma(g: Any, xp: Any) -> Any:
     """``1.5 * 2**(g + 52)`` per block: adding it to a value below ``2**(g + 51)`` rounds the
     value to a multiple of ``2**g`` (:func:`split_blocks`)."""
     return xp.ldexp(xp.full(g.shape, 1.5), (g + 52).astype(np.int32))
+
+
+def round_blocks(rows: Any, sigma: Any, nb: int, xp: Any, out: Any) -> None:
+    """``out`` (float64, the shape of ``rows``, ``(m, n)`` float32 or float64): every value
+    rounded to its block's grid, ``(x + sigma) - sigma`` as in :func:`split_blocks` (whose hi
+    it is), all rows in one pass per operation."""
+    m, n = rows.shape
+    k = (n // nb) * nb
+    with np.errstate(invalid="ignore", over="ignore"):
+        if k:
+            body = out[:, :k].reshape(m, -1, nb)
+            xp.add(rows[:, :k].reshape(m, -1, nb), sigma[:nb], out=body)
+            xp.subtract(body, sigma[:nb], out=body)
+        if k < n:
+            xp.add(rows[:, k:], sigma[nb], out=out[:, k:])
+            xp.subtract(out[:, k:], sigma[nb], out=out[:, k:])
 
 
 def split_blocks(x: Any, sigma: Any, nb: int, xp: Any, hi: Any, lo: Any, tmp: Any = None) -> None:

@@ -13,22 +13,28 @@ temporaries stay in cache; a scatter is one range), each range in two steps:
 1. ``allreduce(MAX)`` of int16 *block codes*, two per block of ``n / exact.BLOCKS`` elements
    (the largest exponent and the smallest nonzero one), a zeros flag and the number of rows:
    every rank learns the same grid per block (about 4 KiB per range);
-2. the values on that grid, summed by the plain ``allreduce``/``reduce``/``reduce_scatter``:
-   the values themselves as one float64 (float32 data within 27 binades per block), or split
-   into a float32 hi and a float64 lo (within 23 binades past 53 bits), or into two float64
-   halves (within 50); at most two finite summands (two ranks, one row each): the data itself
-   in its own dtype, whose one IEEE addition is the exact sum correctly rounded,
+2. the values on that grid, summed by the plain ``allreduce``/``reduce``/``reduce_scatter``,
+   in the layout that moves the fewest bytes (``exact.block_plan``): the values themselves as
+   one float64 (float32 data within 27 binades per block), or split into a float32 hi and a
+   float64 lo (within 23 binades past 53 bits), or into two float64 halves (within 50); a
+   block the range's layout cannot take travels as two halves in a tail of the float64
+   exchange, so that one value far below its block's largest costs that block 8 bytes more per
+   element, not the range 4; at most two finite summands (two ranks, one row each): the data
+   itself in its own dtype, whose one IEEE addition is the exact sum correctly rounded,
 
 then every rank rounds the exact sums once. A range with inf/NaN, or deeper than two halves
 hold, takes the per-element method instead (same on every rank: the codes say so): an
 ``allreduce(MAX)`` of int16 codes per element, then values, halves or int64 limbs. Bytes on the
-wire per element: 8 for float32 data and 12 for float64 (16 for very wide blocks) against 4 or
-8 for the plain sum; 4 or 8 with at most two summands; plus 4 KiB per 1 MiB range. Memory passes
-per element, float64 with two ranks, a range without zeros: three reads and one write for the
-codes, four for the halves, one for the rounding, against the plain sum's none. Non-finite
-values cost one more small exchange, only when some element has one. ``max`` and ``min`` need
-nothing (they do not depend on order); ``prod`` is refused in this mode rather than silently
-order-dependent.
+wire per element: 8 for float32 data and 12 for float64 (plus 8 per element of a tail block)
+against 4 or 8 for the plain sum; 4 or 8 with at most two summands; plus 4 KiB per 1 MiB range
+(:func:`record_phases` counts them). Memory passes per element and row, float64 data, a range
+without zeros: three reads and one write for the codes (``bitwise_and``, ``max``, ``min``),
+four for the split (rounding to the grid takes two, the lo one, adding it and the hi over the
+rows one), against the plain sum's one addition over the rows; then one for the rounding. The
+split's temporaries reuse the codes' scratch, so a range's working set is its rows, one scratch
+of their size and the two send buffers. Non-finite values cost one more small exchange, only
+when some element has one. ``max`` and ``min`` need nothing (they do not depend on order);
+``prod`` is refused in this mode rather than silently order-dependent.
 
 Asynchronous calls complete before they return (the Work is already done): the two passes
 depend on each other, and a deterministic run is about the bits, not overlap.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from fractions import Fraction
 from typing import Any, Callable, TypeVar
 
@@ -50,11 +57,13 @@ from ..errors import CollectiveMismatchError, CommTimeoutError
 from ..ops import ReduceOp
 from . import exact
 
-__all__ = ["sum_rows", "exact_total", "reducible", "routes", "takes", "run", "check_agreement"]
+__all__ = ["sum_rows", "exact_total", "reducible", "routes", "takes", "run", "check_agreement",
+           "record_phases"]
 
 _MAX_ROWS = 32767       # the rows count travels as an int16 code
 _RANGE_BYTES = 1 << 20  # input bytes per range of the blocked path (its exchanges stay in cache)
 _tls = threading.local()
+_phases: dict[str, float] | None = None   # while the benchmark records: seconds per step
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -106,6 +115,40 @@ def run(group: Any, opname: str, x: Any, rop: ReduceOp, out: Any, async_op: bool
     if group._rec is not None:
         group._rec.end(tok)
     return group._done(opname, seq, result, async_op)
+
+
+def record_phases(on: bool = True) -> dict[str, float]:
+    """Start (``on``) or stop recording the seconds the blocked path spends in each step
+    (codes, codes exchange, layout, split, values exchange, rounding), summed over calls; returns
+    the record (stopping returns what was recorded), with ``bytes``: what this rank handed its
+    exchanges. For the benchmark's breakdown: a step's share is what an optimisation has to go
+    after. Process-wide (simulated ranks share it); off, each step costs one global lookup."""
+    global _phases
+    done = _phases if _phases is not None else {}
+    _phases = {} if on else None
+    return _phases if on else done
+
+
+def _lap(name: str, t0: float) -> float:
+    """Add the time since ``t0`` to step ``name`` of the record (if recording); the new t0."""
+    rec = _phases
+    if rec is None:
+        return 0.0
+    now = time.perf_counter()
+    rec[name] = rec.get(name, 0.0) + now - t0
+    return now
+
+
+def _count(name: str, amount: float) -> None:
+    """Add ``amount`` to entry ``name`` of the record (if recording): bytes sent."""
+    rec = _phases
+    if rec is not None:
+        rec[name] = rec.get(name, 0.0) + amount
+
+
+def _t0() -> float:
+    """A start time for :func:`_lap` while recording (0.0 otherwise: no clock read)."""
+    return time.perf_counter() if _phases is not None else 0.0
 
 
 def _plain_inside(fn: _F) -> _F:
@@ -235,66 +278,53 @@ def _blocked(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, tar
 def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
                    timeout: float | None, replicate: Any) -> Any:
     """One range of :func:`_blocked`: ``allreduce(MAX)`` of the block codes (a few bytes per
-    block of ``n / exact.BLOCKS`` elements), then the values (one float64 each) or their halves
-    (two) on the blocks' grids, summed by the plain backend; a range some block of which does
-    not fit goes to :func:`_elementwise` whole (every rank sees the same codes)."""
+    block of ``n / exact.BLOCKS`` elements), then the values on the blocks' grids in the
+    layout ``exact.block_plan`` picks (one float64 each, a float32 hi and a float64 lo, or two
+    float64 halves; the blocks the layout cannot take as halves in a tail), summed by the plain
+    backend; a range some block of which fits none goes to :func:`_elementwise` whole (every
+    rank sees the same codes)."""
     xp = np
     m, n = real.shape
     nb = min(exact.BLOCKS, n)
     ws = exact.workspace()
+    t0 = _t0()
     head = ws.take("bhead", (2 * (nb + 1) + 2,), np.int16, xp)
     head[-2] = exact.block_codes(real, xp, nb, head[:-2].reshape(2, nb + 1))   # any zero
     head[-1] = m
+    t0 = _lap("codes", t0)
+    _count("bytes", head.nbytes)
     agreed = group.allreduce(head, "max", out=head, timeout=timeout)
     size = group.size
     if replicate is not None:
         agreed = replicate.allreduce(agreed, "max", timeout=timeout)
         size *= replicate.size
+    t0 = _lap("codes exchange", t0)
     summands = max(int(agreed[-1]), 1) * size
     code = agreed[:-2].reshape(2, nb + 1)
     if rounded == real.dtype and exact.one_addition(code, summands, real.dtype):
         return _one_addition(group, real, mode, root, target, timeout, replicate)
-    halves, sigma = exact.block_layout(code, summands, real.dtype, xp)
-    if not halves:
+    layout, sigma, tail, sigma2 = exact.block_plan(code, summands, real.dtype, xp, n)
+    if not layout:
         return _elementwise(group, real, real.dtype, mode, root, rounded, target, timeout, replicate)
-    if halves > 1:   # halves only for the blocks that need them, values elsewhere
-        mixed = exact.wide_blocks(code, summands, real.dtype, xp)
-        if mixed is not None:
-            wide, sigma2 = mixed
-            k = (n // nb) * nb
-            nw = (k // nb) * int(wide[:nb].sum()) + (n - k) * int(wide[nb])
-            if nw < n and (halves == 2 or 2 * nw <= n):   # fewer bytes than all in halves
-                every = xp.empty(n, dtype=bool)
-                every[:k].reshape(-1, nb)[...] = wide[:nb]
-                every[k:] = wide[nb]
-                pos = xp.flatnonzero(every)
-                block = xp.where(pos < k, pos % nb, nb)
-                return _mixed(group, real, mode, root, rounded, target, timeout, replicate,
-                              pos, block, sigma2, bool(agreed[-2]))
+    zeros = bool(agreed[-2])
+    if tail is not None:
+        pos, block = exact.tail_positions(tail, nb, n, xp)
+        t0 = _lap("layout", t0)
+        return _tailed(group, real, mode, root, rounded, target, timeout, replicate, layout,
+                       sigma, pos, block, sigma2, zeros, t0)
+    t0 = _lap("layout", t0)
     parts = group.size if mode == "scatter" else 1
     per = n // parts
-    if halves == 3:   # hi float32, lo float64: two exchanges, each already part-major
+    if layout == 3:   # hi float32, lo float64: two exchanges, each already part-major
         hi = ws.take("bhi", (n,), np.float32, xp)
         lo = ws.take("blo", (n,), np.float64, xp)
-        if m == 0:
-            hi.fill(-0.0)
-            lo.fill(-0.0)
-        else:
-            t = ws.take("btmp", (n,), np.float64, xp)
-            exact.split_blocks(real[0], sigma, nb, xp, hi, lo, t)
-            if m > 1:
-                hi2 = ws.take("bhi2", (n,), np.float32, xp)
-                lo2 = ws.take("blo2", (n,), np.float64, xp)
-                for r in real[1:]:
-                    exact.split_blocks(r, sigma, nb, xp, hi2, lo2, t)
-                    xp.add(hi, hi2, out=hi)
-                    xp.add(lo, lo2, out=lo)
+        _split3(real, sigma, nb, hi, lo)
         sends = [hi.reshape(parts, per), lo.reshape(parts, per)]
     else:
-        main = ws.take("bmain", (halves, n), np.float64, xp)
+        main = ws.take("bmain", (layout, n), np.float64, xp)
         if m == 0:
             main.fill(-0.0)   # the sum's identity: no contribution, not a +0 one
-        elif halves == 1:     # rows added one by one: numpy's sum would start from +0
+        elif layout == 1:     # rows added one by one: numpy's sum would start from +0
             xp.copyto(main[0], real[0])
             for r in real[1:]:
                 xp.add(main[0], r, out=main[0])
@@ -305,45 +335,81 @@ def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtyp
                 for r in real[1:]:
                     exact.split_blocks(r, sigma, nb, xp, part[0], part[1])
                     xp.add(main, part, out=main)
-        # (halves, n) -> part-major (parts, halves * per): each rank's part contiguous
-        sends = [main.reshape(halves, parts, per).transpose(1, 0, 2).reshape(parts, halves * per)
-                 if parts > 1 and halves > 1 else main.reshape(parts, halves * per)]
+        # (layout, n) -> part-major (parts, layout * per): each rank's part contiguous
+        sends = [main.reshape(layout, parts, per).transpose(1, 0, 2).reshape(parts, layout * per)
+                 if parts > 1 and layout > 1 else main.reshape(parts, layout * per)]
+    t0 = _lap("split", t0)
     totals = []
     for send in sends:
         totals.append(_exchange(group, send, mode, root, timeout, replicate, out=send))
+    t0 = _lap("values exchange", t0)
     if totals[0] is None:
         return None
-    if halves == 3:
+    if layout == 3:
         hi_sum, lo_sum = totals[0].reshape(per), totals[1].reshape(per)
     else:
-        sums = totals[0].reshape(halves, per)
+        sums = totals[0].reshape(layout, per)
         hi_sum, lo_sum = sums[0], sums[-1]
+    result = _round(hi_sum, lo_sum, layout, rounded, target, zeros)
+    _lap("rounding", t0)
+    return result
+
+
+def _split3(real: Any, sigma: Any, nb: int, hi: Any, lo: Any) -> None:
+    """Layout 3: the rows' float32 his and float64 los (``exact.split_blocks``), each added
+    over the rows (exactly: the layout's bounds hold for every summand of the sum), a few whole
+    passes over the range rather than a few per row; no rows: -0, the sum's identity."""
+    xp = np
+    m, n = real.shape
+    if m == 0:
+        hi.fill(-0.0)
+        lo.fill(-0.0)
+        return
+    t = exact.workspace().take("ab", (m, n), np.float64, xp)   # the codes' scratch, done with
+    exact.round_blocks(real, sigma, nb, xp, t)     # every hi (an exact zero hi is +0)
+    xp.subtract(real[0], t[0], out=lo)             # x = -0 keeps its -0 here
+    for i in range(1, m):                          # rows added one by one: numpy's sum would
+        xp.add(t[0], t[i], out=t[0])               # start from +0, losing an all -0 column's sign
+        xp.subtract(real[i], t[i], out=t[i])
+        xp.add(lo, t[i], out=lo)
+    xp.copyto(hi, t[0], casting="same_kind")       # exact: at most 24 bits on float32's grid
+
+
+def _round(hi_sum: Any, lo_sum: Any, layout: int, rounded: np.dtype, target: Any,
+           zeros: bool) -> Any:
+    """The exact sums ``hi_sum + lo_sum`` (layout 1: ``hi_sum`` alone) rounded once to
+    ``rounded``, into ``target`` where given. With ``zeros``: where hi is 0 (+0 even for
+    x = -0) the exact sum is lo's, sign included."""
+    xp = np
     with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
-        if halves == 1:
+        if layout == 1:
             if target is None:
                 return hi_sum.astype(rounded)
             xp.copyto(target, hi_sum, casting="unsafe")
             return target
-        if halves == 3 and rounded == np.float64:   # one rounding: float32 + float64 in float64
+        if layout == 3 and rounded == np.float64:   # one rounding: float32 + float64 in float64
             result = xp.add(hi_sum, lo_sum, out=target)
         else:
-            result = exact.combine2(hi_sum.astype(np.float64, copy=False), lo_sum, rounded, xp, out=target)
-        if agreed[-2]:   # some zero: only there can a sum be -0 (all of it -0, hi +0
-            zero = hi_sum == 0    # even for x = -0): then the exact sum is lo's, sign included
+            result = exact.combine2(hi_sum.astype(np.float64, copy=False), lo_sum, rounded, xp,
+                                    out=target)
+        if zeros:
+            zero = hi_sum == 0
             if bool(zero.any()):
                 result[zero] = lo_sum[zero]
     return result
 
 
-def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
-           timeout: float | None, replicate: Any, pos: Any, block: Any, sigma: Any,
-           zeros: bool) -> Any:
-    """A range whose elements ``pos`` (sorted; in blocks ``block``) need two halves and the
-    others one value: one float64 exchange of the values (the wide elements' hi in their
-    places), each part followed by its wide elements' lo (padded with -0, the sum's identity,
-    to the same length in every part)."""
+def _tailed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
+            timeout: float | None, replicate: Any, layout: int, sigma: Any, pos: Any,
+            block: Any, sigma2: Any, zeros: bool, t0: float) -> Any:
+    """A range in ``layout`` 1 (values) or 3 (float32 hi, float64 lo) whose elements ``pos``
+    (sorted; in blocks ``block``) need two float64 halves instead: one float64 exchange of the
+    values (layout 3: the los) with those elements' hi in their places, each part followed by
+    those elements' lo (padded with -0, the sum's identity, to the same length in every part);
+    layout 3 adds a float32 exchange of the his (+0 at ``pos``)."""
     xp = np
     m, n = real.shape
+    nb = min(exact.BLOCKS, n)
     parts = group.size if mode == "scatter" else 1
     per = n // parts
     nw = pos.shape[0]
@@ -359,15 +425,23 @@ def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, targe
     ws = exact.workspace()
     buf = ws.take("xbuf", (parts, width), np.float64, xp)
     flat = buf.reshape(-1)
+    hi32 = ws.take("xhi", (parts, per), np.float32, xp) if layout == 3 else None
     if m:
         vals = buf[:, :per]
-        xp.copyto(vals, real[0].reshape(parts, per))  # values (the wide ones overwritten)
-        for r in real[1:]:
-            xp.add(vals, r.reshape(parts, per), out=vals)
+        if layout == 3:   # the los straight into their places (parts > 1: through a copy)
+            los = vals.reshape(-1) if parts == 1 else ws.take("xlo", (n,), np.float64, xp)
+            _split3(real, sigma, nb, hi32.reshape(-1), los)
+            if parts > 1:
+                xp.copyto(vals, los.reshape(parts, per))
+            hi32.reshape(-1)[pos] = 0.0
+        else:
+            xp.copyto(vals, real[0].reshape(parts, per))  # values (the wide ones overwritten)
+            for r in real[1:]:
+                xp.add(vals, r.reshape(parts, per), out=vals)
         buf[:, per:] = -0.0                           # padding: the sum's identity
         hl = ws.take("xhl", (4, nw), np.float64, xp)
         xw = ws.take("xw", (nw,), real.dtype, xp)
-        sig = xp.append(sigma[block], 0.0)
+        sig = xp.append(sigma2[block], 0.0)
         for i in range(m):
             h, l_ = (hl[0], hl[1]) if i == 0 else (hl[2], hl[3])
             xp.take(real[i], pos, out=xw)
@@ -378,22 +452,30 @@ def _mixed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, targe
         flat[at_lo] = hl[1]
     else:
         buf.fill(-0.0)   # the sum's identity
+        if hi32 is not None:
+            hi32.fill(-0.0)
+    t0 = _lap("split", t0)
     total = _exchange(group, buf, mode, root, timeout, replicate, out=buf)
+    his = _exchange(group, hi32, mode, root, timeout, replicate, out=hi32) if layout == 3 else None
+    t0 = _lap("values exchange", t0)
     if total is None:
         return None
     p = group.rank if mode == "scatter" else 0
     total = total.reshape(-1)[-width:]
     lo_n, hi_n = int(starts[p]), int(starts[p + 1])
     idx = pos[lo_n:hi_n] - p * per
-    result = target if target is not None else xp.empty(per, rounded)
+    if layout == 3:
+        result = _round(his.reshape(-1)[-per:], total[:per], 3, rounded, target, zeros)
+    else:
+        result = _round(total[:per], None, 1, rounded, target, False)
     with np.errstate(over="ignore"):   # an exact sum beyond a narrow format: +-inf, as IEEE
-        xp.copyto(result, total[:per], casting="unsafe")
         hi, lo = xp.take(total, idx), total[per:per + hi_n - lo_n]
         both = exact.combine2(hi, lo, rounded, xp)
     if zeros:   # hi +0 (x = -0 gives +0 too): the exact sum is lo's, sign included
         zero = hi == 0
         both[zero] = lo[zero]
     result[idx] = both
+    _lap("rounding", t0)
     return result
 
 
@@ -402,6 +484,7 @@ def _exchange(group: Any, buf: Any, mode: str, root: int, timeout: float | None,
     """The plain sum of ``buf`` over ``group`` as ``mode`` asks (every rank, ``root`` only, or
     each rank its part of axis 0), then over ``replicate``; None off the root. The values are on
     a grid whose sums cannot round, so any algorithm adds them exactly."""
+    _count("bytes", buf.nbytes)
     if mode == "all":
         total = group.allreduce(buf, "sum", out=out, timeout=timeout)
     elif mode == "root":   # (replicate= does not go with "root": refused by sum_rows)
@@ -423,6 +506,7 @@ def _one_addition(group: Any, real: Any, mode: str, root: int, target: Any,
     else:
         x = real[0] if m == 1 else real[0] + real[1]
     if mode == "all" and replicate is None:
+        _count("bytes", x.nbytes)
         return group.allreduce(x, "sum", out=target, timeout=timeout)
     total = _exchange(group, x if mode != "scatter" else x.reshape(group.size, -1), mode, root,
                       timeout, replicate)
@@ -450,6 +534,7 @@ def _elementwise(group: Any, real: Any, in_dtype: np.dtype, mode: str, root: int
         flat = _as_rows(real, xp, ws)
         exact.codes(flat, xp, in_dtype, out=head[:2 * n].reshape(2, n))
     head[-1] = m
+    _count("bytes", head.nbytes)
     agreed = group.allreduce(head, "max", out=head, timeout=timeout)
     if replicate is not None:
         agreed = replicate.allreduce(agreed, "max", timeout=timeout)

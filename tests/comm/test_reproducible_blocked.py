@@ -33,7 +33,9 @@ def _data(case: str, rank: int, m: int, dtype: str) -> np.ndarray:
         a *= 2.0 ** rng.integers(-35, 35, (m, N))    # to the per-element method
     elif case == "onewide":      # one block of five 40 binades wide: halves there, values elsewhere
         a[:, ::5] *= 2.0 ** rng.integers(-20, 20, a[:, ::5].shape)
-    elif case == "zeros":        # signed zeros beside values: all -0 columns stay -0
+    elif case == "onedeep":      # normal values, one of them 30 binades down on each rank: its
+        a[:, (7 + 40 * rank) % N] *= 2.0 ** -30   # block as two halves in a tail (float64: beside
+    elif case == "zeros":        # a float32 hi and a float64 lo; float32: beside values)
         a[:, ::3] = -0.0
         a[:, 1::7] = 0.0
         a[:, 60:90] = -0.0       # whole blocks and ranges of -0
@@ -49,7 +51,7 @@ def _data(case: str, rank: int, m: int, dtype: str) -> np.ndarray:
         return a.astype(dt)
 
 
-CASES = ["normal", "wide", "wider", "onewide", "zeros", "mixed", "subnormal"]
+CASES = ["normal", "wide", "wider", "onewide", "onedeep", "zeros", "mixed", "subnormal"]
 
 
 def _rows(rank: int) -> int:
@@ -175,6 +177,42 @@ def test_layouts_end_where_their_sums_stop_being_exact(dtype: str, depth: int, l
             assert same_bits(_add_in_order(rows, order, layout, sigma, 1, dt), want), (dtype, d, order)
 
 
+@pytest.mark.parametrize("dtype, layout", [("float64", 3), ("float32", 1)])
+def test_plan_sends_only_the_deep_blocks_as_halves(dtype: str, layout: int) -> None:
+    """Normal data with one value 30 binades under its block's largest: that block alone
+    travels as two float64 halves in a tail, the others in the range's layout (float64: a
+    float32 hi and a float64 lo, not two halves everywhere); the plan's sums are exact."""
+    dt = np.dtype(dtype)
+    nb, n = 8, 64
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((4, n))
+    rows[2, 13] *= 2.0 ** -30                     # block 13 % 8 = 5
+    rows = rows.astype(dt)
+    per_row = np.empty((4, 2, nb + 1), np.int16)
+    for i in range(4):
+        exact.block_codes(rows[i:i + 1], np, nb, per_row[i])
+    got, sigma, tail, sigma2 = exact.block_plan(per_row.max(axis=0), 4, dt, np, n)
+    assert got == layout and tail is not None and np.flatnonzero(tail).tolist() == [5]
+    pos, block = exact.tail_positions(tail, nb, n, np)
+    assert pos.tolist() == list(range(5, n, nb)) and set(block.tolist()) == {5}
+    want = exact_ref(list(rows))
+    for order in ((0, 1, 2, 3), (3, 1, 0, 2)):
+        acc = None
+        for r in order:   # each row as the range's layout, the tail block's elements as halves
+            x = rows[r].astype(np.float64)
+            if layout == 1:
+                part = [x.copy(), np.zeros(n)]
+            else:
+                part = [np.empty(n, np.float32), np.empty(n)]
+                exact.split_blocks(rows[r], sigma, nb, np, part[0], part[1], np.empty(n))
+                part = [part[0].astype(np.float64), part[1]]
+            h, l_ = np.empty(pos.shape[0]), np.empty(pos.shape[0])
+            exact.split_blocks(rows[r][pos], np.append(sigma2[block], 0.0), pos.shape[0], np, h, l_)
+            part[0][pos], part[1][pos] = h, l_
+            acc = part if acc is None else [a + p for a, p in zip(acc, part)]
+        assert same_bits(exact.combine2(acc[0], acc[1], dt, np), want), (dtype, order)
+
+
 def _add_in_order(rows: np.ndarray, order: Any, layout: int, sigma: Any, nb: int, dt: np.dtype) -> np.ndarray:
     """The rows in ``order`` in ``layout`` (as the exchanges would add them), rounded to ``dt``."""
     n = rows.shape[1]
@@ -240,3 +278,35 @@ def body_replicated_pair(rank: int) -> list[str]:
 @pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "mpi"), indirect=True)
 def test_replicate_is_summed_in_every_layout(world: World) -> None:
     check(world.run(body_replicated_pair))
+
+
+def body_phases(rank: int) -> list[str]:
+    """One process per rank (TCP, MPI) or one rank (simulated): the record is process-wide."""
+    g = hpcdp.get_default_group()
+    n = 3000
+    # 3 rows (not one addition) in [1, 2): every block 54 bits deep, a float32 hi and a float64
+    # lo on any number of ranks, no tail
+    rows = 1.0 + np.random.default_rng([9, rank]).random((3, n))
+    reproducible.record_phases(True)
+    try:
+        reproducible.sum_rows(g, rows)
+    finally:
+        rec = reproducible.record_phases(False)
+    fails = []
+    steps = {"codes", "codes exchange", "layout", "split", "values exchange", "rounding"}
+    if not steps <= set(rec) or any(rec[k] < 0 for k in steps):
+        fails.append(f"steps recorded: {sorted(rec)}")
+    head = (2 * (min(exact.BLOCKS, n) + 1) + 2) * 2      # the block codes, int16
+    if rec.get("bytes") != head + 12 * n:                # a float32 hi and a float64 lo
+        fails.append(f"bytes {rec.get('bytes')}, want {head + 12 * n}")
+    reproducible.sum_rows(g, rows)
+    if rec.get("bytes") != head + 12 * n or reproducible.record_phases(False):
+        fails.append("recorded after it was stopped")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-1", "tcp-2", "mpi"), indirect=True)
+def test_record_phases_counts_steps_and_bytes(world: World) -> None:
+    """The benchmark's breakdown: every step of the blocked path timed, and the bytes each rank
+    hands its exchanges counted (float64 data: 12 per element plus the codes)."""
+    check(world.run(body_phases))
