@@ -14,6 +14,16 @@ For each model (the CNN of ``examples/07_torch_cnn.py`` and an MLP 784-1024-1024
   127.0.0.1 inside the same launch); efficiency = t1 / t2 (target: D5 efficiency) beside t1 / t2_gloo;
 * bound: the plain torch step on every rank at once without communication; t1 / that is what
   sharing the machine's cores, caches and memory bandwidth alone leaves of the efficiency;
+* ceiling without overlap (MPI): a raw mpi4py ``Allreduce`` of the model's gradient bytes, timed
+  alone (interleaved with t1): t1 / (bound's time + that) is what a DDP that hid none of its
+  communication behind backward could reach; beside it, the plain torch step with that
+  ``Allreduce`` of its own gradients (one flat buffer they are views of) in every step, t1 / that
+  (per-step synchronization included). With one core per rank and shared-memory MPI the
+  reduction is CPU work on the core that runs backward, so these are what the machine allows;
+* breakdown (rank 0, median ms per step, interleaved): forward, backward up to the last
+  gradient's arrival, the tail from there until ``loss.backward()`` returns (DDP's last launches
+  and its wait for every bucket), ``opt.step()``, ``opt.zero_grad()``, for plain torch, plain
+  torch + the raw ``Allreduce`` and ``hpcdp.DDP``: where DDP's excess over the raw step goes;
 * adapter overhead: every rank at once, ``hpcdp.DDP`` over a group of that rank alone against the
   plain torch model (target: D5 overhead).
 
@@ -28,9 +38,11 @@ import statistics
 from typing import Any, Callable
 
 
+import numpy as np
+
 import hpcdp
 
-from ._common import JsonSink, interleaved, judged, slowest, summarize, time_alone, time_loop
+from ._common import JsonSink, interleaved, judged, pretouch, slowest, summarize, time_alone, time_loop
 
 __all__ = ["main"]
 
@@ -67,6 +79,85 @@ def _stepper(torch: Any, model: Any, x: Any, y: Any) -> Callable[[], None]:
     return step
 
 
+class _RawStep:
+    """Plain torch with its gradients in one flat buffer (views, as DDP's buckets) and a raw
+    mpi4py ``Allreduce`` of that buffer after backward: the step a DDP without overhead and
+    without overlap would take (the sum is not divided: a lower bound)."""
+
+    def __init__(self, torch: Any, model: Any, x: Any, y: Any, comm: Any) -> None:
+        from mpi4py import MPI
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        dtype = params[0].detach().numpy().dtype
+        self.flat = np.zeros(sum(p.numel() for p in params), dtype)
+        pretouch(self.flat)
+        at = 0
+        for p in params:
+            n = p.numel()
+            p.grad = torch.from_numpy(self.flat[at:at + n]).view(p.shape)
+            at += n
+        self.model, self.x, self.y, self.comm, self.inplace = model, x, y, comm, MPI.IN_PLACE
+        self.opt = torch.optim.SGD(params, lr=1e-3)
+        self.loss = torch.nn.functional.cross_entropy
+
+    def allreduce(self) -> None:
+        self.comm.Allreduce(self.inplace, self.flat)
+
+    def __call__(self) -> None:
+        self.loss(self.model(self.x), self.y).backward()
+        self.allreduce()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+
+_PHASES = ("forward", "backward", "tail", "comm", "opt.step", "zero_grad", "total")
+
+
+def _phased(torch: Any, model: Any, x: Any, y: Any, comm: Callable[[], None] | None = None
+            ) -> Callable[[], list[float]]:
+    """A step timed per phase (``_PHASES``, seconds): "backward" ends when the gradient that
+    arrives last (the first parameter's) is about to accumulate, "tail" is the rest of
+    ``loss.backward()``, "comm" the raw ``Allreduce`` after it (plain + raw only)."""
+    import time
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    f = torch.nn.functional.cross_entropy
+    first = next(p for p in model.parameters() if p.requires_grad)
+    mark = [0.0]
+
+    def seen(grad: Any) -> None:
+        mark[0] = time.perf_counter()
+    first.register_hook(seen)
+
+    def step() -> list[float]:
+        t0 = time.perf_counter()
+        loss = f(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if comm is not None:
+            comm()
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        t5 = time.perf_counter()
+        return [t1 - t0, mark[0] - t1, t2 - mark[0], t3 - t2, t4 - t3, t5 - t4, t5 - t0]
+    return step
+
+
+def _breakdown(torch: Any, g: Any, steps: dict[str, Callable[[], list[float]]], n: int) -> dict[str, list[float]]:
+    """Median ms per phase of each step over ``n`` interleaved steps (every rank in step)."""
+    got: dict[str, list[list[float]]] = {k: [] for k in steps}
+    for fn in steps.values():
+        fn()
+    for i in range(n):
+        for k in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
+            g.barrier()
+            got[k].append(steps[k]())
+    return {k: [float(v) * 1e3 for v in np.median(np.array(rows), axis=0)] for k, rows in got.items()}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,7 +165,7 @@ def _free_port() -> int:
 
 
 def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int, trials: int,
-                sink: JsonSink, bucket_mb: float = 25.0) -> dict[str, float]:
+                sink: JsonSink, bucket_mb: float = 25.0, breakdown: int = 0) -> dict[str, float]:
     make = _models(torch)[name]
     x, y = _batch(torch, name, batch, g.rank)
     torch.manual_seed(0)
@@ -84,6 +175,9 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
     torch.manual_seed(0)
     gloo = (_stepper(torch, torch.nn.parallel.DistributedDataParallel(make(), bucket_cap_mb=bucket_mb), x, y)
             if dist else None)
+    comm = g.backend.native_comm() if g.size > 1 else None
+    torch.manual_seed(0)
+    raw = _RawStep(torch, make(), x, y, comm) if comm is not None else None
     solo_group = g.split(g.rank)
     torch.manual_seed(0)
     solo = _stepper(torch, hpcdp.DDP(make(), group=solo_group), x, y)
@@ -100,7 +194,13 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
     def t2_gloo() -> float:
         return slowest(g, time_loop(gloo, iters, g.barrier))
 
-    for fn in (alone, ours, solo) + ((gloo,) if gloo else ()):
+    def t_allreduce() -> float:   # the raw Allreduce of the gradient bytes alone
+        return slowest(g, time_loop(raw.allreduce, iters, g.barrier))
+
+    def t_raw_step() -> float:
+        return slowest(g, time_loop(raw, iters, g.barrier))
+
+    for fn in (alone, ours, solo) + ((gloo,) if gloo else ()) + ((raw,) if raw else ()):
         fn()   # first steps: hpcdp.DDP learns its buckets' hook counts, torch allocates
     tr = interleaved(t1, t2, trials)
     eff = statistics.median(b / c for b, c in zip(tr.base, tr.cand))
@@ -108,6 +208,13 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
     tb = interleaved(t1, t_both, trials)
     res.update(bound=statistics.median(b / c for b, c in zip(tb.base, tb.cand)),
                t_both_ms=tb.cand_median * 1e3)
+    if raw is not None:
+        ta = interleaved(t1, t_allreduce, trials)
+        tr_ = interleaved(t1, t_raw_step, trials)
+        res.update(t_allreduce_ms=ta.cand_median * 1e3, grad_mb=raw.flat.nbytes / 1e6,
+                   ceiling=res["t1_ms"] / (res["t_both_ms"] + ta.cand_median * 1e3),
+                   t_raw_step_ms=tr_.cand_median * 1e3,
+                   ceiling_step=statistics.median(b / c for b, c in zip(tr_.base, tr_.cand)))
     if gloo is not None:
         tg = interleaved(t1, t2_gloo, trials)
         res.update(efficiency_gloo=statistics.median(b / c for b, c in zip(tg.base, tg.cand)),
@@ -124,13 +231,40 @@ def bench_model(torch: Any, dist: Any, g: Any, name: str, batch: int, iters: int
               f"hpcdp.DDP t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} ({judged('D5', 'efficiency', eff)}){gl}")
         print(f"# D5 {name} the same plain torch step on every rank at once, no communication: "
               f"{res['t_both_ms']:.2f} ms, t1 / that {res['bound']:.3f} (the machine's own bound on efficiency)")
+        if raw is not None:
+            print(f"# D5 {name} ceiling without overlap: raw mpi4py Allreduce of the {res['grad_mb']:.2f} MB "
+                  f"of gradients alone {res['t_allreduce_ms']:.2f} ms, t1 / (the step on every rank at once "
+                  f"+ that) {res['ceiling']:.3f}; plain torch step + that Allreduce of its own gradients "
+                  f"every step {res['t_raw_step_ms']:.2f} ms, t1 / that {res['ceiling_step']:.3f} "
+                  f"(hpcdp.DDP's efficiency {eff:.3f})")
         print(f"# D5 {name} adapter overhead at 1 rank: plain torch {res['t_plain_ms']:.2f} ms, hpcdp.DDP "
               f"{res['t_solo_ddp_ms']:.2f} ms, ratio {res['overhead']:.3f} (max over ranks; "
               f"{judged('D5', 'overhead', res['overhead'])})")
+    if breakdown and raw is not None:
+        def seeded() -> Any:   # the same weights for all three (a step's time depends on them)
+            torch.manual_seed(0)
+            return make()
+        raw.model.load_state_dict(seeded().state_dict())   # (in place: its gradients stay views)
+        rows = _breakdown(torch, g, {
+            "plain torch": _phased(torch, seeded(), x, y),
+            "plain + raw Allreduce": _phased(torch, raw.model, x, y, raw.allreduce),
+            "hpcdp.DDP": _phased(torch, hpcdp.DDP(seeded(), group=g, bucket_cap_mb=bucket_mb), x, y)},
+            breakdown)
+        res["breakdown_ms"] = rows
+        if g.rank == 0:
+            print(f"# D5 {name} breakdown, rank 0, median ms per step over {breakdown} interleaved steps "
+                  "(tail: from the last gradient to loss.backward() returning):")
+            print("#   " + " " * 22 + "".join(f"{ph:>10s}" for ph in _PHASES))
+            for k, v in rows.items():
+                print(f"#   {k:22s}" + "".join(f"{t:10.3f}" for t in v))
+            ex = [a - b for a, b in zip(rows["hpcdp.DDP"], rows["plain + raw Allreduce"])]
+            print(f"#   {'DDP - (plain + raw)':22s}" + "".join(f"{t:+10.3f}" for t in ex))
     sink.write({"bench": "torch", "op": "D5", "model": name, "ranks": g.size, "batch": batch,
                 "bucket_mb": bucket_mb, **res})
     res["met"] = bool(summarize(sink, "D5", eff, part="efficiency", ranks=g.size, variant=name,
-                                efficiency_gloo=res.get("efficiency_gloo"), machine_bound=res["bound"]))
+                                efficiency_gloo=res.get("efficiency_gloo"), machine_bound=res["bound"],
+                                ceiling_no_overlap=res.get("ceiling"),
+                                ceiling_raw_step=res.get("ceiling_step")))
     res["met"] &= bool(summarize(sink, "D5", res["overhead"], part="overhead", ranks=g.size, variant=name))
     return res
 
@@ -148,6 +282,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gloo", action="store_true", help="skip torch's DDP over gloo")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="bucket_cap_mb of both DDPs (default 25, torch's and hpcdp's default)")
+    p.add_argument("--breakdown", type=int, default=20, metavar="STEPS",
+                   help="steps of the per-phase breakdown (0: none; needs MPI and 2+ ranks)")
     p.add_argument("--json", default=None, help="append JSON lines to this file")
     return p
 
@@ -179,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
               f"1 torch thread per rank, {args.trials} interleaved trials x {args.iters} steps")
     ok = True
     for name in models:
-        res = bench_model(torch, dist, g, name, args.batch, args.iters, args.trials, sink, args.bucket_mb)
+        res = bench_model(torch, dist, g, name, args.batch, args.iters, args.trials, sink, args.bucket_mb,
+                          max(0, args.breakdown))
         ok &= res["met"]
     if g.rank == 0:
         print(f"# targets {'met' if ok else 'NOT met'}")

@@ -26,8 +26,8 @@ import numpy as np
 from .._arrays import xp_of
 
 __all__ = [
-    "GradBucket", "HookFuture", "Ready", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-    "to_bf16", "from_bf16",
+    "GradBucket", "HookFuture", "Ready", "allreduce_hook", "fp16_compress_hook",
+    "bf16_compress_hook", "to_bf16", "from_bf16",
 ]
 
 
@@ -110,21 +110,42 @@ def _group(state: Any, bucket: GradBucket) -> Any:
 
 def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     """Sum the bucket across ranks in place and divide by ``bucket.divisor``."""
-    group = _group(state, bucket)
-    flat, d = bucket.buffer(), bucket.divisor
+    return _average(_group(state, bucket), bucket.buffer(), bucket.divisor)
+
+
+def _average(group: Any, flat: Any, d: int, async_op: bool = True) -> HookFuture:
+    """``allreduce_hook``'s reduction of ``flat`` (sum over ``group``, divided by ``d`` in place);
+    ``async_op=False`` runs it now (a blocking allreduce) and returns it done."""
     if group.size == 1 and d == 1:   # a group of one: the bucket is already its own average
         return HookFuture(Ready(flat))
-    if d == group.size:
-        return HookFuture(group.allreduce(flat, "mean", out=flat, async_op=True))
-    work = group.allreduce(flat, "sum", out=flat, async_op=True)
+    if d == group.size and not _scales_exactly(flat.dtype, d):
+        # "mean": float16 sums and divides in float32, rounding once; other sizes divide
+        res = group.allreduce(flat, "mean", out=flat, async_op=async_op)
+        return HookFuture(res if async_op else Ready(flat))
+    res = group.allreduce(flat, "sum", out=flat, async_op=async_op)
     if d == 1:  # under join with one active rank
-        return HookFuture(work)
+        return HookFuture(res if async_op else Ready(flat))
+    if async_op:
+        return HookFuture(res, _scaler(d))
+    return HookFuture(Ready(_scaler(d)(flat)))
+
+
+def _scales_exactly(dtype: Any, d: int) -> bool:
+    """Whether multiplying a float32/float64 sum by ``1/d`` gives the very bits dividing by ``d``
+    does (``d`` a power of two: ``1/d`` is exact and both round the same real number once). The
+    product is the cheaper pass over a bucket (a division costs about twice a multiplication)."""
+    return np.dtype(dtype) in (np.float32, np.float64) and d > 0 and d & (d - 1) == 0
+
+
+def _scaler(d: int) -> Callable[[Any], Any]:
+    """Divide a summed bucket by ``d`` in place: the exact scale by ``1/d`` (see
+    ``_scales_exactly``); for other ``d`` the product too (join's active-rank count, as before)."""
+    s = 1.0 / d
 
     def scale(res: Any) -> Any:
-        res *= 1.0 / d
+        res *= s
         return res
-
-    return HookFuture(work, scale)
+    return scale
 
 
 def fp16_compress_hook(state: Any, bucket: GradBucket) -> HookFuture:

@@ -6,7 +6,9 @@ Life of one synced iteration (every rank, same order)::
                            bucket, [join: allreduce of ("still active", "syncs")], [broadcast buffers]
     ddp.backward(g)        module.backward fires one hook per parameter gradient; a bucket whose
                            gradients are all in is *ready*; ready buckets are launched (async
-                           allreduce, or the comm hook) strictly in bucket order
+                           allreduce, or the comm hook) strictly in bucket order (over MPI
+                           without a progress thread the last one, default hook, is reduced at
+                           once, blocking: every gradient is in by then)
     (end of backward)      buckets not yet launched get their missing gradients treated as zero and
                            are launched; [find_unused_parameters: allreduce of the used-map];
                            wait for every bucket in order, each divided by the number of ranks as
@@ -16,14 +18,18 @@ Design choices (see also ``hpcdp/ddp/__init__.py``):
 
 * Buckets hold parameters in reverse registration order, by (array module, dtype); the first
   bucket is capped at 1 MiB (torch's choice) so that communication starts early, later ones at
-  ``bucket_cap_mb``.
+  ``bucket_cap_mb``. Over MPI with the whole job on one node and no rank holding a progress
+  thread, every bucket is capped at ``bucket_cap_mb``: there the reduction is copies by the core
+  that runs backward, so starting early hides nothing and a split bucket only adds a collective
+  (``_reducer._early_pays``, agreed by the ranks at construction).
 * Expected hook counts are learnt on the first synced backward (a tied parameter used k times fires
   k hooks), during which buckets are launched only at the end; later iterations overlap.
 * A parameter that got no gradient contributes zeros, so every rank always runs the same
   collectives and nothing can hang. With ``find_unused_parameters=False`` this also emits a
   one-time warning naming the parameters; with True a small used-map allreduce tells which
   parameters no rank used, and those get ``.grad = None`` (as torch leaves them untouched).
-* Averaging divides each bucket's *sum* in place when its reduction completes. Scaling the loss
+* Averaging divides each bucket's *sum* in place when its reduction completes (as a product by
+  ``1/n`` where that gives the quotient's very bits: ``n`` a power of two). Scaling the loss
   gradient by 1/n before backward would spare that pass, but it is right only for a backward
   that is linear in its input (not for, e.g., a penalty added inside backward), and user hooks
   would see scaled gradients. The pass is small next to a step (measured as fast either way:
@@ -70,7 +76,7 @@ class DDP:
             parameters no rank used keep ``.grad = None``; without it they get zero gradients and
             a warning.
         broadcast_buffers: broadcast rank 0's buffers (``module.named_buffers()``) at every
-            training forward.
+            training forward (a module without buffers when wrapped has none to broadcast).
         gradient_as_bucket_view: make each ``.grad`` a view into its bucket (no copies); False
             keeps separate ``.grad`` arrays and copies in and out of the buckets.
         deterministic_chunk: ``c``: world-size-independent gradients (``ddp._chunked``): the
@@ -119,6 +125,9 @@ class DDP:
         self._reducer: Reducer | None = None
         self._closed = False
         self._sync_module_state()
+        # Buffers are those the module has when wrapped (as torch's DDP takes them): asking a
+        # torch model for them walks its module tree, at every training forward otherwise.
+        self._has_buffers = bool(self._buffers())
         self._reducer = Reducer(named, self.group, bucket_cap_bytes=self.bucket_cap_bytes,
                                 find_unused_parameters=self.find_unused_parameters,
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
@@ -193,7 +202,7 @@ class DDP:
         self._broadcast_coalesced(arrays, root)
 
     def _sync_buffers(self) -> None:
-        if self.broadcast_buffers and self.group.size > 1:
+        if self.broadcast_buffers and self._has_buffers and self.group.size > 1:
             bufs = [b for _, b in self._buffers()]
             if bufs:
                 self._broadcast_coalesced(bufs, root=0)
