@@ -177,6 +177,31 @@ class _State:
 state = _State()
 _timelines: dict[int, "Timeline"] = {}
 _lock = threading.Lock()
+#: replaced whenever timelines come or go (``enable``, ``disable``, ``close_all``, a new one in
+#: ``timeline``): a thread's cached ``_tls.here`` made under an older one is looked up again
+_epoch = object()
+
+
+def _new_epoch() -> None:
+    global _epoch
+    _epoch = object()
+
+
+def _refresh_here() -> tuple[Any, ...] | None:
+    """The calling thread's ``_tls.here``, looked up afresh (None when tracing is off):
+    ``(timeline, tid, thread ident, epoch, process rank or None, buffer, flush_every)``.
+
+    The process rank is kept for a thread bound to no rank (``bind_rank``): ``install`` may
+    change it, and the entry is then stale. ``bind_rank`` clears the entry itself."""
+    r = _tls.rank
+    rank = _process_rank[0] if r is None else r
+    tl = timeline(rank)
+    if tl is None:
+        return None
+    h = (tl, tl._tid(), threading.get_ident(), _epoch, rank if r is None else None, tl._buf,
+         tl.flush_every)
+    _tls.here = h
+    return h
 
 
 def trace_path(directory: str, rank: int) -> str:
@@ -249,8 +274,8 @@ class Timeline:
 
     def op_event(self, row: tuple[Any, ...], t1: int, st: str) -> None:
         """A recorder row (see ``Recorder``) that just ended, as an 'X' event."""
-        loc = self._local
-        tid = loc.tid if row[8] == loc.ident else self._tid(row[8])
+        h = _tls.here  # this thread's tid here, when the thread that began the op ends it
+        tid = h[1] if h is not None and h[0] is self and h[2] == row[8] else self._tid(row[8])
         buf = self._buf
         buf.append((row, t1, st, tid))  # the row holds the rest: made an event at flush (``_event``)
         if len(buf) >= self.flush_every:
@@ -298,17 +323,18 @@ class Timeline:
                 w = row[9]
                 # the line by its code's id (hashing a code object costs more than the rest);
                 # the code is kept in the entry, so an id is never matched to another code
-                key = (name, cat, row[2], row[4], row[5], row[6], st,
+                key = (name, cat, row[2], row[4], row[5], row[6], st, tid,
                        None if w is None else id(w[0]), None if w is None else w[1])
                 try:
                     hit = fixed_ops.get(key)
                 except TypeError:  # an unhashable shape or dtype: made every time
                     hit, key = None, None
-                if hit is None or (w is not None and hit[1] is not w[0]):
-                    hit = (self._op_head(name, cat, row, st), None if w is None else w[0])
+                if hit is None or (w is not None and hit[2] is not w[0]):
+                    hit = (self._op_head(name, cat, row, st), f'}},"tid":{tid},"ts":',
+                           None if w is None else w[0])
                     if key is not None and len(fixed_ops) < 100_000:
                         fixed_ops[key] = hit
-                add(f'{hit[0]}{int(row[3])}}},"tid":{tid},"ts":{t // 1000}.{ms[t % 1000]},'
+                add(f'{hit[0]}{int(row[3])}{hit[1]}{t // 1000}.{ms[t % 1000]},'
                     f'"dur":{dur // 1000}.{ms[dur % 1000]}}}')
                 continue
             ph, name, cat, t, dur, tid, args = ev
@@ -484,6 +510,7 @@ def timeline(rank: int | None = None) -> Timeline | None:
             tl = _timelines.get(r)
             if tl is None:
                 tl = _timelines[r] = Timeline(r, state.directory or trace_dir())
+                _new_epoch()
     return tl
 
 
@@ -492,6 +519,7 @@ def enable(directory: str | os.PathLike[str] | None = None) -> None:
     with _lock:
         state.directory = trace_dir(directory)
         state.on = True
+        _new_epoch()
     timeline_factory[0] = lambda r: timeline(r)
     configure(lines=True)
     for rec in all_recorders():
@@ -519,6 +547,7 @@ def close_all() -> None:
     with _lock:
         tls = list(_timelines.values())
         _timelines.clear()
+        _new_epoch()
     for tl in tls:
         try:
             tl.close()
@@ -533,34 +562,32 @@ class span:
     One instance times one block at a time; as a decorator it makes a fresh one per call.
     """
 
-    __slots__ = ("name", "cat", "args", "_t0", "_tl")
+    __slots__ = ("name", "cat", "args", "_t0", "_h")
 
     def __init__(self, name: str, cat: str = "user", **args: Any) -> None:
         self.name, self.cat, self.args = name, cat, args
-        self._tl: Timeline | None = None
+        self._h: tuple[Any, ...] | None = None  # ``_tls.here`` while timing
         self._t0 = 0
 
     def __enter__(self) -> "span":
-        if state.on:
-            r = _tls.rank  # ``_here()`` inlined: a span is two calls on every traced block
-            tl = _timelines.get(_process_rank[0] if r is None else r)
-            self._tl = tl if tl is not None else timeline()
+        if state.on:  # (the thread's timeline and tid: ``_refresh_here``'s cache, inlined)
+            h = _tls.here
+            if h is None or h[3] is not _epoch or (h[4] is not None and h[4] != _process_rank[0]):
+                h = _refresh_here()
+            self._h = h
             self._t0 = now_ns()
         return self
 
     def __exit__(self, tp: Any, value: Any, tb: Any) -> bool:
-        tl = self._tl
-        if tl is not None:
+        h = self._h
+        if h is not None:
             t1 = now_ns()
-            self._tl = None
+            self._h = None
             args = self.args if tp is None else dict(self.args, error=tp.__name__)
-            tid = tl._local.tid
-            if tid is None:
-                tid = tl._tid()
-            buf = tl._buf  # ``Timeline.complete`` inlined
-            buf.append(("X", self.name, self.cat, self._t0, t1 - self._t0, tid, args or None))
-            if len(buf) >= tl.flush_every:
-                tl.flush()
+            buf = h[5]  # ``Timeline.complete`` inlined
+            buf.append(("X", self.name, self.cat, self._t0, t1 - self._t0, h[1], args or None))
+            if len(buf) >= h[6]:
+                h[0].flush()
         return False
 
     def __call__(self, fn: F) -> F:
@@ -586,19 +613,15 @@ def _here() -> Timeline | None:
 def instant(name: str, cat: str = "mark", **args: Any) -> None:
     """A point in time on the current rank's timeline (e.g. "bucket 3 ready")."""
     if state.on:
-        r = _tls.rank  # ``_here`` and ``Timeline.instant`` inlined: DDP marks every bucket
-        tl = _timelines.get(_process_rank[0] if r is None else r)
-        if tl is None:
-            tl = timeline()
-            if tl is None:
+        h = _tls.here  # ``_refresh_here``'s cache and ``Timeline.instant`` inlined: DDP marks every bucket
+        if h is None or h[3] is not _epoch or (h[4] is not None and h[4] != _process_rank[0]):
+            h = _refresh_here()
+            if h is None:
                 return
-        tid = tl._local.tid
-        if tid is None:
-            tid = tl._tid()
-        buf = tl._buf
-        buf.append(("i", name, cat, now_ns(), 0, tid, args or None))
-        if len(buf) >= tl.flush_every:
-            tl.flush()
+        buf = h[5]
+        buf.append(("i", name, cat, now_ns(), 0, h[1], args or None))
+        if len(buf) >= h[6]:
+            h[0].flush()
 
 
 def counter(name: str, cat: str = "counter", **values: float) -> None:

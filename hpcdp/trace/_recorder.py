@@ -56,6 +56,9 @@ STATES = (STARTED, COMPLETED, TIMED_OUT, FAILED)
 DEFAULT_CAPACITY = SETTINGS["HPCDP_FLIGHT_RECORDER"].default
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: hpcdp's benchmarks are hpcdp's users: a line recorded from them names their own loop, as it
+#: names a training script's (and the walk stops there, as it does in a script)
+_USER_DIR = _PKG_DIR + "bench" + os.sep
 _inside: dict[str, bool] = {}
 #: ids of the code objects ``hide_frames`` names, kept alive in ``_hidden_codes`` (so no id is
 #: reused). By id, not by value: hashing a code object hashes its constants, nested functions'
@@ -99,7 +102,8 @@ def user_frame(f: Any) -> Any:
         hit = inside.get(fn)
         if hit is None:
             path = os.path.abspath(fn)
-            hit = inside[fn] = path.startswith(_PKG_DIR) or any(path.startswith(d) for d in _hidden_dirs)
+            hit = inside[fn] = ((path.startswith(_PKG_DIR) and not path.startswith(_USER_DIR))
+                                or any(path.startswith(d) for d in _hidden_dirs))
         if not hit and id(code) not in hidden:
             return f
         f = f.f_back
@@ -157,11 +161,19 @@ class pinned_line:
     __slots__ = ("_prev", "_set")
 
     def __enter__(self) -> "pinned_line":
-        self._set = _settings["lines"] if "lines" in _settings else _setting("lines")
-        if self._set:
-            self._prev = _tls.line
-            if self._prev is None:
-                _tls.line = _caller(1)
+        on = _settings.get("lines")
+        if on is None:
+            on = _setting("lines")
+        self._set = on
+        if on:
+            prev = self._prev = _tls.line
+            if prev is None:  # ``_caller(1)`` inlined (this runs once per traced backward)
+                try:
+                    f = user_frame(sys._getframe(1))
+                except ValueError:
+                    f = None
+                if f is not None:
+                    _tls.line = _site(f)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -320,6 +332,9 @@ class _Local(threading.local):
 
     rank: int | None = None   # ``bind_rank``
     line: Any = None          # ``pinned_line``
+    #: the timeline events of this thread go to, with the thread's tid in it (kept by the
+    #: timeline module, ``_chrome``): one lookup per event instead of rank, timeline and tid
+    here: Any = None
 
 
 _tls = _Local()
@@ -341,6 +356,7 @@ def _setting(key: str) -> Any:
 def bind_rank(rank: int | None) -> None:
     """Make ``rank`` this thread's rank (simulated ranks are threads); None unbinds."""
     _tls.rank = rank
+    _tls.here = None  # another rank's timeline
 
 
 def current_rank() -> int:

@@ -452,3 +452,43 @@ def test_timeline_replaces_an_earlier_jobs_file(tmp_path) -> None:
     tl = _chrome.Timeline(1, str(fresh))
     tl.close()
     assert _load(fresh / "trace-rank1.json")["traceEvents"][0]["name"] == "process_name"
+
+
+def test_a_thread_follows_its_timeline_through_restarts_and_rank_changes(tmp_path) -> None:
+    """Spans and marks find their timeline through a per-thread cache: a new directory after
+    ``disable``/``enable``, a new process rank (``install``) or a thread bound to another rank
+    (``bind_rank``) must each send the next events to the right file."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    trace.enable(first)
+    hooks.install(0, 2)
+    with trace.span("one", "t"):
+        pass
+    trace.disable()
+    trace.enable(second)
+    trace.timeline(1)  # made before: changing the process rank alone must be noticed
+    trace.instant("two", "t")
+    hooks.install(1, 2)  # the process is now rank 1: its timeline, not rank 0's
+    with trace.span("three", "t"):
+        pass
+    seen: list[str] = []
+
+    def bound() -> None:
+        trace.bind_rank(0)
+        trace.instant("four", "t")
+        trace.bind_rank(1)
+        trace.instant("five", "t")
+        seen.append("ok")
+
+    t = threading.Thread(target=bound)
+    t.start()
+    t.join(30)
+    trace.disable()
+    hooks.install(0, 2)
+
+    def names(path) -> list[str]:
+        return [e["name"] for e in _load(path)["traceEvents"] if e["ph"] != "M"]
+
+    assert seen == ["ok"]
+    assert names(first / "trace-rank0.json") == ["one"]
+    assert names(second / "trace-rank0.json") == ["two", "four"]
+    assert names(second / "trace-rank1.json") == ["three", "five"]
