@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..trace.hooks import on_error
+from ..trace.hooks import count_p2p, on_error
 from .._arrays import SUPPORTED_SET, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
 from .._tensors import tensor_call
@@ -21,8 +21,8 @@ from ._buffers import finish_into, via_tensors
 from .validation import check_array, check_rank, check_tag
 from ..backends.base import ANY_SOURCE, ANY_TAG, PROC_NULL, Probed, Request
 from ..errors import HpcdpError, public, public_error
-from .work import (WATCH_AFTER, CompletedWork, Polled, Work, annotate, finish_wait, wait_for,
-                   work_where)
+from .work import (QUICK_SPIN_S, WATCH_AFTER, CompletedWork, Polled, QuickWork, Work, annotate,
+                   finish_wait, p2p_name, wait_for, work_where)
 
 if TYPE_CHECKING:
     from .group import ProcessGroup
@@ -36,8 +36,7 @@ def _none() -> None:
     return None
 
 
-def _name(op: str, peer_name: str, peer: int, tag: int, k: int) -> str:
-    return f"{op}({peer_name}={peer}, tag={tag}) #{k}"
+_name = p2p_name
 
 
 def _sr_name(dst: int, stag: int, ks: int, src: int, rtag: int, kr: int) -> str:
@@ -99,12 +98,19 @@ class Status:
 
 class PointToPoint:
     """The point-to-point calls of one ``ProcessGroup``: the group holds one (``group._p2p``)
-    and its ``send``, ``recv``, ``isend``, ``irecv``, ``probe`` and ``iprobe`` delegate here;
-    ``hpcdp.recv_any`` comes here too. It owns the per-(op, peer, tag) message counters that
-    name each message, and posts through the group it is given (its checks, deadlines,
-    flight recorder and transport)."""
+    and its ``send``, ``recv``, ``isend``, ``irecv``, ``sendrecv``, ``probe`` and ``iprobe``
+    are these bound methods; ``hpcdp.recv_any`` comes here too. It owns the per-(op, peer, tag)
+    message counters that name each message, and posts through the group it is given (its
+    checks, deadlines, flight recorder and transport).
 
-    __slots__ = ("_g", "_counts", "_peers", "_ranks")
+    The flight recorder and the quick lane: a call on the backend's quick lane (MPI) that
+    completes within the lane's spin is counted (``counts``: the dump lists them per pair) but
+    takes no row of the recorder's ring, whose rows name the calls that a hang is about (the
+    collectives, and the point-to-point calls still waiting); a call still waiting after the
+    spin is recorded from then on, as started. With source lines or a timeline on
+    (``HPCDP_TRACE``, ``HPCDP_TRACE_LINES``) every call is recorded."""
+
+    __slots__ = ("_g", "_counts", "_peers", "_ranks", "_lane", "_max_tag", "__weakref__")
 
     def __init__(self, group: "ProcessGroup") -> None:
         self._g = group
@@ -115,6 +121,30 @@ class PointToPoint:
         #: the same with this rank: nonblocking calls and ``sendrecv`` may name themselves
         #: (a periodic grid one rank wide), as MPI allows
         self._ranks = frozenset(range(group.size))
+        be = group.backend
+        #: the backend's quick lane (``Backend.quick_p2p``), None where it has none
+        self._lane = be.quick_p2p if be is not None else None
+        self._max_tag = group._max_tag
+        if be is not None:  # its flight record lists these counts (``counts``)
+            count_p2p(group.ranks[group.rank], self)
+
+    @property
+    def group(self) -> "ProcessGroup":
+        return self._g
+
+    def counts(self) -> dict[tuple[str, int, int], int]:
+        """Messages so far by ``(op, peer, tag)`` (``op``: "send" or "recv"; a ``sendrecv``
+        counts one of each): what the flight record lists per pair, so a hang names how many
+        messages each pair exchanged. A snapshot, safe while other threads post; empty once
+        the group is shut down (a record lists the groups in use)."""
+        out: dict[tuple[str, int, int], int] = {}
+        if self._g._closed:
+            return out
+        for key, c in list(self._counts.items()):
+            n = int(repr(c)[6:-1]) - 1  # "count(k)": k is the next number
+            if n:
+                out[key] = n
+        return out
 
     def _check_p2p(self, op: str, x: Any, peer_name: str, peer: int, tag: int) -> tuple[str, int, int]:
         where = self._g._where(op)
@@ -133,21 +163,45 @@ class PointToPoint:
     def _count(self, op: str, peer: int, tag: int) -> int:
         """The number of this ``op`` to ``peer`` with ``tag`` (from 1): ``_p2p_name``'s ``#k``,
         without the string, which the quick lane makes only for an error."""
-        counts = self._counts
-        key = (op, peer, tag)
-        c = counts.get(key)
-        if c is None:
-            c = counts.setdefault(key, itertools.count(1))  # atomic: threads share the group
+        c = self._counts.get((op, peer, tag))
+        if c is None:  # (setdefault: atomic, threads share the group)
+            c = self._counts.setdefault((op, peer, tag), itertools.count(1))
         return next(c)
 
-    @public
     def isend(self, x: Any, dst: int, tag: int = 0) -> Work:
         """Start sending ``x`` to group rank ``dst``; do not modify ``x`` until ``wait()``.
         ``dst=PROC_NULL``: nothing is sent (a Work already complete)."""
-        if self._p2p_fast(x, dst, tag, True):
+        try:  # (errors.public's trimming, without its wrapper's frame: a halo posts many;
+            # to oneself too, as MPI allows: a periodic grid one rank wide)
+            if (type(x) is _ndarray and type(dst) is int and type(tag) is int and self._g._fast
+                    and dst in self._ranks and 0 <= tag <= self._max_tag
+                    and x.dtype in SUPPORTED_SET and x.flags.c_contiguous):
+                c = self._counts.get(("send", dst, tag))
+                if c is None:
+                    c = self._counts.setdefault(("send", dst, tag), itertools.count(1))
+                k = next(c)
+                lane = self._lane
+                if lane is not None:  # a lean Work: named, registered and recorded if it must wait
+                    try:
+                        raw = lane.start(True, x, dst, tag)
+                    except HpcdpError as exc:
+                        raise self._failed("send", x, dst, tag, k, -1, exc) from exc
+                    if raw is not None:
+                        rec = self._g._rec
+                        return QuickWork(self._g, lane, raw, x, True, dst, tag, k,
+                                         rec.begin("send", self._g, 0, x.shape, x.dtype, dst)
+                                         if rec is not None and rec.lines else 0)
+                return self._post_quick(True, x, dst, tag, "dst", None, k)
+            return self._isend(x, dst, tag)
+        except HpcdpError as exc:
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    def _isend(self, x: Any, dst: int, tag: int) -> Work:
+        """``isend`` of anything else than a plain array."""
+        if self._p2p_fast(x, dst, tag, True):  # a tensor's array
             return self._post_quick(True, x, dst, tag, "dst", None)
         if type(x) is not _ndarray and (tc := tensor_call(self._g._where("send"), x)):
-            return via_tensors(tc, self.isend(tc.read(x), dst, tag))
+            return via_tensors(tc, self._isend(tc.read(x), dst, tag))
         if dst == PROC_NULL:
             return self._null("send", x, tag, None)
         _, dst, tag = self._check_p2p("send", x, "dst", dst, tag)
@@ -162,23 +216,50 @@ class PointToPoint:
                             dst, tag, tok=tok)
         return Work(self._g, name, 0, req, _none, None, tok)
 
-    @public
     def irecv(self, buf: Any, src: int, tag: int = 0) -> Work:
         """Start receiving into ``buf`` from group rank ``src``; ``wait()`` returns ``buf``.
         ``src=PROC_NULL``: nothing is received (a Work already complete, ``buf`` untouched)."""
-        if self._p2p_fast(buf, src, tag, True) and buf.flags.writeable:
+        try:  # (as ``isend``)
+            if (type(buf) is _ndarray and type(src) is int and type(tag) is int and self._g._fast
+                    and src in self._ranks and 0 <= tag <= self._max_tag
+                    and buf.dtype in SUPPORTED_SET and buf.flags.c_contiguous
+                    and buf.flags.writeable):
+                c = self._counts.get(("recv", src, tag))
+                if c is None:
+                    c = self._counts.setdefault(("recv", src, tag), itertools.count(1))
+                k = next(c)
+                lane = self._lane
+                if lane is not None:  # (as ``isend``)
+                    try:
+                        raw = lane.start(False, buf, src, tag)
+                    except HpcdpError as exc:
+                        raise self._failed("recv", buf, src, tag, k, -1, exc) from exc
+                    if raw is not None:
+                        rec = self._g._rec
+                        return QuickWork(self._g, lane, raw, buf, False, src, tag, k,
+                                         rec.begin("recv", self._g, 0, buf.shape, buf.dtype, src)
+                                         if rec is not None and rec.lines else 0)
+                return self._post_quick(False, buf, src, tag, "src", buf, k)
+            return self._irecv_any_kind(buf, src, tag)
+        except HpcdpError as exc:
+            raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    def _irecv_any_kind(self, buf: Any, src: int, tag: int) -> Work:
+        """``irecv`` of anything else than a plain array."""
+        if self._p2p_fast(buf, src, tag, True) and buf.flags.writeable:  # a tensor's array
             return self._post_quick(False, buf, src, tag, "src", buf)
         if type(buf) is not _ndarray and (tc := tensor_call(self._g._where("recv"), buf)):
-            return via_tensors(tc, self.irecv(tc.write(buf, "the receive buffer"), src, tag))
+            return via_tensors(tc, self._irecv_any_kind(tc.write(buf, "the receive buffer"), src, tag))
         return self._irecv(buf, src, tag, "full")
 
     def _post_quick(self, send: bool, x: np.ndarray, peer: int, tag: int, key: str,
-                    result: Any) -> Work:
+                    result: Any, k: int = 0) -> Work:
         """``isend``/``irecv`` of a plain contiguous host array that passed ``_p2p_fast``: the
-        same bookkeeping as the general path, posted through the backend's quick lane."""
+        same bookkeeping as the general path, posted through the backend's quick lane (``k``:
+        the message's number, where the caller counted it already)."""
         g = self._g
         op = "send" if send else "recv"
-        name = self._p2p_name(op, key, peer, tag)
+        name = _name(op, key, peer, tag, k) if k else self._p2p_name(op, key, peer, tag)
         rec = g._rec
         tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
         be = g.backend
@@ -372,18 +453,29 @@ class PointToPoint:
         return be is not None and be.quick_p2p is not None and not be.carries_meta
 
     def _p2p_blocking(self, send: bool, x: np.ndarray, peer: int, tag: int,
-                      timeout: float | None) -> None:
-        """A blocking send/recv that passed ``_p2p_fast``: the backend's quick lane where it has
-        one, else posted and waited on without ``Work``. Its name (``send(dst=1, tag=0) #k``)
-        is counted always and spelled out only for an error."""
+                      timeout: float | None, k: int = 0) -> None:
+        """A blocking send/recv that passed the quick checks (``k``: its number, where the
+        caller counted it): the backend's quick lane where it has one, else posted and waited
+        on without ``Work``. Its name (``send(dst=1, tag=0) #k``) is spelled out only for an
+        error. (``send``/``recv`` inline the lane's case where nothing is recorded.)"""
         g = self._g
         op = "send" if send else "recv"
         t = g._timeout if timeout is None else g._timeout_of(op, timeout)
-        k = self._count(op, peer, tag)
+        if not k:
+            k = self._count(op, peer, tag)
         rec = g._rec
+        lane = self._lane
+        if lane is not None and (rec is None or not rec.lines):
+            spun = t if t < QUICK_SPIN_S else QUICK_SPIN_S
+            try:
+                req = (lane.send if send else lane.recv)(x, peer, tag, spun)
+            except HpcdpError as exc:
+                raise self._failed(op, x, peer, tag, k, -1, exc) from exc
+            if req is not None:
+                self._waited(op, x, peer, tag, k, t, spun, req)
+            return None
         tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
         be = g.backend
-        lane = be.quick_p2p
         first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
         try:  # the array as it is: a transport that ``carries_meta`` sends its shape
             if lane is not None:
@@ -391,11 +483,41 @@ class PointToPoint:
             elif (req := (be.send if send else be.recv)(x, peer, tag)).wait(first):
                 req = None
         except HpcdpError as exc:
-            err = annotate(exc, work_where(g, _name(op, "dst" if send else "src", peer, tag, k), 0))
-            on_error(rec, tok, err)
-            raise err from exc
+            raise self._failed(op, x, peer, tag, k, tok, exc) from exc
         if req is not None and (err := finish_wait(g, _name(op, "dst" if send else "src", peer,
                                                             tag, k), 0, req, t, first)):
+            on_error(rec, tok, err)
+            raise err
+        if rec is not None:
+            rec.end(tok)
+        return None
+
+    def _failed(self, op: str, x: np.ndarray, peer: int, tag: int, k: int, tok: int,
+                exc: HpcdpError) -> HpcdpError:
+        """The error of a blocking call whose transport failed, named, in the flight recorder
+        (``tok`` < 0: not recorded yet)."""
+        g = self._g
+        rec = g._rec
+        if tok < 0:
+            tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
+        err = annotate(exc, work_where(g, _name(op, "dst" if op == "send" else "src", peer, tag, k), 0))
+        on_error(rec, tok, err)
+        return err
+
+    def _waited(self, op: str, x: np.ndarray, peer: int, tag: int, k: int, t: float,
+                spun: float, req: Request) -> None:
+        """The rest of a quick blocking call still pending after the lane's spin: recorded
+        from now on (as started), waited on to ``WATCH_AFTER``, then under the watchdog."""
+        g = self._g
+        rec = g._rec
+        tok = rec.begin(op, g, 0, x.shape, x.dtype, peer) if rec is not None else 0
+        first = t if t < WATCH_AFTER else WATCH_AFTER
+        try:
+            done = req.wait(first - spun)
+        except HpcdpError as exc:
+            raise self._failed(op, x, peer, tag, k, tok, exc) from exc
+        if not done and (err := finish_wait(g, _name(op, "dst" if op == "send" else "src", peer,
+                                                     tag, k), 0, req, t, first)):
             on_error(rec, tok, err)
             raise err
         if rec is not None:
@@ -404,8 +526,23 @@ class PointToPoint:
     def send(self, x: Any, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Send ``x`` to ``dst`` and return once the buffer may be reused."""
         try:  # free on success; an HpcdpError is raised from here (errors.public)
-            if self._p2p_fast(x, dst, tag):
-                self._p2p_blocking(True, x, dst, tag, timeout)
+            if (type(x) is _ndarray and type(dst) is int and type(tag) is int and self._g._fast
+                    and dst in self._peers and 0 <= tag <= self._max_tag
+                    and x.dtype in SUPPORTED_SET and x.flags.c_contiguous):  # (``_p2p_fast``)
+                c = self._counts.get(("send", dst, tag))
+                if c is None:
+                    c = self._counts.setdefault(("send", dst, tag), itertools.count(1))
+                k = next(c)
+                lane = self._lane
+                if (lane is None or timeout is not None
+                        or ((rec := self._g._rec) is not None and rec.lines)):
+                    return self._p2p_blocking(True, x, dst, tag, timeout, k)
+                try:  # (``_p2p_blocking``'s quick case, inlined: no frame)
+                    req = lane.send(x, dst, tag, QUICK_SPIN_S)
+                except HpcdpError as exc:
+                    raise self._failed("send", x, dst, tag, k, -1, exc) from exc
+                if req is not None:
+                    self._waited("send", x, dst, tag, k, self._g._timeout, QUICK_SPIN_S, req)
                 return None
             if type(x) is not _ndarray and (tc := tensor_call(self._g._where("send"), x)):
                 return via_tensors(tc, self.send(tc.read(x), dst, tag, timeout=timeout))
@@ -422,8 +559,25 @@ class PointToPoint:
              return_status: bool = False, timeout: float | None = None) -> Any:
         """``ProcessGroup.recv`` (its docstring is the contract)."""
         try:  # free on success; an HpcdpError is raised from here (errors.public)
-            if self._p2p_fast(buf, src, tag) and buf.flags.writeable and not return_status:
-                self._p2p_blocking(False, buf, src, tag, timeout)
+            if (type(buf) is _ndarray and type(src) is int and type(tag) is int and self._g._fast
+                    and src in self._peers and 0 <= tag <= self._max_tag
+                    and buf.dtype in SUPPORTED_SET and buf.flags.c_contiguous
+                    and buf.flags.writeable and not return_status):  # (``_p2p_fast``)
+                c = self._counts.get(("recv", src, tag))
+                if c is None:
+                    c = self._counts.setdefault(("recv", src, tag), itertools.count(1))
+                k = next(c)
+                lane = self._lane
+                if (lane is None or timeout is not None
+                        or ((rec := self._g._rec) is not None and rec.lines)):
+                    self._p2p_blocking(False, buf, src, tag, timeout, k)
+                    return buf
+                try:  # (as ``send``)
+                    req = lane.recv(buf, src, tag, QUICK_SPIN_S)
+                except HpcdpError as exc:
+                    raise self._failed("recv", buf, src, tag, k, -1, exc) from exc
+                if req is not None:
+                    self._waited("recv", buf, src, tag, k, self._g._timeout, QUICK_SPIN_S, req)
                 return buf
             if buf is not None and type(buf) is not _ndarray and (tc := tensor_call(self._g._where("recv"), buf)):
                 return via_tensors(tc, self.recv(tc.write(buf, "the receive buffer"), src, tag, dtype=dtype,
@@ -448,8 +602,14 @@ class PointToPoint:
         """``ProcessGroup.sendrecv`` (its docstring is the contract)."""
         g = self._g
         try:  # free on success; an HpcdpError is raised from here (errors.public)
-            if (recvbuf is not None and not return_status and self._p2p_fast(sendbuf, dst, sendtag, True)
-                    and self._recv_fast(recvbuf, src, recvtag)
+            if (type(sendbuf) is _ndarray and type(recvbuf) is _ndarray and not return_status
+                    and type(dst) is int and type(sendtag) is int and g._fast
+                    and dst in self._ranks and 0 <= sendtag <= self._max_tag
+                    and sendbuf.dtype in SUPPORTED_SET and sendbuf.flags.c_contiguous
+                    and ((type(src) is int and src in self._ranks and type(recvtag) is int
+                          and 0 <= recvtag <= self._max_tag and recvbuf.dtype in SUPPORTED_SET
+                          and (f := recvbuf.flags).c_contiguous and f.writeable)
+                         or self._recv_fast(recvbuf, src, recvtag))  # (wildcards)
                     and ((sendbuf.base is None and recvbuf.base is None and sendbuf is not recvbuf)
                          or not np.may_share_memory(sendbuf, recvbuf))):
                 self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
@@ -483,22 +643,43 @@ class PointToPoint:
     def _sendrecv_quick(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
                         rtag: int, timeout: float | None) -> None:
         """A ``sendrecv`` whose two halves passed ``_p2p_fast``: both posted at once, receive
-        first; the backend's quick lane where it has one. Each half counts as the send and the
-        receive it pairs with (``send(dst=1, tag=0) #k``), so errors name both."""
+        first; the backend's quick lane where it has one (recorded as ``_p2p_blocking`` is).
+        Each half counts as the send and the receive it pairs with (``send(dst=1, tag=0)
+        #k``), so errors name both."""
         g = self._g
         t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
-        ks, kr = self._count("send", dst, stag), self._count("recv", src, rtag)  # named on error
+        counts = self._counts  # (``_count`` inlined: named on error)
+        c = counts.get(("send", dst, stag))
+        if c is None:
+            c = counts.setdefault(("send", dst, stag), itertools.count(1))
+        ks = next(c)
+        c = counts.get(("recv", src, rtag))
+        if c is None:
+            c = counts.setdefault(("recv", src, rtag), itertools.count(1))
+        kr = next(c)
         rec = g._rec
-        tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
         be = g.backend
-        lane = be.quick_p2p
+        lane = self._lane
         first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog waits (work.finish_wait)
+        tok = -1  # not recorded yet
         try:
-            if lane is not None:  # both halves as one request, spun for ``first``
-                req = lane.sendrecv(sbuf, dst, stag, rbuf, src, rtag, first)
-            elif (req := _Both(be.recv(rbuf, src, rtag), be.send(sbuf, dst, stag))).wait(first):
-                req = None
+            if lane is not None and (rec is None or not rec.lines):
+                spun = t if t < QUICK_SPIN_S else QUICK_SPIN_S
+                req = lane.sendrecv(sbuf, dst, stag, rbuf, src, rtag, spun)
+                if req is None:
+                    return None
+                tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
+                if req.wait(first - spun):
+                    req = None
+            else:
+                tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
+                if lane is not None:  # both halves as one request, spun for ``first``
+                    req = lane.sendrecv(sbuf, dst, stag, rbuf, src, rtag, first)
+                elif (req := _Both(be.recv(rbuf, src, rtag), be.send(sbuf, dst, stag))).wait(first):
+                    req = None
         except HpcdpError as exc:
+            if tok < 0:
+                tok = rec.begin("sendrecv", g, 0, rbuf.shape, rbuf.dtype, src) if rec is not None else 0
             err = annotate(exc, work_where(g, _sr_name(dst, stag, ks, src, rtag, kr), 0))
             on_error(rec, tok, err)
             raise err from exc
@@ -506,5 +687,6 @@ class PointToPoint:
                                                    req, t, first)):
             on_error(rec, tok, err)
             raise err
-        if rec is not None:
+        if rec is not None and tok:
             rec.end(tok)
+        return None

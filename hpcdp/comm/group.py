@@ -94,7 +94,11 @@ class ProcessGroup:
         self._unjudged: dict[int, tuple[Any, Any]] = {}
         self._host_staged: HostStaged | None = None  # made at the first cupy call (_transport)
         self._refresh_fast()
-        self._p2p = PointToPoint(self)
+        self._p2p = p2p = PointToPoint(self)
+        # point to point as the component's bound methods: one call, not two (halo exchanges
+        # are latency-bound); the methods below document them
+        self.send, self.recv, self.sendrecv = p2p.send, p2p.recv, p2p.sendrecv
+        self.isend, self.irecv = p2p.isend, p2p.irecv
         self._objects = ObjectCollectives(self)
         self._torch = TorchSpellings(self)
 

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ._group_p2p import PointToPoint, Status
+from ._group_p2p import Status
 from .validation import check_timeout
 from ..backends.base import ANY_SOURCE, ANY_TAG
-from ..errors import public
-from .work import Work
+from ..errors import HpcdpError, public, public_error
+from .work import Work, wait_quick
 from .world import get_default_group
 
 if TYPE_CHECKING:
@@ -57,41 +57,52 @@ def _group(group: Any) -> "ProcessGroup":
     return group if group is not None else get_default_group()
 
 
-@public
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
     """Post every transfer of ``ops`` at once; one ``Work`` per op, in the order given.
 
     Receives are posted before sends, so a message that arrives early lands in its buffer
     directly. Every op is validated before anything is posted.
     """
-    ops = list(ops)
-    for o in ops:
-        if type(o) is not P2POp and not isinstance(o, P2POp):
-            raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(o).__name__}")
-    works: list[Any] = [None] * len(ops)
-    default = None  # looked up once, not per op
-    for phase in ("irecv", "isend"):
+    try:  # (``errors.public``'s trimming without its wrapper: isend/irecv trim their own)
+        if type(ops) is not list:
+            ops = list(ops)
+        recvs, sends = [], []
         for i, o in enumerate(ops):
-            if o.op != phase:
-                continue
+            if type(o) is not P2POp and not isinstance(o, P2POp):
+                raise TypeError(f"batch_isend_irecv: expected P2POp items, got {type(o).__name__}")
+            (recvs if o.op == "irecv" else sends).append(i)
+        works: list[Any] = [None] * len(ops)
+        default = None  # looked up once, not per op
+        last: Any = None  # the group of the op before, and its calls
+        post: Any = None
+        for i in recvs:  # the receives, then the sends
+            o = ops[i]
             g = o.group
             if g is None:
                 g = default = default if default is not None else get_default_group()
-            works[i] = (_IRECV(g._p2p, o.buf, o.peer, o.tag) if phase == "irecv"
-                        else _ISEND(g._p2p, o.buf, o.peer, o.tag))
-    return works
-
-
-# the group's isend/irecv without their own error-trimming layer: ``batch_isend_irecv`` is the
-# public boundary of its calls (one wrapper per batch, not per transfer)
-_ISEND = PointToPoint.isend.__wrapped__  # type: ignore[attr-defined]
-_IRECV = PointToPoint.irecv.__wrapped__  # type: ignore[attr-defined]
+            if g is not last:
+                last, post = g, g.irecv
+            works[i] = post(o.buf, o.peer, o.tag)
+        last = None
+        for i in sends:
+            o = ops[i]
+            g = o.group
+            if g is None:
+                g = default = default if default is not None else get_default_group()
+            if g is not last:
+                last, post = g, g.isend
+            works[i] = post(o.buf, o.peer, o.tag)
+        return works
+    except HpcdpError as exc:
+        raise public_error(exc)  # noqa: B904 - exc is its __context__
 
 
 @public
 def wait_all(works: Iterable[Work], timeout: float | None = None) -> list[Any]:
     """Wait for every work within one deadline (default: each work's own); their results."""
     works = list(works)
+    if wait_quick(works):  # the quick lane's requests first, tested together: all done
+        return [w._result for w in works]
     if timeout is None:  # (``_wait``: this function is the public boundary that trims errors)
         return [w._wait() for w in works]
     t = check_timeout("wait_all", timeout)

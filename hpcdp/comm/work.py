@@ -1,6 +1,7 @@
 """``Work``: the handle an ``async_op=True`` collective returns."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..trace.hooks import on_error
@@ -12,10 +13,22 @@ from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["Work", "then", "wait_for", "finish_wait", "timeout_error", "Polled", "WATCH_AFTER"]
+__all__ = ["Work", "QuickWork", "then", "wait_for", "finish_wait", "timeout_error", "Polled",
+           "WATCH_AFTER", "QUICK_SPIN_S", "p2p_name", "wait_quick"]
 
 #: seconds a blocking call waits before the watchdog (``_watchdog``) takes over its wait
 WATCH_AFTER = _watchdog.WATCH_AFTER
+#: seconds a point-to-point call on a backend's quick lane is ``Test``ed in a spin before it
+#: becomes a registered request with the general wait (as the lanes' own spins)
+QUICK_SPIN_S = 1e-4
+_TESTS = 16  # tests between clock reads in the spin
+_monotonic = time.monotonic
+_INF = float("inf")
+
+
+def p2p_name(op: str, peer_name: str, peer: int, tag: int, k: int) -> str:
+    """``send(dst=1, tag=3) #k``: how errors and traces name the k-th message of a pair."""
+    return f"{op}({peer_name}={peer}, tag={tag}) #{k}"
 
 
 class Work:
@@ -130,9 +143,173 @@ def _nothing() -> None:
     return None
 
 
+class QuickWork(Work):
+    """An ``isend``/``irecv`` of a plain array on a backend's quick lane (``Backend.quick_p2p``):
+    the bare transport request and its buffer, ``Test``ed in a short spin when waited on.
+
+    A halo exchange posts a few of these per step and they complete within the spin, so the
+    general machinery (a name, a registered request, a flight-recorder row, a deadline-checked
+    wait) is built only when a call must wait longer, fails, is waited on with ``wait_for``,
+    or is dropped while pending (``_adopt``): then it is a ``Work`` like any other, with its
+    timeout, its name (``recv(src=1, tag=0) #k``), its watchdog and its peer-failure checks.
+    A dropped one is adopted by ``__del__``: the transport's registry keeps its buffer until
+    the transport is done with it. As any ``Work``, it is waited on by one thread at a time.
+    """
+
+    __slots__ = ("_lane", "_raw", "_buf", "_send", "_peer", "_tag", "_k")
+
+    def __init__(self, group: "ProcessGroup", lane: Any, raw: Any, buf: Any, send: bool,
+                 peer: int, tag: int, k: int, tok: int = 0) -> None:
+        # (only what a lean call reads: ``_adopt`` sets the rest of ``Work``'s state)
+        self._group, self._lane, self._raw, self._buf = group, lane, raw, buf
+        self._send, self._peer, self._tag, self._k, self._tok = send, peer, tag, k, tok
+        self._done = False
+        self._error = None
+        self._req: Request | None = None
+
+    def _name(self) -> str:
+        return p2p_name("send" if self._send else "recv", "dst" if self._send else "src",
+                        self._peer, self._tag, self._k)
+
+    def _where(self) -> str:
+        return work_where(self._group, self._name(), 0)
+
+    def _adopt(self, record: bool = True) -> None:
+        """Become a general ``Work``: the request registered with the transport, named, in
+        the flight recorder (as started) unless it is there already or not ``record``."""
+        if self._req is not None or self._done:
+            return
+        g, buf, send = self._group, self._buf, self._send
+        self._op, self._seq, self._timeout, self._result = self._name(), 0, None, None
+        self._finish = _nothing if send else (lambda: buf)
+        self._req = self._lane.adopt(self._raw, buf, send, self._peer, self._tag)
+        self._raw = None
+        rec = g._rec
+        if rec is not None and not self._tok and record:
+            self._tok = rec.begin("send" if send else "recv", g, 0, buf.shape, buf.dtype, self._peer)
+
+    def _quick_done(self) -> Any:
+        self._done = True
+        self._raw = None
+        res = self._result = None if self._send else self._buf
+        if self._tok:
+            rec = self._group._rec
+            if rec is not None:
+                rec.end(self._tok)
+        if self._lane.alert[0]:  # a notice landed: take it (a finished p2p call never fails)
+            self._lane.take_notices()
+        return res
+
+    def _wait(self, timeout: float | None = None) -> Any:
+        if self._done:
+            return self._result
+        if timeout is not None and not (type(timeout) is float and 0.0 < timeout < _INF):
+            check_timeout(f"{self._where()}: wait()", timeout)  # (refused before the spin)
+        if self._req is None:
+            try:
+                if _spun(self._raw.Test, self._lane.alert):
+                    return self._quick_done()
+            except Exception:  # noqa: BLE001 - a transport error: the general test raises it
+                pass
+            except BaseException:  # KeyboardInterrupt: the transport may still use the buffer
+                self._adopt()
+                raise
+            self._adopt()
+        return Work._wait(self, timeout)
+
+    def _progress(self, seconds: float) -> None:
+        if self._req is None:
+            if seconds == 0:
+                try:
+                    if self._raw.Test():
+                        self._quick_done()
+                    return
+                except Exception:  # noqa: BLE001 - the general test raises it as its own
+                    pass
+            self._adopt()
+        Work._progress(self, seconds)
+
+    def __del__(self) -> None:
+        if not self._done and self._req is None and getattr(self, "_raw", None) is not None:
+            try:  # dropped while pending: the transport's registry keeps the buffer (no
+                self._adopt(record=False)  # recorder row: nobody waits for it)
+            except Exception:  # noqa: BLE001 - (interpreter shutdown)
+                pass
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else ("failed" if self._error else "pending")
+        return f"<Work {self._where()} {state}>"
+
+
+def _spun(test: Callable[[], Any], alert: Any) -> bool:
+    """Whether ``test()`` turned true within ``QUICK_SPIN_S`` (or before a notice landed)."""
+    stop = 0.0
+    while True:
+        k = _TESTS
+        while not test():
+            k -= 1
+            if not k:
+                break
+        else:
+            return True
+        now = _monotonic()
+        if not stop:
+            stop = now + QUICK_SPIN_S
+        elif now >= stop or alert[0]:
+            return False
+
+
+def wait_quick(works: list[Work]) -> bool:
+    """``wait_all``'s first step: the lean ``QuickWork``s among ``works``, if they share one
+    lane, tested together (one ``Testall``) in a short spin; completed, or else adopted, so
+    that the general waits that follow cost nothing for them or do not spin again. True when
+    every one of ``works`` is done (successfully: ``_result`` is its result)."""
+    lane = None
+    raws = []
+    rest = False  # a work that is neither lean nor done
+    for w in works:
+        if type(w) is QuickWork and w._req is None:
+            if w._done:
+                continue
+            if lane is None:
+                lane = w._lane
+            elif w._lane is not lane:
+                return False  # several groups: each waits on its own
+            raws.append(w._raw)
+        elif not w._done:
+            rest = True
+    if lane is None:
+        return not rest
+    testall = lane.testall
+    try:
+        ok = testall(raws) or _spun(lambda: testall(raws), lane.alert)
+    except Exception:  # noqa: BLE001 - (as ``QuickWork._wait``)
+        ok = False
+    except BaseException:
+        for w in works:
+            if type(w) is QuickWork:
+                w._adopt()
+        raise
+    for w in works:
+        if type(w) is QuickWork and w._req is None and not w._done:
+            if not ok:
+                w._adopt()
+            elif w._tok:
+                w._quick_done()
+            else:  # (``_quick_done`` inlined; its notice check once below)
+                w._done = True
+                w._raw = None
+                w._result = None if w._send else w._buf
+    if ok and lane.alert[0]:
+        lane.take_notices()
+    return ok and not rest
+
+
 def then(work: Work, after: Callable[[Any], Any]) -> Work:
     """``work``, whose completion also runs ``after(result)`` and yields what it returns (the
     torch spellings copy a result into the caller's arrays this way, and return None)."""
+    if type(work) is QuickWork:
+        work._adopt()  # (a general Work: ``_finish`` to wrap)
     if work._done:
         work._result = after(work._result)
         return work

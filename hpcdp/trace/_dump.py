@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 from .._atomic import atomic_write_text
@@ -34,7 +35,7 @@ from ._recorder import (
 )
 
 __all__ = ["FORMAT", "trace_dir", "dump", "install", "record_path", "describe_group", "op_json",
-           "on_error", "job_id", "mark_finished", "record_finalize"]
+           "on_error", "job_id", "mark_finished", "record_finalize", "count_p2p", "p2p_counts"]
 
 FORMAT = "hpcdp.flight/1"
 _dump_lock = threading.RLock()
@@ -162,6 +163,52 @@ def _stacks(idents: set[int]) -> dict[int, dict[str, Any]]:
     return out
 
 
+#: global rank -> the point-to-point counters of its groups (``count_p2p``), weakly held, in
+#: the order they were made
+_p2p_sources: dict[int, list["weakref.ref[Any]"]] = {}
+
+
+def count_p2p(rank: int, source: Any) -> None:
+    """Make the flight record of global ``rank`` list ``source``'s point-to-point messages.
+
+    ``source.counts()`` returns ``{(op, peer, tag): messages}`` (``op`` "send" or "recv",
+    ``peer`` a rank of ``source.group``). The collective layer registers one per group: the
+    recorder's ring keeps only the point-to-point calls that had to wait, so these counts are
+    what tells, after a hang, how many messages each pair exchanged before it."""
+    with _dump_lock:
+        refs = _p2p_sources.setdefault(int(rank), [])
+        refs[:] = [r for r in refs if r() is not None]
+        refs.append(weakref.ref(source))
+
+
+def p2p_counts(rank: int) -> list[dict[str, Any]]:
+    """The ``p2p_counts`` of global ``rank``'s flight record: one entry per group, op, peer
+    and tag with messages, ``peer_rank`` the peer's global rank (None where not known). Of
+    groups of one name, the newest (an ``init`` after a ``finalize`` makes "world" again)."""
+    newest: dict[str, tuple[Any, list[int] | None]] = {}
+    for ref in list(_p2p_sources.get(int(rank), ())):
+        src = ref()
+        if src is None:
+            continue
+        try:
+            name, ranks, _ = describe_group(src.group)
+        except Exception:  # noqa: BLE001 - a group being torn down: a dump must not fail
+            continue
+        newest[name] = (src, ranks)
+    out: list[dict[str, Any]] = []
+    for name, (src, ranks) in newest.items():
+        try:
+            counts = src.counts()
+        except Exception:  # noqa: BLE001 - (as above)
+            continue
+        for (op, peer, tag), n in sorted(counts.items(), key=lambda kv: (str(kv[0][0]), kv[0][1:])):
+            out.append({"group": name, "op": str(op), "peer": int(peer),
+                        "peer_rank": (ranks[peer] if ranks is not None and 0 <= peer < len(ranks)
+                                      else None),
+                        "tag": int(tag), "messages": int(n)})
+    return out
+
+
 def _record(rec: Recorder, reason: str) -> dict[str, Any]:
     ops = rec.snapshot()
     threads = _stacks({o.thread for o in ops})
@@ -197,6 +244,7 @@ def _record(rec: Recorder, reason: str) -> dict[str, Any]:
         "finished": None if rec.finished is None else rec.finished[0],
         "finished_at_ns": None if rec.finished is None else rec.finished[1] + WALL_MINUS_MONO_NS,
         "threads": [dict(v, ident=k) for k, v in sorted(threads.items())],
+        "p2p_counts": p2p_counts(rec.rank),
         "entries": entries,
     }
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 from ._chrome import close_all as close_timelines
 from ._chrome import state
 from ._clock import ClockSync, clock_offset_ns, set_clock_offset, wall_ns
-from ._dump import install, mark_finished, on_error, record_finalize
+from ._dump import count_p2p, install, mark_finished, on_error, record_finalize
 from ._recorder import active_recorder, current_rank, hide_frames, hide_package, pinned_line, user_frame
 from ._steps import on_step
 
 __all__ = [
     "state", "close_timelines", "ClockSync", "clock_offset_ns", "set_clock_offset", "wall_ns",
-    "install", "mark_finished", "on_error", "record_finalize", "active_recorder", "current_rank",
+    "install", "mark_finished", "on_error", "record_finalize", "count_p2p", "active_recorder",
+    "current_rank",
     "hide_frames", "hide_package", "pinned_line", "on_step", "user_frame",
 ]

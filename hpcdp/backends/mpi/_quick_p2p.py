@@ -7,9 +7,10 @@ deadline-checked wait that reads the clock every few tests) costs several. A blo
 none of that while it completes quickly, so the quick lane posts the MPI request, ``Test``s it in
 a short spin, and only a call still running after the spin becomes a registered request and
 waits with its deadline like any other (so every call keeps its timeout and its peer-failure
-checks). ``sendrecv`` posts both halves and spins on the pair; ``Lane.post`` is the
-nonblocking post for ``isend``/``irecv``, whose ``Request`` is registered at once (a caller may
-drop it) but skips the general path's per-call wrapper.
+checks). ``sendrecv`` posts both halves and spins on the pair. ``isend``/``irecv`` of a 1-D
+array take ``Lane.start``: a bare MPI request the caller (``comm.work.QuickWork``) holds with its
+buffer and tests, and hands to ``Lane.adopt`` (registered, as any other) only when it must wait,
+fails or is dropped pending; ``Lane.post`` registers at once (the calls ``start`` declines).
 
 Messages over the backend's element limit, and calls made while a peer is known to be gone, go
 the general way (``MPIBackend.send``/``recv``), which splits them and says who left.
@@ -20,7 +21,6 @@ spin watches for a message of another dtype or shape (``_meta.scan``).
 """
 from __future__ import annotations
 
-import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,7 @@ class Lane:
     registered request still pending at its deadline (the caller turns it into a timeout)."""
 
     __slots__ = ("owner", "comm", "types", "limit", "notices", "_view", "_whats", "meta",
-                 "_tc")
+                 "_tc", "alert", "testall")
 
     def __init__(self, owner: "MPIBackend", comm: Any, types: dict[np.dtype, Any],
                  notices: Notices, limit: list[int], meta: "TagMeta | None" = None) -> None:
@@ -62,6 +62,10 @@ class Lane:
         self.meta = meta
         #: dtype -> (MPI type, dtype code): one lookup per call
         self._tc = {dt: (t, DTYPE_CODES[dt]) for dt, t in types.items()}
+        #: non-zero in ``alert[0]`` once a notice landed (``take_notices``)
+        self.alert = notices.view
+        #: ``testall(requests)``: whether every request of ``start`` in the list completed
+        self.testall = _rq._MPI.Request.Testall
 
     def send(self, buf: np.ndarray, dst: int, tag: int, timeout: float) -> Request | None:
         if buf.size > self.limit[0] or self.notices.left is not None:  # the general way
@@ -77,6 +81,10 @@ class Lane:
                 if nd > 1:  # its dims follow
                     r, dims = self.meta.send_dims(buf, dst, w)
                     return self._spin(_Pair(req, r), (buf, dims), timeout, "send", dst, tag)
+            if req.Test():  # a small send is done at once: no spin (a call less)
+                if self._view[0]:
+                    self.notices.check(0)
+                return None
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "send", 0) from None
         return self._spin(req, buf, timeout, "send", dst, tag)
@@ -94,6 +102,10 @@ class Lane:
                 req = self.comm.Irecv([buf, t], src, w)
                 if nd > 1:
                     return self._recv_nd(req, buf, src, tag, w, timeout)
+                if req.Test():  # the message was there: no spin
+                    if self._view[0]:
+                        self.notices.check(0)
+                    return None
                 return self._spin(req, buf, timeout, "recv", src, tag, w)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "recv", 0) from None
@@ -107,15 +119,12 @@ class Lane:
             return self._spin(req, buf, timeout, "recv", src, tag, w)
         return self._spin(_Pair(req, got[0]), (buf, got[1]), timeout, "recv", src, tag, w, 1)
 
-    def _general(self, buf: np.ndarray) -> bool:
-        """Whether a call on ``buf`` takes the general path (split messages, a peer gone)."""
-        return buf.size > self.limit[0] or self.notices.left is not None
-
     def sendrecv(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
                  rtag: int, timeout: float) -> Request | None:
         """Both halves posted at once (receive first), so neither can wait for the other: the
         deadlock-free exchange ``MPI_Sendrecv`` is, with a deadline."""
-        if self._general(sbuf) or self._general(rbuf):
+        limit = self.limit[0]
+        if sbuf.size > limit or rbuf.size > limit or self.notices.left is not None:
             r = self.owner.recv(rbuf, src, rtag)
             s = self.owner.send(sbuf, dst, stag)
             deadline = _monotonic() + timeout
@@ -129,12 +138,20 @@ class Lane:
             if meta is None:
                 r = comm.Irecv([rbuf, rt], src, rtag)
                 s = comm.Isend([sbuf, st], dst, stag)
+                if r.Test() and s.Test():  # both done at once (the message was there)
+                    if self._view[0]:
+                        self.notices.check(0)
+                    return None
                 return self._spin(_Pair(r, s), (sbuf, rbuf), timeout, "sendrecv", src, rtag)
             rn, nd = rbuf.ndim, sbuf.ndim
             if rn == 1 and nd == 1:  # a 1-D halo: as lean as without wire tags
                 rw = (rtag << SHIFT) | 16 | rcode
                 r = comm.Irecv([rbuf, rt], src, rw)
                 s = comm.Isend([sbuf, st], dst, (stag << SHIFT) | 16 | scode)
+                if r.Test() and s.Test():  # (as above)
+                    if self._view[0]:
+                        self.notices.check(0)
+                    return None
                 return self._spin(_Pair(r, s), (rbuf, sbuf), timeout, "sendrecv", src, rtag, rw)
             rw = (rtag << SHIFT) | (16 if rn == 1 else 32 if rn else 0) | rcode
             sw = (stag << SHIFT) | (16 if nd == 1 else 32 if nd else 0) | scode
@@ -152,6 +169,44 @@ class Lane:
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "sendrecv", 0) from None
         return self._spin(_Pair.of(reqs), keep, timeout, "sendrecv", src, rtag, rw, j)
+
+    def start(self, send: bool, buf: np.ndarray, peer: int, tag: int) -> Any:
+        """``isend``/``irecv`` as a bare MPI request, not registered: the caller (a lean
+        ``comm.work.QuickWork``) holds it with its buffer, ``Test``s it, and hands it to
+        ``adopt`` before it lets go of it pending. None: the call goes the ``post`` way
+        (split messages, a peer gone, an n-D array whose dims travel apart)."""
+        if buf.size > self.limit[0] or self.notices.left is not None:
+            return None
+        meta = self.meta
+        try:
+            t, code = self._tc[buf.dtype]
+            if meta is None:
+                w = tag
+            else:
+                nd = buf.ndim
+                if nd > 1:
+                    return None
+                w = (tag << SHIFT) | (16 if nd else 0) | code
+            if send:
+                return self.comm.Isend([buf, t], peer, w)
+            return self.comm.Irecv([buf, t], peer, w)
+        except _rq._MPI.Exception as exc:
+            raise self.notices.mpi_error(exc, "send" if send else "recv", 0) from None
+
+    def adopt(self, req: Any, buf: np.ndarray, send: bool, peer: int, tag: int) -> Request:
+        """A request of ``start`` as a registered one (its buffer kept until MPI is done with
+        it, a receive watching for another dtype or shape), for the general wait."""
+        slow = self._registered(req, buf, "send" if send else "recv", peer, tag)
+        meta = self.meta
+        if not send and meta is not None:
+            t, code = self._tc[buf.dtype]
+            w = (tag << SHIFT) | (16 if buf.ndim else 0) | code
+            slow.watch = (scan, meta, buf, t, peer, tag, w, None, None)
+        return slow
+
+    def take_notices(self) -> None:
+        """Take the notices that landed (``alert[0]`` non-zero) after a call completed."""
+        self.notices.check(0)
 
     def post(self, send: bool, buf: np.ndarray, peer: int, tag: int) -> Request:
         """``isend``/``irecv``: one MPI request, registered (its buffer kept with it)."""
@@ -234,11 +289,13 @@ class _Pair:
     """The requests of a ``sendrecv`` (or of an n-D message and its dims), tested together
     (``Test``: one ``Testall``)."""
 
-    __slots__ = ("reqs", "Test")
+    __slots__ = ("reqs",)
 
     def __init__(self, r: Any, s: Any) -> None:
         self.reqs = [r, s]
-        self.Test = functools.partial(_rq._MPI.Request.Testall, self.reqs)  # mpi4py's spelling
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling, as ``_spin`` calls a request's
+        return _rq._MPI.Request.Testall(self.reqs)  # type: ignore[no-any-return]
 
     @classmethod
     def of(cls, reqs: list[Any]) -> "_Pair":
