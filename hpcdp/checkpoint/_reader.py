@@ -235,7 +235,11 @@ class _Reader:
                 return like
             return out
         if isinstance(like, (list, tuple)) and t == "seq":
-            return self._seq_like(like, node, where)
+            values = self._seq_like(like, node, where)
+            if into and isinstance(like, list):
+                like[:] = values
+                return like
+            return values
         if isinstance(like, (list, tuple)):
             if t not in ("list", "tuple") or len(node["items"]) != len(like):
                 n = len(node.get("items", ()))
@@ -338,7 +342,7 @@ def _check_out(out: Any, where: str) -> None:
             stack.append((x.local, at))
         elif hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.generic):
             flags = getattr(x, "flags", None)
-            if flags is not None and not flags.writeable:
+            if flags is not None and not getattr(flags, "writeable", True):  # (cupy: no such flag)
                 raise ValueError(f"{where}: out={at} is read-only; load(out=) fills arrays in place")
 
 
@@ -385,8 +389,8 @@ def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: A
         out: instead of ``like``, a state to load into (as ``torch.distributed.checkpoint``
             loads): its arrays (and ``Shard``s' local arrays) receive the data in place, so a
             load needs no second copy of the model in memory and writes pages already touched;
-            its dicts and lists get the loaded scalars and the entries it lacks; returns
-            ``out``. Every structure, shape and dtype is checked before the first byte is
+            its dicts and lists get the loaded scalars and the entries it lacks (a tuple
+            cannot change: its scalars are in the returned state only); returns ``out``. Every structure, shape and dtype is checked before the first byte is
             written, but a slab that fails its checksum is found only as it is read: after a
             ``CheckpointError`` from that, ``out``'s arrays may hold part of the file. Load
             with ``like=`` where the current values must survive a corrupt file.

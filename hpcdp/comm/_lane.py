@@ -1,7 +1,7 @@
 """The latency lanes of blocking collectives on plain host arrays, with nothing of the general
 path but its bookkeeping: ``allreduce`` (A2 of PERF.md: a small allreduce costs what this shows),
 ``all_gather`` and ``broadcast`` (A3: at 1-2 MiB the general path's request, ``Work`` and checks
-were a tenth of the call).
+are a visible share of the call; README's benchmark table has the figures).
 
 ``ProcessGroup`` tries them first when the group's ``_fast`` switch is on (debug level not
 "detail", the group usable, not deterministic) and the call is blocking; None sends the call to

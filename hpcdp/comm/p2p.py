@@ -101,11 +101,11 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
 def wait_all(works: Iterable[Work], timeout: float | None = None) -> list[Any]:
     """Wait for every work within one deadline (default: each work's own); their results."""
     works = list(works)
+    t = None if timeout is None else check_timeout("wait_all", timeout)  # (before any spin)
     if wait_quick(works):  # the quick lane's requests first, tested together: all done
         return [w._result for w in works]
-    if timeout is None:  # (``_wait``: this function is the public boundary that trims errors)
+    if t is None:  # (``_wait``: this function is the public boundary that trims errors)
         return [w._wait() for w in works]
-    t = check_timeout("wait_all", timeout)
     deadline = time.monotonic() + t
     # a work already complete returns at once; others get what is left (at least a tick)
     return [w._wait(max(1e-3, deadline - time.monotonic())) for w in works]

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..trace.hooks import on_error
 from . import _watchdog
 from .validation import check_timeout
-from ..backends.base import CompletedRequest, Request
+from ..backends.base import SPIN_SECONDS, CompletedRequest, Request, spin
 from ..errors import CommTimeoutError, HpcdpError, PeerFailureError, public
 
 if TYPE_CHECKING:
@@ -20,8 +20,7 @@ __all__ = ["Work", "QuickWork", "then", "wait_for", "finish_wait", "timeout_erro
 WATCH_AFTER = _watchdog.WATCH_AFTER
 #: seconds a point-to-point call on a backend's quick lane is ``Test``ed in a spin before it
 #: becomes a registered request with the general wait (as the lanes' own spins)
-QUICK_SPIN_S = 1e-4
-_TESTS = 16  # tests between clock reads in the spin
+QUICK_SPIN_S = SPIN_SECONDS
 _monotonic = time.monotonic
 _INF = float("inf")
 
@@ -153,7 +152,9 @@ class QuickWork(Work):
     or is dropped while pending (``_adopt``): then it is a ``Work`` like any other, with its
     timeout, its name (``recv(src=1, tag=0) #k``), its watchdog and its peer-failure checks.
     A dropped one is adopted by ``__del__``: the transport's registry keeps its buffer until
-    the transport is done with it. As any ``Work``, it is waited on by one thread at a time.
+    the transport is done with it. It belongs to one thread at a time: ``wait``,
+    ``is_completed`` and ``wait_all`` on it from two threads at once would test one MPI request
+    concurrently, which MPI forbids, and the bare request has no lock (a registered one does).
     """
 
     __slots__ = ("_lane", "_raw", "_buf", "_send", "_peer", "_tag", "_k")
@@ -177,7 +178,7 @@ class QuickWork(Work):
     def _adopt(self, record: bool = True) -> None:
         """Become a general ``Work``: the request registered with the transport, named, in
         the flight recorder (as started) unless it is there already or not ``record``."""
-        if self._req is not None or self._done:
+        if self._req is not None or self._done or self._raw is None:
             return
         g, buf, send = self._group, self._buf, self._send
         self._op, self._seq, self._timeout, self._result = self._name(), 0, None, None
@@ -190,6 +191,7 @@ class QuickWork(Work):
 
     def _quick_done(self) -> Any:
         self._done = True
+        self._lane.live.pop(id(self._raw), None)
         self._raw = None
         res = self._result = None if self._send else self._buf
         if self._tok:
@@ -203,29 +205,43 @@ class QuickWork(Work):
     def _wait(self, timeout: float | None = None) -> Any:
         if self._done:
             return self._result
+        if self._error is not None:
+            raise self._error
         if timeout is not None and not (type(timeout) is float and 0.0 < timeout < _INF):
             check_timeout(f"{self._where()}: wait()", timeout)  # (refused before the spin)
         if self._req is None:
             try:
                 if _spun(self._raw.Test, self._lane.alert):
                     return self._quick_done()
-            except Exception:  # noqa: BLE001 - a transport error: the general test raises it
-                pass
+            except Exception as exc:  # noqa: BLE001 - a transport error: this call's outcome
+                self._raise(self._failed(exc))
             except BaseException:  # KeyboardInterrupt: the transport may still use the buffer
                 self._adopt()
                 raise
             self._adopt()
         return Work._wait(self, timeout)
 
+    def _failed(self, exc: Exception) -> BaseException:
+        """The error of a bare request whose ``Test`` raised, naming this call. MPI may have
+        freed the request (MPICH does), so it is never tested again: a later test would say it
+        completed and the error would be lost."""
+        self._lane.live.pop(id(self._raw), None)
+        self._raw = None
+        err = self._lane.failure(exc, self._send)
+        return annotate(err, self._where()) if isinstance(err, HpcdpError) else err
+
     def _progress(self, seconds: float) -> None:
         if self._req is None:
+            if self._raw is None:  # failed already (``_failed``): nothing to test
+                return
             if seconds == 0:
                 try:
                     if self._raw.Test():
                         self._quick_done()
                     return
-                except Exception:  # noqa: BLE001 - the general test raises it as its own
-                    pass
+                except Exception as exc:  # noqa: BLE001 - this call's outcome
+                    self._fail(self._failed(exc))
+                    return
             self._adopt()
         Work._progress(self, seconds)
 
@@ -243,20 +259,7 @@ class QuickWork(Work):
 
 def _spun(test: Callable[[], Any], alert: Any) -> bool:
     """Whether ``test()`` turned true within ``QUICK_SPIN_S`` (or before a notice landed)."""
-    stop = 0.0
-    while True:
-        k = _TESTS
-        while not test():
-            k -= 1
-            if not k:
-                break
-        else:
-            return True
-        now = _monotonic()
-        if not stop:
-            stop = now + QUICK_SPIN_S
-        elif now >= stop or alert[0]:
-            return False
+    return spin(test, alert, QUICK_SPIN_S)
 
 
 def wait_quick(works: list[Work]) -> bool:
@@ -283,8 +286,11 @@ def wait_quick(works: list[Work]) -> bool:
     testall = lane.testall
     try:
         ok = testall(raws) or _spun(lambda: testall(raws), lane.alert)
-    except Exception:  # noqa: BLE001 - (as ``QuickWork._wait``)
-        ok = False
+    except Exception as exc:  # noqa: BLE001 - which one failed is not known: all carry it
+        for w in works:
+            if type(w) is QuickWork and w._req is None and not w._done and w._raw is not None:
+                w._fail(w._failed(exc))
+        return False
     except BaseException:
         for w in works:
             if type(w) is QuickWork:
@@ -298,6 +304,7 @@ def wait_quick(works: list[Work]) -> bool:
                 w._quick_done()
             else:  # (``_quick_done`` inlined; its notice check once below)
                 w._done = True
+                lane.live.pop(id(w._raw), None)
                 w._raw = None
                 w._result = None if w._send else w._buf
     if ok and lane.alert[0]:

@@ -116,9 +116,8 @@ def _early_pays(group: Any, progress: bool, device: bool) -> bool:
     overlap anything. Not over a transport that moves data only inside its calls (MPI) when the
     whole job shares one node, no rank has a progress thread and the gradients are in host
     memory: the reduction is then copies by the very core that runs backward, so starting early
-    hides nothing, and the extra collective of a split bucket costs (measured: MLP
-    784-1024-1024-10, 2 ranks bound to one core each, one 7.5 MB bucket in place of 4.2 + 3.2 MB
-    saved 3-6% of a step). Device gradients (``device``) move by DMA, which does overlap.
+    hides nothing, and the extra collective of a split bucket costs (D5 in the README's
+    benchmark table). Device gradients (``device``) move by DMA, which does overlap.
     Collective (the ranks must build the same buckets): a max over the group of what each rank
     sees."""
     if group.size <= 1 or not getattr(group.backend, "needs_progress_thread", False):

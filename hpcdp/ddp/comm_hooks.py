@@ -118,8 +118,9 @@ def _average(group: Any, flat: Any, d: int, async_op: bool = True) -> HookFuture
     ``async_op=False`` runs it now (a blocking allreduce) and returns it done."""
     if group.size == 1 and d == 1:   # a group of one: the bucket is already its own average
         return HookFuture(Ready(flat))
-    if d == group.size and not _scales_exactly(flat.dtype, d):
-        # "mean": float16 sums and divides in float32, rounding once; other sizes divide
+    if d == group.size and (group.deterministic or not _scales_exactly(flat.dtype, d)):
+        # "mean": float16 sums and divides in float32, rounding once; other sizes divide; a
+        # deterministic group's mean is its own (the exact sum divided, rounded once)
         res = group.allreduce(flat, "mean", out=flat, async_op=async_op)
         return HookFuture(res if async_op else Ready(flat))
     res = group.allreduce(flat, "sum", out=flat, async_op=async_op)

@@ -111,6 +111,30 @@ def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str, count
 
 
 @pytest.mark.timeout(CAP + 30)
+def test_a_lean_send_kept_pending_to_the_end_is_drained(tmp_path) -> None:
+    """A lean ``isend`` (a plain array: ``QuickWork``, its MPI request held bare) kept in a
+    global and never received: the exit handler registers it with the rest, waits its grace
+    period, keeps the buffer through MPI_Finalize and names it; nothing crashes or hangs."""
+    rc, out = _job(tmp_path, """
+        import numpy as np
+        import hpcdp
+        from hpcdp.backends.mpi import _requests
+        from hpcdp.comm.work import QuickWork
+
+        _requests.EXIT_GRACE = 0.5
+        g = hpcdp.init("mpi", timeout=60)
+        if g.rank == 0:
+            pending = g.isend(np.ones(1 << 20), 1, tag=7)   # 8 MiB: never eager; never received
+            print("lean:", type(pending) is QuickWork, flush=True)
+        g.barrier()
+    """)
+    _no_crash(rc, out)
+    assert rc == 0, out
+    assert "lean: True" in out, out
+    assert "exits with 1 MPI operation(s) unfinished (send to rank 1 (tag 7))" in out, out
+
+
+@pytest.mark.timeout(CAP + 30)
 def test_group_used_after_finalize_raises_hpcdp_error(tmp_path) -> None:
     rc, out = _job(tmp_path, """
         import numpy as np

@@ -55,7 +55,7 @@ import numpy as np
 from ..._config import setting
 from ...errors import CollectiveMismatchError, HpcdpError
 from ...ops import ReduceOp
-from ..base import Request
+from ..base import SPIN_SECONDS, Request, spin
 from . import _requests as _rq
 from . import _tuning
 from ._notices import Notices
@@ -437,14 +437,10 @@ class FirstCall(_rq.MPIRequest):
             f"arguments ({calls}); the result is undefined, and every rank raises this")
 
 
-#: The quick lane Tests ``_SPIN`` times between clock reads, for up to ``_SPIN_S`` seconds,
-#: before it hands the call to the slower deadline-checked wait: a peer that leaves the barrier
-#: a few microseconds later (the usual skew) costs no more than that skew (with 64 Tests and no
-#: second spin the early rank fell into the slower wait every few calls). Bounded by the clock,
-#: not by a count: an oversubscribed Open MPI yields the CPU in every idle Test, and 1024 Tests
-#: took seconds on 4 ranks of a loaded 2-core machine, so a call outlived its deadline (and
-#: then succeeded, where the caller had to see a timeout).
-_SPIN, _SPIN_S = 16, 1e-4
+#: The quick lane Tests (``base.spin``) for up to ``SPIN_SECONDS`` before it hands the call to
+#: the slower deadline-checked wait (with 64 Tests and no second spin the early rank of a
+#: barrier fell into the slower wait every few calls).
+_SPIN_S = SPIN_SECONDS
 #: a larger collective's lane spins as long as its bytes take at this rate (a registered wait
 #: polls as busily for its first milliseconds, at the cost of the request bookkeeping), capped
 _SPIN_BPS, _SPIN_MAX_S = 2e9, 2e-3
@@ -546,29 +542,14 @@ class FastPath:
                 t = fast[0]
                 s = _rq._MPI.IN_PLACE if send is recv else [send, t]
                 req = _tuning.post(self.tuner, self.comm, s, [recv, t], mop, nbytes)
-            # Spins of _SPIN Tests until done, a notice lands, or _SPIN_S passed. The deadline
-            # counts from the first spin's end: its Tests took microseconds (tens of
-            # milliseconds at worst, when every Test yields the CPU).
-            stop = None
-            while True:
-                k = _SPIN  # (a while loop on req.Test() measured faster than for/range)
-                while not req.Test():
-                    k -= 1
-                    if not k:
-                        break
-                else:
-                    if out is not None:
-                        recv[...] = out
-                    if view[0]:  # a notice landed: answer it, or fail if a peer left
-                        notices.check(index)
-                    return None
-                now = _monotonic()
-                if stop is None:
-                    deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
-                elif now >= stop:
-                    break
-                if view[0]:  # a notice goes to the slow path, which handles it
-                    break
+            # a short spin (``base.spin``); the deadline counts from its end
+            if spin(req.Test, view, min(_SPIN_S, timeout)):
+                if out is not None:
+                    recv[...] = out
+                if view[0]:  # a notice landed: answer it, or fail if a peer left
+                    notices.check(index)
+                return None
+            deadline = _monotonic() + timeout
         except _rq._MPI.Exception as exc:
             raise notices.mpi_error(exc, "allreduce", index) from None
         except BaseException:  # KeyboardInterrupt in the spin: the request may still run
@@ -617,23 +598,11 @@ class FastPath:
 
 
 def _spun(test: Callable[[], bool], view: Any, timeout: float, spin_s: float) -> float | None:
-    """``test`` in spins of ``_SPIN`` until it is true (None), or ``spin_s`` passed or a
-    notice landed (``view[0]``): then the call's deadline, ``timeout`` from the first spin's end
-    (its Tests took microseconds; tens of milliseconds at worst, when every Test yields)."""
-    stop = deadline = None
-    while True:
-        k = _SPIN  # (a while loop on Test() measured faster than for/range)
-        while not test():
-            k -= 1
-            if not k:
-                break
-        else:
-            return None
-        now = _monotonic()
-        if stop is None:
-            deadline, stop = now + timeout, now + min(spin_s, timeout)
-        elif now >= stop or view[0]:
-            return deadline
+    """None once ``test`` turned true within ``spin_s`` (``base.spin``), else the call's
+    deadline, ``timeout`` from the spin's end."""
+    if spin(test, view, min(spin_s, timeout)):
+        return None
+    return _monotonic() + timeout
 
 
 #: ops a family has requests for, in the order they are made (the same on every rank)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..base import DTYPE_CODES, Request
+from ...errors import HpcdpError
+from ..base import DTYPE_CODES, SPIN_SECONDS, Request, spin
 from . import _requests as _rq
 from ._meta import SHIFT, scan
 from ._notices import Notices
@@ -37,9 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Lane"]
 
-#: Tests between clock reads, and how long the spin lasts before the registered wait takes
-#: over: as the allreduce lane's (``_fastpath._SPIN``), for the same reasons.
-_SPIN, _SPIN_S = 16, 1e-4
+#: how long the spin lasts before the registered wait takes over (``base.SPIN_SECONDS``)
+_SPIN_S = SPIN_SECONDS
 _monotonic = time.monotonic
 _WHATS = 4096  # descriptions kept per group (tags are many; a program uses few)
 
@@ -50,7 +50,7 @@ class Lane:
     registered request still pending at its deadline (the caller turns it into a timeout)."""
 
     __slots__ = ("owner", "comm", "types", "limit", "notices", "_view", "_whats", "meta",
-                 "_tc", "alert", "testall")
+                 "_tc", "alert", "testall", "live")
 
     def __init__(self, owner: "MPIBackend", comm: Any, types: dict[np.dtype, Any],
                  notices: Notices, limit: list[int], meta: "TagMeta | None" = None) -> None:
@@ -64,6 +64,9 @@ class Lane:
         self._tc = {dt: (t, DTYPE_CODES[dt]) for dt, t in types.items()}
         #: non-zero in ``alert[0]`` once a notice landed (``take_notices``)
         self.alert = notices.view
+        #: the bare requests of ``start`` not yet completed or adopted, by id: what the exit
+        #: handler registers (``adopt_all``) so that it drains them like any other
+        self.live: dict[int, tuple[Any, ...]] = {}
         #: ``testall(requests)``: whether every request of ``start`` in the list completed
         self.testall = _rq._MPI.Request.Testall
 
@@ -187,15 +190,16 @@ class Lane:
                 if nd > 1:
                     return None
                 w = (tag << SHIFT) | (16 if nd else 0) | code
-            if send:
-                return self.comm.Isend([buf, t], peer, w)
-            return self.comm.Irecv([buf, t], peer, w)
+            req = self.comm.Isend([buf, t], peer, w) if send else self.comm.Irecv([buf, t], peer, w)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "send" if send else "recv", 0) from None
+        self.live[id(req)] = (req, buf, send, peer, tag)
+        return req
 
     def adopt(self, req: Any, buf: np.ndarray, send: bool, peer: int, tag: int) -> Request:
         """A request of ``start`` as a registered one (its buffer kept until MPI is done with
         it, a receive watching for another dtype or shape), for the general wait."""
+        self.live.pop(id(req), None)
         slow = self._registered(req, buf, "send" if send else "recv", peer, tag)
         meta = self.meta
         if not send and meta is not None:
@@ -203,6 +207,17 @@ class Lane:
             w = (tag << SHIFT) | (16 if buf.ndim else 0) | code
             slow.watch = (scan, meta, buf, t, peer, tag, w, None, None)
         return slow
+
+    def adopt_all(self) -> None:
+        """Register every request of ``start`` still held bare (a lean ``Work`` kept pending
+        to the end of the program): the exit handler then drains them with the rest."""
+        for req, buf, send, peer, tag in list(self.live.values()):
+            self.adopt(req, buf, send, peer, tag)
+
+    def failure(self, exc: Exception, send: bool) -> HpcdpError:
+        """The error of a bare request whose ``Test`` raised (MPI may have freed it: it must
+        not be tested again to find out)."""
+        return self.notices.mpi_error(exc, "send" if send else "recv", 0)
 
     def take_notices(self) -> None:
         """Take the notices that landed (``alert[0]`` non-zero) after a call completed."""
@@ -258,24 +273,12 @@ class Lane:
               tag: int, w: int = -1, j: int | None = None) -> Request | None:
         """Test ``req`` for up to ``_SPIN_S``; then the registered wait, to the deadline."""
         view = self._view
-        stop = deadline = None
-        test = req.Test
         try:
-            while True:
-                k = _SPIN  # (a while loop on Test() measured faster than for/range)
-                while not test():
-                    k -= 1
-                    if not k:
-                        break
-                else:
-                    if view[0]:  # a notice landed: take it (a finished p2p call never fails)
-                        self.notices.check(0)
-                    return None
-                now = _monotonic()
-                if stop is None:
-                    deadline, stop = now + timeout, now + min(_SPIN_S, timeout)
-                elif now >= stop or view[0]:  # a notice goes to the registered wait
-                    break
+            if spin(req.Test, view, min(_SPIN_S, timeout)):
+                if view[0]:  # a notice landed: take it (a finished p2p call never fails)
+                    self.notices.check(0)
+                return None
+            deadline = _monotonic() + timeout  # (a notice goes to the registered wait)
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, op, 0) from None
         except BaseException:  # KeyboardInterrupt in the spin: MPI may still use the buffers

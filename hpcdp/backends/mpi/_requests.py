@@ -267,6 +267,10 @@ def _at_exit() -> None:
     if _MPI is None or _MPI.Is_finalized():
         return
     try:
+        for be in list(_LIVE):  # lean point-to-point requests still held bare: drained too
+            lane = be.quick_p2p
+            if lane is not None:
+                lane.adopt_all()
         left = drain(pending_of(None), EXIT_GRACE)
         for be in {r.be for r in left}:
             first = min((r for r in left if r.be is be and r.index), key=lambda r: r.index,
