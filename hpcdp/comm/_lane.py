@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from . import debug as _debug
-from ..backends.base import Request
 from ..errors import HpcdpError
 from ..ops import ReduceOp
 from ..trace import hooks as trace
@@ -58,25 +57,46 @@ def allreduce_now(g: Any, x: Any, op: Any, out: Any, timeout: float | None) -> A
         send = x
     else:
         return None
+    t = g._timeout if timeout is None else g._timeout_of("allreduce", timeout)
+    seq = next(g._seq)
+    rec = g._rec
+    tok = rec.begin("allreduce", g, seq, x.shape, xd, -1) if rec is not None else 0
+    # ``_debug.sampled(seq)``, inlined: this lane is A2's, where a call costs what it shows
+    if g._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
+        _check_sampled(g, seq, t, tok, rop.value, x.shape, xd)
     be = g.backend
     if x.ndim == 1:
         sflat, rflat = send, out
     else:
         rflat = out.reshape(-1)
         sflat = rflat if send is out else send.reshape(-1)
-    quick = be.quick_allreduce
-    _quick(g, "allreduce", timeout, x, -1, _posted(be.allreduce) if quick is None else quick,
-           (sflat, rflat, rop), {"op": rop.value})
+    try:
+        quick = be.quick_allreduce
+        first = t if t < WATCH_AFTER else WATCH_AFTER  # then the watchdog (work.finish_wait)
+        if quick is not None:
+            req = quick(sflat, rflat, rop, first)
+        elif (req := be.allreduce(sflat, rflat, rop)).wait(first):
+            req = None
+    except HpcdpError as exc:
+        g._note_failure("allreduce", seq, f"failed ({type(exc).__name__})")
+        err = annotate(exc, work_where(g, "allreduce", seq))
+        trace.on_error(rec, tok, err)
+        raise err from exc
+    if req is not None and (err := finish_wait(g, "allreduce", seq, req, t, first)):
+        trace.on_error(rec, tok, err)
+        raise err
+    if rec is not None:
+        rec.end(tok)
     return out
 
 
-def _posted(post: Any) -> Any:
-    """A backend's nonblocking call as a lane's quick one: posted, then waited on for
-    ``first`` seconds (None once complete, else the request still pending)."""
-    def quick(*args: Any) -> Request | None:
-        req = post(*args[:-1])
-        return None if req.wait(args[-1]) else req
-    return quick
+def _check_sampled(g: Any, seq: int, t: float, tok: int, op: str, shape: Any, dtype: Any) -> None:
+    """The lane's sampled check (``comm.debug``), failing its flight-record entry."""
+    try:
+        _debug.check_sampled(g, "allreduce", seq, t, op=op, shape=shape, dtype=dtype)
+    except HpcdpError as exc:
+        trace.on_error(g._rec, tok, exc)
+        raise
 
 
 def all_gather_now(g: Any, x: Any, out: Any, timeout: float | None) -> Any:
@@ -124,7 +144,6 @@ def _quick(g: Any, op: str, timeout: float | None, x: np.ndarray, peer: int,
     seq = next(g._seq)
     rec = g._rec
     tok = rec.begin(op, g, seq, x.shape, x.dtype, peer) if rec is not None else 0
-    # ``_debug.sampled(seq)``, inlined: A2's lane, where a call costs what it shows
     if g._sample and (seq <= _debug.SAMPLE_FIRST or not seq & _debug.SAMPLE_MASK):
         try:
             _debug.check_sampled(g, op, seq, t, **call, shape=x.shape, dtype=x.dtype)
