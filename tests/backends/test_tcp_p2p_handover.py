@@ -131,10 +131,14 @@ def test_a_ping_pong_keeps_the_socket_through_its_sends() -> None:
         reader.join(10.0)
         assert peer.linger_until == 0.0  # nobody was reading directly: nothing to extend
 
+        # The background receiver must not take the next message before the receive is
+        # posted (under load it did, and nothing was read on this thread): keep it parked, as
+        # a recent direct read would, until a moment after; the direct read then sets its own.
+        parked = peer.linger_until = time.monotonic() + 1.0
         _send(raw, 1, b"x" * 16)
         head = np.zeros(16, np.uint8)
         assert t.irecv(head, 1, P2P, CH, 1, "head").wait(10.0)  # read on this thread
-        assert peer.linger_until > 0.0
+        assert 0.0 < peer.linger_until < parked  # (set by the direct read: now + LINGER)
         reader = threading.Thread(target=slow_reader)
         reader.start()
         t0 = time.monotonic()
