@@ -73,25 +73,17 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[Work]:
             (recvs if o.op == "irecv" else sends).append(i)
         works: list[Any] = [None] * len(ops)
         default = None  # looked up once, not per op
-        last: Any = None  # the group of the op before, and its calls
         post: Any = None
-        for i in recvs:  # the receives, then the sends
-            o = ops[i]
-            g = o.group
-            if g is None:
-                g = default = default if default is not None else get_default_group()
-            if g is not last:
-                last, post = g, g.irecv
-            works[i] = post(o.buf, o.peer, o.tag)
-        last = None
-        for i in sends:
-            o = ops[i]
-            g = o.group
-            if g is None:
-                g = default = default if default is not None else get_default_group()
-            if g is not last:
-                last, post = g, g.isend
-            works[i] = post(o.buf, o.peer, o.tag)
+        for which, call in ((recvs, "irecv"), (sends, "isend")):  # the receives, then the sends
+            last: Any = None  # the group of the op before, whose ``call`` is ``post``
+            for i in which:
+                o = ops[i]
+                g = o.group
+                if g is None:
+                    g = default = default if default is not None else get_default_group()
+                if g is not last:
+                    last, post = g, getattr(g, call)
+                works[i] = post(o.buf, o.peer, o.tag)
         return works
     except HpcdpError as exc:
         raise public_error(exc)  # noqa: B904 - exc is its __context__
