@@ -45,6 +45,7 @@ PINS := \
   scipy==1.17.1 \
   tqdm==4.70.1 \
   crc32c==2.9.post0 \
+  xxhash==4.1.0 \
   msgpack==1.2.4 \
   matplotlib==3.11.2
 H5PY_VERSION := $(patsubst h5py==%,%,$(filter h5py==%,$(PINS)))

@@ -14,8 +14,9 @@ attribute ``hpcdp_type`` says "list" or "tuple"; any other list or tuple is a gr
 "0", "1", ... with that attribute; scalars are attributes of their group, strings variable-length
 UTF-8, ``None`` an attribute with an empty (null) dataspace, which h5py reads as ``h5py.Empty``;
 the manifest is one fixed-length UTF-8 string (its stored size is checked before it is read).
-Format 1 (a group of attributes per list, ``None`` as the string 'None', the manifest as uint8
-bytes) still loads. hpcdp loads every value from the manifest and the checksummed datasets; the
+Format 3 keeps format 2's layout and checksums each slab with XXH3-64 (``CHECKSUMS``), under
+the slab's key "checksum"; format 2 (CRC32C under "crc32") and format 1 (a group of attributes
+per list, ``None`` as the string 'None', the manifest as uint8 bytes) still load. hpcdp loads every value from the manifest and the checksummed datasets; the
 attributes are for people.
 """
 from __future__ import annotations
@@ -31,15 +32,21 @@ from .._arrays import is_cupy
 from ..errors import CheckpointError
 
 __all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
-           "encode_manifest", "storage_dtype", "type_note", "checksum_of", "checksum_fn",
-           "default_checksum", "SEQ_DTYPES", "seq_value", "h5_attrs",
+           "encode_manifest", "storage_dtype", "type_note", "checksum_of", "new_checksum", "feed",
+           "default_checksum", "slab_sum_key", "SEQ_DTYPES", "seq_value", "h5_attrs",
            "BF16_META", "rank_file", "vds_name"]
 
 MANIFEST = "_hpcdp_manifest"
 MANIFEST_CRC_ATTR = "crc32"
 FORMAT = "hpcdp-checkpoint"
-#: 2: numeric lists as datasets, None as an empty attribute, the manifest as a UTF-8 string
-FORMAT_VERSION = 2
+#: 2: numeric lists as datasets, None as an empty attribute, the manifest as a UTF-8 string;
+#: 3: a slab's checksum under "checksum" (it was "crc32"), XXH3-64 by default
+FORMAT_VERSION = 3
+
+
+def slab_sum_key(version: int) -> str:
+    """The key of a slab's checksum in a manifest of format ``version``."""
+    return "checksum" if version >= 3 else "crc32"
 #: a list or tuple of only these Python types (and at least one) is stored as one dataset
 SEQ_DTYPES = {"int": "<i8", "float": "<f8", "bool": "|b1"}
 #: numpy dtype metadata that marks a uint16 array as raw bfloat16 bits (when ml_dtypes is absent)
@@ -151,47 +158,83 @@ def as_storage(a: np.ndarray) -> np.ndarray:
     return a.view(np.dtype("<u2")) if type_note(a.dtype) == "bfloat16" else a
 
 
-def _crc32c(data: Any, value: int = 0) -> int:
+class _RunningCrc:
+    """A CRC computed as ``fn(bytes, running_value)``, with a hasher's ``update``/``intdigest``."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn: Callable[[Any, int], int]) -> None:
+        self._fn, self._value = fn, 0
+
+    def update(self, data: Any) -> None:
+        self._value = self._fn(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+def _xxh3_64() -> Any:
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
+def _crc32c() -> Any:
     import crc32c
 
-    return crc32c.crc32c(data, value)
+    return _RunningCrc(crc32c.crc32c)
 
 
-#: Slab checksums by the name the manifest records, as ``fn(bytes, running_value) -> value`` so a
-#: slab can be checked in pieces. CRC32C (the iSCSI/ext4 polynomial) runs in hardware through
-#: the ``crc32c`` package at ~20 GB/s here, against ~2.3 GB/s for zlib's CRC32; that gap is the
-#: difference between a checksum that bounds load throughput and one that does not. Files
-#: written with "crc32" still load.
-CHECKSUMS: dict[str, Callable[[Any, int], int]] = {"crc32c": _crc32c, "crc32": zlib.crc32}
+#: Slab checksums by the name the manifest records: (a new hasher with ``update(bytes)`` and
+#: ``intdigest()``, so a slab is checked piece by piece as it is read; the digest's bits). They
+#: detect corruption (a flipped bit, a torn write), not forgery, which no checksum stored beside
+#: the data could. XXH3-64 (the ``xxhash`` package, format 3 on) runs at about 3x the CPU's
+#: CRC32C instruction on data in cache, where the reader checks each piece straight after
+#: reading it: a load from the page cache is a memory copy plus this, so the checksum's speed
+#: is a fixed share of it (PERF.md G2). CRC32C (formats 1-2) and zlib's CRC32 still load.
+CHECKSUMS: dict[str, tuple[Callable[[], Any], int]] = {
+    "xxh3_64": (_xxh3_64, 64),
+    "crc32c": (_crc32c, 32),
+    "crc32": (lambda: _RunningCrc(zlib.crc32), 32),
+}
+#: what ``save`` writes, best first: the first whose package imports
+_PREFERRED = ("xxh3_64", "crc32c", "crc32")
 
 
 def default_checksum() -> str:
-    try:
-        import crc32c  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "crc32c"
+    for name in _PREFERRED:
+        try:
+            CHECKSUMS[name][0]()
+        except ImportError:
+            continue
+        return name
+    return "crc32"
 
 
-def checksum_fn(algorithm: str) -> Callable[[Any, int], int]:
-    """``fn(bytes, running_value) -> value`` of the checksum ``algorithm`` (from CHECKSUMS)."""
+def new_checksum(algorithm: str) -> Any:
+    """A fresh hasher of ``algorithm`` (from CHECKSUMS): ``update(bytes)``, ``intdigest()``."""
     try:
-        fn = CHECKSUMS[algorithm]
+        make = CHECKSUMS[algorithm][0]
     except KeyError:
         raise CheckpointError(f"unknown checksum {algorithm!r} in the manifest") from None
-    if fn is _crc32c:
-        import crc32c
+    try:
+        return make()
+    except ImportError as exc:
+        raise CheckpointError(f"the checkpoint's {algorithm} checksums need the {exc.name} "
+                              "package (pip install hpcdp pulls it in)") from None
 
-        return crc32c.crc32c
-    return fn
+
+def feed(h: Any, a: np.ndarray) -> None:
+    """Add the array's bytes in C order to the hasher ``h``."""
+    if a.size:
+        h.update(np.require(a, requirements="C").reshape(-1).view(np.uint8))
 
 
-def checksum_of(a: np.ndarray, algorithm: str = "crc32", value: int = 0) -> int:
-    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order, continuing from
-    ``value`` (the checksum of the bytes before them)."""
-    fn = checksum_fn(algorithm)
-    a = np.require(a, requirements="C")
-    return fn(a.reshape(-1).view(np.uint8), value) if a.size else value
+def checksum_of(a: np.ndarray, algorithm: str = "crc32") -> int:
+    """Checksum (``algorithm`` from CHECKSUMS) of the array's bytes in C order."""
+    h = new_checksum(algorithm)
+    feed(h, a)
+    return int(h.intdigest())
 
 
 # -- state <-> tree -----------------------------------------------------------------------------

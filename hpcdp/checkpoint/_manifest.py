@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from ._format import CHECKSUMS, FORMAT, FORMAT_VERSION, MANIFEST, SEQ_DTYPES
+from ._format import CHECKSUMS, FORMAT, FORMAT_VERSION, MANIFEST, SEQ_DTYPES, slab_sum_key
 
 __all__ = ["decode_manifest", "validate_manifest", "RANK_FILE_RE", "MAX_DEPTH", "MAX_AXES",
            "tiling_problem"]
@@ -137,7 +137,7 @@ def tiling_problem(shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tu
     return None if volume == total else f"the slabs cover {volume} of {total} elements"
 
 
-def _dataset(path: Any, d: Any, world: int) -> None:
+def _dataset(path: Any, d: Any, world: int, key: str, bits: int) -> None:
     where = f"datasets[{path!r}]"
     if not isinstance(path, str) or not path or path.startswith(("/", MANIFEST)) \
             or any(p in ("", ".", "..") for p in path.split("/")):
@@ -159,17 +159,17 @@ def _dataset(path: Any, d: Any, world: int) -> None:
         sw = f"{where}.slabs[{i}]"
         if not isinstance(s, dict):
             raise _Invalid(f"{sw} must be a JSON object, got a JSON {_json_type(s)}")
-        for key in ("rank", "offsets", "shape", "crc32"):
-            if key not in s:
-                raise _Invalid(f"{sw} lacks {key!r}")
-        r, crc = s["rank"], s["crc32"]
+        for k in ("rank", "offsets", "shape", key):
+            if k not in s:
+                raise _Invalid(f"{sw} lacks {k!r}")
+        r, crc = s["rank"], s[key]
         if not _is_int(r) or not 0 <= r < world:
             raise _Invalid(f"{sw}.rank {_show(r)} is not a rank of the world of {world} that saved it")
         if r in ranks:
             raise _Invalid(f"{where} has two slabs of rank {r} (each rank writes one)")
         ranks.add(r)
-        if not _is_int(crc) or not 0 <= crc < 2**32:
-            raise _Invalid(f"{sw}.crc32 {_show(crc)} is not a 32-bit checksum")
+        if not _is_int(crc) or not 0 <= crc < 2**bits:
+            raise _Invalid(f"{sw}.{key} {_show(crc)} is not a {bits}-bit checksum")
         boxes.append((_ints(s["offsets"], f"{sw}.offsets", len(shape)),
                       _ints(s["shape"], f"{sw}.shape", len(shape))))
     problem = tiling_problem(shape, boxes)
@@ -271,8 +271,10 @@ def validate_manifest(m: Any, where: str) -> dict:
             raise _Invalid(f"manifest['world_size'] {world} is not a world size")
         if _field(m, "mode", "manifest", str) not in ("mpio", "vds"):
             raise _Invalid(f"manifest['mode'] {m['mode']!r} is not 'mpio' or 'vds'")
-        if _field(m, "checksum", "manifest", str) not in CHECKSUMS:
-            raise _Invalid(f"manifest['checksum'] {m['checksum']!r} is not one of {sorted(CHECKSUMS)}")
+        algo = _field(m, "checksum", "manifest", str)
+        if algo not in CHECKSUMS:
+            raise _Invalid(f"manifest['checksum'] {algo!r} is not one of {sorted(CHECKSUMS)}")
+        key, bits = slab_sum_key(version), CHECKSUMS[algo][1]
         files = _field(m, "files", "manifest", list)
         for name in files:
             if not isinstance(name, str) or not RANK_FILE_RE.fullmatch(name):
@@ -282,7 +284,7 @@ def validate_manifest(m: Any, where: str) -> dict:
             raise _Invalid("manifest['files'] names a file twice")
         datasets = _field(m, "datasets", "manifest", dict)
         for path, d in datasets.items():
-            _dataset(path, d, world)
+            _dataset(path, d, world, key, bits)
         if "tree" not in m:
             raise _Invalid("manifest lacks 'tree'")
         _tree(m["tree"], datasets)

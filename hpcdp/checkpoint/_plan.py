@@ -31,8 +31,9 @@ class Slab:
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
 
-    def as_json(self, crc: int) -> dict:
-        return {"rank": self.rank, "offsets": list(self.offsets), "shape": list(self.shape), "crc32": crc}
+    def as_json(self, checksum: int) -> dict:
+        return {"rank": self.rank, "offsets": list(self.offsets), "shape": list(self.shape),
+                "checksum": checksum}
 
 
 @dataclass(frozen=True)

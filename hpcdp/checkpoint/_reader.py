@@ -31,8 +31,8 @@ from .._arrays import is_cupy
 from ..errors import CheckpointError, HpcdpError
 from ._commit import DATA, recover
 from ._format import (
-    Shard, checksum_fn, checksum_of, memory_dtype, scalar_value, seq_value, storage_dtype, type_note,
-    unflatten,
+    Shard, feed, memory_dtype, new_checksum, scalar_value, seq_value, slab_sum_key, storage_dtype,
+    type_note, unflatten,
 )
 from ._group import resolve as resolve_group
 from ._h5util import flat_index, pread_into, raw_place, read_into, read_slab
@@ -103,6 +103,11 @@ class _Reader:
         self.f, self.fn, self.where = f, fn, f"load {fn}"
         self.m = read_manifest(f, self.where)
         self.algo = self.m["checksum"]
+        self.sum_key = slab_sum_key(self.m["format_version"])
+        try:  # a package the checksum needs is missing: said before anything is read
+            new_checksum(self.algo)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{self.where}: {exc}") from None
         self.pieces = survey(f, fn, self.m)
         self._rank_files: OrderedDict[str, Any] = OrderedDict()
 
@@ -137,20 +142,23 @@ class _Reader:
             hi = tuple(min(a + n, b + k) for a, n, b, k in zip(so, ss, offsets, shape))
             if any(l >= h for l, h in zip(lo, hi)):
                 continue  # this slab does not meet the region
+            h = new_checksum(self.algo)
             try:
-                crc = self._slab(self._dataset(p), p, out, offsets, lo, hi)
+                self._slab(self._dataset(p), p, out, offsets, lo, hi, h)
             except CheckpointError:
                 raise
             except (OSError, ValueError, TypeError, RuntimeError, KeyError) as exc:
                 raise CheckpointError(f"{self.where}: dataset {path!r} cannot be read (truncated?): "
                                       f"{exc}") from None
-            if crc != p.slab["crc32"]:
+            if h.intdigest() != p.slab[self.sum_key]:
                 raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {ss} at {so} fails "
                                       f"its {self.algo.upper()} checksum (corrupt data)")
         return out
 
-    def _slab(self, d: Any, p: Piece, out: np.ndarray, offsets: tuple, lo: tuple, hi: tuple) -> int:
-        """Read slab ``p`` from ``d``, put its part in [lo, hi) into ``out``; its checksum."""
+    def _slab(self, d: Any, p: Piece, out: np.ndarray, offsets: tuple, lo: tuple, hi: tuple,
+              h: Any) -> None:
+        """Read slab ``p`` from ``d``, put its part in [lo, hi) into ``out``, every byte of the
+        slab fed to the hasher ``h`` in order."""
         so, ss = tuple(p.slab["offsets"]), tuple(p.slab["shape"])
         item = out.dtype.itemsize
         blocks = _blocks(ss, item, READ_BLOCK_BYTES)
@@ -159,43 +167,41 @@ class _Reader:
             # the whole slab is wanted: read it in place, checksummed as it arrives or after
             rel = tuple(a - b for a, b in zip(so, offsets))
             if raw is not None and (view := out[_box(rel, ss)]).flags.c_contiguous:
-                return self._read_checked(raw[0], raw[1], view, 0)
+                self._read_checked(raw[0], raw[1], view, h)
+                return
             read_into(d, out, rel, p.at, ss)
             view = out[_box(rel, ss)]  # after the read: a 0-d array indexed thus is a copy
             if view.flags.c_contiguous:
-                return checksum_of(view, self.algo)
-            crc = 0
+                feed(h, view)
+                return
             for bo, bs in blocks:
-                crc = checksum_of(view[_box(bo, bs)], self.algo, crc)
-            return crc
-        crc = 0
+                feed(h, view[_box(bo, bs)])
+            return
         for bo, bs in blocks:  # only part is wanted: never hold the whole slab
             buf = np.empty(bs, out.dtype)
             if raw is not None:  # the slab is one run of bytes: so is each C-order block of it
-                crc = self._read_checked(raw[0], raw[1] + flat_index(bo, ss) * item, buf, crc)
+                self._read_checked(raw[0], raw[1] + flat_index(bo, ss) * item, buf, h)
             else:
                 read_slab(d, buf, tuple(a + b for a, b in zip(p.at, bo)))
-                crc = checksum_of(buf, self.algo, crc)
+                feed(h, buf)
             g0 = tuple(a + b for a, b in zip(so, bo))
             blo = tuple(max(g, l) for g, l in zip(g0, lo))
-            bhi = tuple(min(g + n, h) for g, n, h in zip(g0, bs, hi))
-            if all(l < h for l, h in zip(blo, bhi)):
-                out[tuple(slice(l - o, h - o) for l, h, o in zip(blo, bhi, offsets))] = \
-                    buf[tuple(slice(l - g, h - g) for l, h, g in zip(blo, bhi, g0))]
-        return crc
+            bhi = tuple(min(g + n, k) for g, n, k in zip(g0, bs, hi))
+            if all(l < e for l, e in zip(blo, bhi)):
+                out[tuple(slice(l - o, e - o) for l, e, o in zip(blo, bhi, offsets))] = \
+                    buf[tuple(slice(l - g, e - g) for l, e, g in zip(blo, bhi, g0))]
 
-    def _read_checked(self, fd: int, offset: int, dest: np.ndarray, crc: int) -> int:
-        """Read the file's bytes at ``offset`` into the C-contiguous ``dest``; the checksum of
-        them, continuing ``crc``. Each piece is checksummed straight after its read, from cache."""
+    def _read_checked(self, fd: int, offset: int, dest: np.ndarray, h: Any) -> None:
+        """Read the file's bytes at ``offset`` into the C-contiguous ``dest``, feeding them to
+        the hasher ``h``: each piece straight after its read, from cache."""
         if not dest.flags.c_contiguous:  # a reshape would copy: the bytes would miss ``dest``
             raise ValueError("_read_checked: dest must be C-contiguous")
         flat = dest.reshape(-1).view(np.uint8)
-        fn = checksum_fn(self.algo)
+        update = h.update
         for a in range(0, flat.size, RAW_BLOCK_BYTES):
             piece = flat[a:a + RAW_BLOCK_BYTES]
             pread_into(fd, piece, offset + a)
-            crc = fn(piece, crc)
-        return crc
+            update(piece)
 
     # -- the state ---------------------------------------------------------------------------
     def _check_dtype(self, path: str, meta: dict, dtype: Any) -> None:

@@ -253,7 +253,7 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
     if len(modes) != 1:
         raise CheckpointError(f"save {final!r}: ranks chose different modes {[g[2] for g in got]}")
     tree0 = got[0][3]
-    algo = got[0][4]  # rank 0's checksum, so a rank without the crc32c package still agrees
+    algo = got[0][4]  # rank 0's checksum, so a rank without the xxhash package still agrees
     plans = make_plan(all_specs[0], [g[1] for g in got], size)  # raises alike on every rank
 
     # 3. temporary directory

@@ -22,6 +22,7 @@ import hpcdp
 from hpcdp.testing import run_ranks
 from hpcdp.testing.fixtures import World, worlds
 from hpcdp.checkpoint import Shard, load, save
+from hpcdp.checkpoint._format import FORMAT_VERSION
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
@@ -202,7 +203,7 @@ def test_layout_of_lists_none_and_strings(tmp_path) -> None:
         m = f["_hpcdp_manifest"]
         assert m.shape == () and m.id.get_type().get_cset() == h5py.h5t.CSET_UTF8
         text = m.asstr()[()]
-        assert isinstance(text, str) and json.loads(text)["format_version"] == 2
+        assert isinstance(text, str) and json.loads(text)["format_version"] == FORMAT_VERSION
         import zlib
 
         assert zlib.crc32(text.encode()) == int(m.attrs["crc32"])
@@ -265,21 +266,28 @@ def _body_load_v1(rank: int, path: str) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("name", ["v1-vds-2", "v1-mpio-2"])
-def test_format_1_checkpoints_still_load(name: str, n: int, tmp_path) -> None:
+@pytest.mark.parametrize("name", ["v1-vds-2", "v1-mpio-2", "v2-vds-2", "v2-mpio-2"])
+def test_older_format_checkpoints_still_load(name: str, n: int, tmp_path) -> None:
+    """Files of formats 1 and 2 (data/README.md) load with the current code."""
     path = str(tmp_path / "ck" / name)
     shutil.copytree(os.path.join(DATA_DIR, name), path)
     with h5py.File(os.path.join(path, "data.h5"), "r") as f:    # it really is the old layout
-        assert f["_hpcdp_manifest"].dtype == np.uint8 and f.attrs["best"] == "None"
-        assert isinstance(f["loss"], h5py.Group)
-        assert json.loads(f["_hpcdp_manifest"][...].tobytes())["format_version"] == 1
+        if name.startswith("v1"):
+            assert f["_hpcdp_manifest"].dtype == np.uint8 and f.attrs["best"] == "None"
+            assert isinstance(f["loss"], h5py.Group)
+            assert json.loads(f["_hpcdp_manifest"][...].tobytes())["format_version"] == 1
+        else:   # format 2: CRC32C slab checksums under "crc32"
+            m = json.loads(f["_hpcdp_manifest"].asstr()[()])
+            assert m["format_version"] == 2 and m["checksum"] == "crc32c"
+            assert all("crc32" in s and "checksum" not in s
+                       for d in m["datasets"].values() for s in d["slabs"])
     out = run_ranks("sim", n, _body_load_v1, path)
     assert out == [[]] * n, out
 
 
-def test_format_1_fixtures_stay_small() -> None:
+def test_older_format_fixtures_stay_small() -> None:
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(DATA_DIR) for f in fs)
-    assert total < 50 << 10, total
+    assert total < 100 << 10, total
 
 
 def test_like_against_a_stored_list(tmp_path) -> None:

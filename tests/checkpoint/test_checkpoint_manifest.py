@@ -122,3 +122,62 @@ def test_the_unmutated_forgery_loads(tmp_path) -> None:
     """The forging helpers make a valid checkpoint: every refusal above is the mutation's doing."""
     ck = forge(str(tmp_path / "step-1"), plain_w, good_manifest())
     assert load(ck)["w"].tolist() == DATA.tolist()
+
+
+# -- format 3: a slab's checksum under "checksum", XXH3-64 (64 bits) by default ----------------
+def _format3(algo: str = "xxh3_64") -> dict:
+    """``good_manifest()`` as format 3 writes it, checksummed with ``algo``."""
+    from hpcdp.checkpoint._format import checksum_of
+
+    m = copy.deepcopy(good_manifest())
+    m["format_version"], m["checksum"] = 3, algo
+    for s in m["datasets"]["w"]["slabs"]:
+        del s["crc32"]
+        s["checksum"] = checksum_of(DATA, algo)
+    return m
+
+
+def test_format_3_forgery_loads_with_each_checksum(tmp_path) -> None:
+    for algo in ("xxh3_64", "crc32c", "crc32"):
+        ck = forge(str(tmp_path / algo), plain_w, _format3(algo))
+        assert load(ck)["w"].tolist() == DATA.tolist(), algo
+    # a digest over 32 bits: XXH3-64's own, which a 32-bit field could not hold
+    assert _format3()["datasets"]["w"]["slabs"][0]["checksum"] >= 2**32
+
+
+FORMAT3 = {
+    "old-key": (lambda m: _set(("datasets", "w", "slabs"), [{"rank": 0, "offsets": [0], "shape": [16],
+                                                              "crc32": 0}])(m), "lacks 'checksum'"),
+    "over-64-bits": (_set(("datasets", "w", "slabs", 0, "checksum"), 2**64), "64-bit"),
+    "negative": (_set(("datasets", "w", "slabs", 0, "checksum"), -1), "64-bit"),
+    "crc-over-32-bits": (lambda m: _set(("datasets", "w", "slabs", 0, "checksum"), 2**32)(
+        _set(("checksum",), "crc32c")(m)), "32-bit"),
+}
+
+
+@pytest.mark.parametrize("case", list(FORMAT3))
+def test_format_3_slab_checksums_are_validated(case: str, tmp_path) -> None:
+    mutate, why = FORMAT3[case]
+    msg = load_error(forge(str(tmp_path / "step-1"), plain_w, mutate(_format3())))
+    assert "manifest" in msg and why in msg, msg
+
+
+def test_a_wrong_xxh3_checksum_is_corruption(tmp_path) -> None:
+    m = _format3()
+    m["datasets"]["w"]["slabs"][0]["checksum"] ^= 1 << 40   # a bit a 32-bit check never sees
+    msg = load_error(forge(str(tmp_path / "step-1"), plain_w, m))
+    assert "XXH3_64 checksum" in msg and "corrupt" in msg, msg
+
+
+def test_a_checksum_whose_package_is_missing_says_so(tmp_path, monkeypatch) -> None:
+    from hpcdp.checkpoint import _format
+
+    def missing() -> None:
+        raise ImportError("No module named 'xxhash'", name="xxhash")
+
+    ck = forge(str(tmp_path / "step-1"), plain_w, _format3())
+    monkeypatch.setitem(_format.CHECKSUMS, "xxh3_64", (missing, 64))
+    msg = load_error(ck)
+    assert "xxhash package" in msg and msg.startswith("load "), msg
+    # and save falls back to the next checksum instead of failing
+    assert _format.default_checksum() == "crc32c"

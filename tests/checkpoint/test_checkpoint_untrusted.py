@@ -29,7 +29,7 @@ from ckpt_bodies import (
 from hpcdp.testing import run_ranks
 from hpcdp.testing.fixtures import World, worlds
 from hpcdp.checkpoint import Shard, load, save
-from hpcdp.checkpoint._format import FORMAT, MANIFEST
+from hpcdp.checkpoint._format import FORMAT, FORMAT_VERSION, MANIFEST
 
 SECRET = bytes(range(48, 80)) * 2          # what an attacker wants to read (64 bytes)
 N = len(SECRET)
@@ -451,8 +451,9 @@ def test_a_bogus_hpcdp_type_attribute_is_only_a_label(tmp_path) -> None:
 
 
 def test_a_newer_format_is_refused(tmp_path) -> None:
-    msg = load_error(forge_text(str(tmp_path / "step-1"), _loss, seq_manifest(version=3)))
-    assert "format version 3" in msg and "newer" in msg, msg
+    newer = FORMAT_VERSION + 1
+    msg = load_error(forge_text(str(tmp_path / "step-1"), _loss, seq_manifest(version=newer)))
+    assert f"format version {newer}" in msg and "newer" in msg, msg
 
 
 TEXT_CASES = {
