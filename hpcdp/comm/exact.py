@@ -46,7 +46,8 @@ __all__ = ["FORMATS", "NONFINITE", "POS_ZERO", "NEG_ZERO", "codes", "codes32", "
            "to_limbs", "round_limbs", "float_width", "float_layout", "split2", "combine2", "apply_specials",
            "special_counts",
            "BLOCKS", "block_codes", "block_layout", "split_blocks", "one_addition",
-           "block_plan", "tail_positions", "round_blocks"]
+           "block_plan", "tail_positions", "round_blocks", "uniform_grid", "round_uniform",
+           "quick_plan"]
 
 #: (significand bits, exponent of the smallest subnormal) of each float dtype summed exactly
 FORMATS: dict[np.dtype, tuple[int, int]] = {
@@ -339,15 +340,16 @@ def block_codes(rows: Any, xp: Any, nb: int, out: Any) -> bool:
     body = ab[:, :k].reshape(m, k // nb, nb)
     big = xp.empty(nb + 1, dtype=utype)
     small = xp.empty(nb + 1, dtype=utype)
+    tail = k < n and m > 0                    # (no tail: its codes are those of no value)
     body.max(axis=(0, 1), initial=0, out=big[:nb])
-    big[nb] = ab[:, k:].max(initial=0)
+    big[nb] = ab[:, k:].max() if tail else 0
     body.min(axis=(0, 1), initial=top, out=small[:nb])
-    small[nb] = ab[:, k:].min(initial=top)
+    small[nb] = ab[:, k:].min() if tail else top
     zeros = m > 0 and int(small.min()) == 0
     if zeros:
         xp.subtract(ab, utype(1), out=ab)
         body.min(axis=(0, 1), initial=top, out=small[:nb])
-        small[nb] = ab[:, k:].min(initial=top)
+        small[nb] = ab[:, k:].min() if tail else top
         xp.add(small, utype(1), out=small)        # back: 0 where no value was nonzero
     xp.right_shift(big, utype(shift), out=big)
     out[0] = big
@@ -466,6 +468,135 @@ def one_addition(code: Any, summands: int, dtype: Any) -> bool:
     ``dtype``, in either order, is already the exact sum correctly rounded (IEEE rounds every
     operation correctly; -0 + -0 = -0, anything else that cancels +0)."""
     return summands <= 2 and int(code[0].max(initial=0)) < _BITS[np.dtype(dtype)][2] - 1
+
+
+def uniform_grid(code: Any, summands: int, dtype: Any, xp: Any, layout: int,
+                 skip: Any = None) -> tuple[float, Any]:
+    """(s, fix): one constant ``s``, the largest sigma of a :func:`block_plan` of ``layout``
+    (2 or 3; its coarsest grid), that rounds every block's values to a grid the layout's bounds
+    still hold on, except the blocks in ``fix`` (bool, ``nb + 1``), which keep their own sigma;
+    blocks in ``skip`` (the plan's tail) are never in ``fix``. From the reduced
+    :func:`block_codes`: the same on every rank.
+
+    Why one constant: rounding with a scalar is a plain streaming operation, with one sigma per
+    block a broadcast that costs about twice as much per pass. A grid ``2**g`` coarser than a
+    block's own keeps the hi parts exact (still at most the layout's bits under ``2**E`` of the
+    largest block, whose grid it is) and grows the lo to ``|lo| <= 2**(g - 1)``, whose sums stay
+    exact while ``g - 1 - low <= w'`` for the block's lowest bit ``low`` (:func:`_block_grid`):
+    only blocks holding a value far below the range's largest break that, and they are the
+    ``fix``; compared on the codes directly (``low < T`` is ``code[1] > ones - T``)."""
+    _, _, ones, top_bias, low_bias, _, _ = _BITS[np.dtype(dtype)]
+    wp = float_width(summands)
+    w, floor = (wp - 29, -149) if layout == 3 else (min(wp, 51), -1074)
+    e_max = max(int(code[0].max(initial=0)), 1) - top_bias
+    g = max(e_max - w, floor)
+    limit = g - 1 - wp + low_bias          # fix: max(ones - code[1], 1) < limit
+    if limit <= 1:
+        fix = xp.zeros(code.shape[1], dtype=bool)
+    else:
+        fix = code[1] > ones - limit
+        if skip is not None:
+            fix &= ~skip
+    return math.ldexp(1.5, g + 52), fix
+
+
+def quick_plan(code: Any, summands: int, dtype: Any, xp: Any, n: int) -> tuple[Any, ...] | None:
+    """:func:`block_plan`'s choice for the common ranges, from a few reductions of the codes
+    instead of its per-block arithmetic: ``(layout, s, fix, sigma, tail, sigma2)``, or None
+    for the others (then :func:`block_plan`). The same choice :func:`block_plan` makes there,
+    on every rank.
+
+    ``(1, 0.0, None, None, None, None)`` when every block fits one float64 (the range's largest
+    exponent against its lowest last bit). ``(3, s, fix, sigma, tail, sigma2)`` when more than
+    half the elements need two parts: a float32 hi and a float64 lo, rounded on the one grid of
+    :func:`uniform_grid` (``s``) but for the few blocks ``fix`` (None: none), whose own
+    constants are ``sigma`` at their places; of those, the ones too deep for the layout even on
+    their own grid travel as two float64 halves in a ``tail`` (None: none; their constants
+    ``sigma2``), as in :func:`block_plan`."""
+    _, _, ones, top_bias, low_bias, _, _ = _BITS[np.dtype(dtype)]
+    nb = code.shape[1] - 1
+    per_block = n // nb
+    tail_len = n - per_block * nb
+    real = code if tail_len else code[:, :nb]      # (an empty tail block: no codes)
+    c0, c1 = real[0], real[1]
+    top, c1_max = int(c0.max(initial=0)), int(c1.max(initial=-1))
+    if top >= ones or int(c0.min(initial=ones)) < 1 or c1_max >= ones:
+        return None    # inf/NaN, a block of zeros and subnormals or a subnormal: the general rule
+    wp = float_width(summands)
+    # depth = e - low = (c0 - top_bias) - (ones - c1 - low_bias), no clamp applying here
+    shift = top_bias + ones - low_bias
+    if top + c1_max - shift <= wp:
+        return 1, 0.0, None, None, None, None
+    wp32 = wp - 29
+    e_max = top - top_bias
+    if wp32 <= 0 or e_max > 127 - (24 - wp32):
+        return None
+
+    def elements(blocks: Any) -> int:   # of a sorted array of block numbers
+        k = blocks.shape[0]
+        if k and int(blocks[-1]) == nb:
+            return per_block * (k - 1) + tail_len
+        return per_block * k
+
+    wide = xp.flatnonzero((code[0] + code[1]) > (wp + shift))   # int16: at most 2 * 2047
+    g = max(e_max - wp32, -149)
+    s = math.ldexp(1.5, g + 52)
+    limit = g - 1 - wp + low_bias                  # uniform_grid's fix: code[1] > ones - limit
+    if limit <= ones - c1_max:
+        if 2 * elements(wide) < n:                 # block_plan: values, the wide blocks as a tail
+            return None
+        return 3, s, None, None, None, None
+    fix = code[1] > ones - limit
+    idx = xp.flatnonzero(fix)
+    if idx.shape[0] > max(4, nb // 16):
+        return None
+    # each on its own grid (block_plan's): deeper than the layout holds there, it is a tail of
+    # two halves, which must hold it (else block_plan: the per-element method)
+    e_own = code[0][idx].astype(np.int32) - top_bias
+    g_own = xp.maximum(e_own - wp32, -149)
+    low = ones - code[1][idx].astype(np.int32) - low_bias
+    sigma = xp.zeros(nb + 1)
+    sigma[idx] = xp.ldexp(1.5, g_own + 52)
+    deep = (g_own - 1 - low) > wp
+    if not bool(deep.any()):
+        if 2 * elements(wide) < n:
+            return None
+        return 3, s, fix, sigma, None, None
+    g2 = xp.maximum(e_own[deep] - min(wp, 51), -1074)
+    if bool(((g2 - 1 - low[deep]) > wp).any()):
+        return None
+    n3 = elements(idx[deep])
+    cost3 = 12 * n + 8 * n3                        # block_plan's costs: layout 3 with a tail,
+    if cost3 >= 16 * n or 8 * n + 8 * elements(wide) < cost3:   # two halves, values + tail
+        return None
+    tail = xp.zeros(nb + 1, dtype=bool)
+    tail[idx[deep]] = True
+    sigma2 = xp.zeros(nb + 1)
+    sigma2[idx[deep]] = xp.ldexp(1.5, g2 + 52)
+    fix &= ~tail
+    return 3, s, (fix if bool(fix.any()) else None), sigma, tail, sigma2
+
+
+def round_uniform(rows: Any, s: float, sigma: Any, fix: Any, nb: int, xp: Any, out: Any) -> None:
+    """:func:`round_blocks` with the constant ``s`` of :func:`uniform_grid`, then the blocks in
+    ``fix`` again with their own sigma (gathered: a few blocks, a few small operations)."""
+    m, n = rows.shape
+    k = (n // nb) * nb
+    with np.errstate(invalid="ignore", over="ignore"):
+        xp.add(rows, s, out=out)
+        xp.subtract(out, s, out=out)
+        if fix is None:
+            return
+        blocks = xp.flatnonzero(fix[:nb])
+        if blocks.shape[0] and k:
+            sub = rows[:, :k].reshape(m, -1, nb)[:, :, blocks].astype(np.float64)
+            sig = sigma[blocks]
+            xp.add(sub, sig, out=sub)
+            xp.subtract(sub, sig, out=sub)
+            out[:, :k].reshape(m, -1, nb)[:, :, blocks] = sub
+        if bool(fix[nb]) and k < n:
+            xp.add(rows[:, k:], sigma[nb], out=out[:, k:])
+            xp.subtract(out[:, k:], sigma[nb], out=out[:, k:])
 
 
 def _sigma(g: Any, xp: Any) -> Any:

@@ -31,6 +31,11 @@ against 4 or 8 for the plain sum; 4 or 8 with at most two summands; plus 4 KiB p
 without zeros: three reads and one write for the codes (``bitwise_and``, ``max``, ``min``),
 four for the split (rounding to the grid takes two, the lo one, adding it and the hi over the
 rows one), against the plain sum's one addition over the rows; then one for the rounding. The
+rounding to the grid adds and subtracts one constant for the whole range where every block's
+bounds allow it (``exact.uniform_grid``: a scalar operand streams at about twice the speed of
+one sigma per block), and rounds again, with their own sigma, the few blocks that hold a value
+far below the range's largest; the common plans are read off a few reductions of the codes
+(``exact.quick_plan``) rather than ``exact.block_plan``'s per-block arithmetic. The
 split's temporaries reuse the codes' scratch, so a range's working set is its rows, one scratch
 of their size and the two send buffers. Non-finite values cost one more small exchange, only
 when some element has one. ``max`` and ``min`` need nothing (they do not depend on order);
@@ -303,22 +308,32 @@ def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtyp
     code = agreed[:-2].reshape(2, nb + 1)
     if rounded == real.dtype and exact.one_addition(code, summands, real.dtype):
         return _one_addition(group, real, mode, root, target, timeout, replicate)
-    layout, sigma, tail, sigma2 = exact.block_plan(code, summands, real.dtype, xp, n)
+    quick = exact.quick_plan(code, summands, real.dtype, xp, n)
+    if quick is not None:   # the common plans, on one grid (block_plan's choice there)
+        layout, sigma, tail, sigma2 = quick[0], quick[3], quick[4], quick[5]
+        uni: Any = (quick[1], quick[2])
+    else:
+        layout, sigma, tail, sigma2 = exact.block_plan(code, summands, real.dtype, xp, n)
+        uni = None
     if not layout:
         return _elementwise(group, real, real.dtype, mode, root, rounded, target, timeout, replicate)
     zeros = bool(agreed[-2])
     if tail is not None:
         pos, block = exact.tail_positions(tail, nb, n, xp)
+        if uni is None and layout == 3:
+            uni = _uniform(code, summands, real.dtype, layout, nb, tail)
         t0 = _lap("layout", t0)
         return _tailed(group, real, mode, root, rounded, target, timeout, replicate, layout,
-                       sigma, pos, block, sigma2, zeros, t0)
+                       sigma, pos, block, sigma2, zeros, t0, uni)
+    if uni is None and layout > 1:
+        uni = _uniform(code, summands, real.dtype, layout, nb, None)
     t0 = _lap("layout", t0)
     parts = group.size if mode == "scatter" else 1
     per = n // parts
     if layout == 3:   # hi float32, lo float64: two exchanges, each already part-major
         hi = ws.take("bhi", (n,), np.float32, xp)
         lo = ws.take("blo", (n,), np.float64, xp)
-        _split3(real, sigma, nb, hi, lo)
+        _split(real, sigma, nb, hi, lo, uni)
         sends = [hi.reshape(parts, per), lo.reshape(parts, per)]
     else:
         main = ws.take("bmain", (layout, n), np.float64, xp)
@@ -329,12 +344,7 @@ def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtyp
             for r in real[1:]:
                 xp.add(main[0], r, out=main[0])
         else:
-            exact.split_blocks(real[0], sigma, nb, xp, main[0], main[1])
-            if m > 1:
-                part = ws.take("bsplit", (2, n), np.float64, xp)
-                for r in real[1:]:
-                    exact.split_blocks(r, sigma, nb, xp, part[0], part[1])
-                    xp.add(main, part, out=main)
+            _split(real, sigma, nb, main[0], main[1], uni)
         # (layout, n) -> part-major (parts, layout * per): each rank's part contiguous
         sends = [main.reshape(layout, parts, per).transpose(1, 0, 2).reshape(parts, layout * per)
                  if parts > 1 and layout > 1 else main.reshape(parts, layout * per)]
@@ -355,10 +365,12 @@ def _blocked_range(group: Any, real: Any, mode: str, root: int, rounded: np.dtyp
     return result
 
 
-def _split3(real: Any, sigma: Any, nb: int, hi: Any, lo: Any) -> None:
-    """Layout 3: the rows' float32 his and float64 los (``exact.split_blocks``), each added
-    over the rows (exactly: the layout's bounds hold for every summand of the sum), a few whole
-    passes over the range rather than a few per row; no rows: -0, the sum's identity."""
+def _split(real: Any, sigma: Any, nb: int, hi: Any, lo: Any, uni: Any) -> None:
+    """Layouts 2 and 3: the rows' his (float64, or float32 for layout 3) and float64 los
+    (``exact.split_blocks``), each added over the rows (exactly: the layout's bounds hold for
+    every summand of the sum), a few whole passes over the range rather than a few per row; no
+    rows: -0, the sum's identity. ``uni``: ``exact.uniform_grid``'s (constant, blocks to fix),
+    or None (one sigma per block throughout)."""
     xp = np
     m, n = real.shape
     if m == 0:
@@ -366,13 +378,27 @@ def _split3(real: Any, sigma: Any, nb: int, hi: Any, lo: Any) -> None:
         lo.fill(-0.0)
         return
     t = exact.workspace().take("ab", (m, n), np.float64, xp)   # the codes' scratch, done with
-    exact.round_blocks(real, sigma, nb, xp, t)     # every hi (an exact zero hi is +0)
+    if uni is None:
+        exact.round_blocks(real, sigma, nb, xp, t)  # every hi (an exact zero hi is +0)
+    else:
+        exact.round_uniform(real, uni[0], sigma, uni[1], nb, xp, t)
     xp.subtract(real[0], t[0], out=lo)             # x = -0 keeps its -0 here
+    acc = t[0]
     for i in range(1, m):                          # rows added one by one: numpy's sum would
-        xp.add(t[0], t[i], out=t[0])               # start from +0, losing an all -0 column's sign
+        into = hi if i == m - 1 else t[0]          # start from +0, losing an all -0 column's sign
+        xp.add(acc, t[i], out=into, casting="same_kind")   # (float32 hi: exact, at most 24
+        acc = into                                 # bits on float32's grid)
         xp.subtract(real[i], t[i], out=t[i])
         xp.add(lo, t[i], out=lo)
-    xp.copyto(hi, t[0], casting="same_kind")       # exact: at most 24 bits on float32's grid
+    if acc is not hi:
+        xp.copyto(hi, acc, casting="same_kind")
+
+
+def _uniform(code: Any, summands: int, dtype: Any, layout: int, nb: int, skip: Any) -> Any:
+    """``exact.uniform_grid``'s (constant, blocks to fix) when few blocks need fixing (each
+    costs a gather), else None: one sigma per block."""
+    s, fix = exact.uniform_grid(code, summands, dtype, np, layout, skip)
+    return (s, fix) if int(np.count_nonzero(fix)) <= max(4, nb // 16) else None
 
 
 def _round(hi_sum: Any, lo_sum: Any, layout: int, rounded: np.dtype, target: Any,
@@ -401,7 +427,7 @@ def _round(hi_sum: Any, lo_sum: Any, layout: int, rounded: np.dtype, target: Any
 
 def _tailed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, target: Any,
             timeout: float | None, replicate: Any, layout: int, sigma: Any, pos: Any,
-            block: Any, sigma2: Any, zeros: bool, t0: float) -> Any:
+            block: Any, sigma2: Any, zeros: bool, t0: float, uni: Any = None) -> Any:
     """A range in ``layout`` 1 (values) or 3 (float32 hi, float64 lo) whose elements ``pos``
     (sorted; in blocks ``block``) need two float64 halves instead: one float64 exchange of the
     values (layout 3: the los) with those elements' hi in their places, each part followed by
@@ -430,7 +456,7 @@ def _tailed(group: Any, real: Any, mode: str, root: int, rounded: np.dtype, targ
         vals = buf[:, :per]
         if layout == 3:   # the los straight into their places (parts > 1: through a copy)
             los = vals.reshape(-1) if parts == 1 else ws.take("xlo", (n,), np.float64, xp)
-            _split3(real, sigma, nb, hi32.reshape(-1), los)
+            _split(real, sigma, nb, hi32.reshape(-1), los, uni)
             if parts > 1:
                 xp.copyto(vals, los.reshape(parts, per))
             hi32.reshape(-1)[pos] = 0.0

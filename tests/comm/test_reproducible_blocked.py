@@ -310,3 +310,154 @@ def test_record_phases_counts_steps_and_bytes(world: World) -> None:
     """The benchmark's breakdown: every step of the blocked path timed, and the bytes each rank
     hands its exchanges counted (float64 data: 12 per element plus the codes)."""
     check(world.run(body_phases))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_quick_plan_makes_block_plans_choice(dtype: str) -> None:
+    """``exact.quick_plan`` (a few reductions of the codes) picks the layout ``block_plan``
+    picks wherever it answers, and answers for the common ranges: normal data of either
+    dtype, with and without a tail block, on 1-9 summands; its one grid rounds every block
+    within the layout's bounds but the few it names (``fix``, as ``uniform_grid`` finds them),
+    whose constants are ``block_plan``'s."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(11)
+    answered = set()
+    for n, nb in ((96, 8), (101, 8), (40, 1)):
+        for summands in (1, 2, 4, 9):
+            for span in (0, 3, 12, 30, 80):
+                rows = rng.standard_normal((summands, n)) * 2.0 ** rng.integers(0, span + 1, (summands, n))
+                if span == 80:
+                    rows[0, 3] = 0.0
+                with np.errstate(over="ignore"):
+                    rows = rows.astype(dt)
+                per_row = np.empty((summands, 2, nb + 1), np.int16)
+                for i in range(summands):
+                    exact.block_codes(rows[i:i + 1], np, nb, per_row[i])
+                code = per_row.max(axis=0)
+                quick = exact.quick_plan(code, summands, dt, np, n)
+                layout = exact.block_plan(code, summands, dt, np, n)
+                if quick is None:
+                    continue
+                answered.add(quick[0])
+                assert quick[0] == layout[0], (n, nb, summands, span)
+                assert (quick[4] is None) == (layout[2] is None), (n, nb, summands, span)
+                if layout[2] is not None:
+                    assert np.array_equal(quick[4], layout[2])
+                    assert np.array_equal(quick[5][layout[2]], layout[3][layout[2]])
+                if quick[0] == 3:
+                    s, fix = exact.uniform_grid(code, summands, dt, np, 3, quick[4])
+                    assert s == quick[1]
+                    if quick[2] is None:
+                        assert not fix.any()
+                    else:                 # the blocks off the one grid, with block_plan's sigma
+                        assert np.array_equal(quick[2], fix) and fix.any()
+                        assert np.array_equal(quick[3][fix], layout[1][fix])
+    # (float64 codes bound a value's last bit by its exponent: one float64 never takes them)
+    assert answered == ({3} if dtype == "float64" else {1, 3})
+    # block 3 large, blocks 5 and the tail holding a small value: off the range's grid, fixed
+    nb, n, summands = 16, 16 * 8 + 5, 4
+    rows = rng.standard_normal((summands, n))
+    rows[:, 3:128:16] *= 2.0 ** 9
+    if dtype == "float32":               # every block 30 binades wide: two parts everywhere
+        rows[0, :16] *= 2.0 ** -30
+        rows[0, 130] *= 2.0 ** -30
+    small = 2.0 ** (-20 if dtype == "float64" else -45)
+    rows[1, 16 + 5] = rows[2, 131] = small * 1.2345
+    rows = rows.astype(dt)
+    code = np.empty((2, nb + 1), np.int16)
+    exact.block_codes(rows, np, nb, code)
+    quick = exact.quick_plan(code, summands, dt, np, n)
+    layout = exact.block_plan(code, summands, dt, np, n)
+    assert quick is not None and quick[0] == layout[0] == 3 and layout[2] is None
+    assert np.flatnonzero(quick[2]).tolist() == [5, nb]
+    assert np.array_equal(quick[3][quick[2]], layout[1][quick[2]])
+    # a value 2**-40 small in block 7: too deep for its own grid too, two halves in a tail
+    rows[3, 7] = (2.0 ** -40 if dtype == "float64" else 2.0 ** -70) * 1.2345
+    code = np.empty((2, nb + 1), np.int16)
+    exact.block_codes(rows, np, nb, code)
+    quick = exact.quick_plan(code, summands, dt, np, n)
+    layout = exact.block_plan(code, summands, dt, np, n)
+    assert quick is not None and quick[0] == layout[0] == 3
+    assert np.flatnonzero(quick[4]).tolist() == np.flatnonzero(layout[2]).tolist() == [7]
+    assert np.flatnonzero(quick[2]).tolist() == [5, nb]
+    assert quick[5][7] == layout[3][7]
+
+
+def body_uniform_fix(rank: int, was: tuple[int, int]) -> list[str]:
+    """Blocks that the range's one grid (``exact.uniform_grid``) cannot take, rounded with
+    their own sigma (``exact.round_uniform``): block 3 is 2**9 larger than the others (the
+    grid is its), block 5 and the tail block hold a small value with every bit set on some
+    rank (fine on their own grid; on the coarse one their lo sums would round); a float32 hi
+    and a float64 lo for both dtypes (float32: every block 30 binades wide), every mode, exact."""
+    g = hpcdp.get_default_group()
+    n = g.size
+    fails: list[str] = []
+    reproducible._RANGE_BYTES, exact.BLOCKS = 1 << 20, 16
+    try:
+        for dtype, small in (("float64", 2.0 ** -20), ("float32", 2.0 ** -45)):
+            arrs = []
+            for r in range(n):
+                a = 1.0 + np.random.default_rng([13, r]).random((2, 16 * 8 + 5))
+                a[:, 3:128:16] *= 2.0 ** 9
+                if dtype == "float32":   # every block wide (30 binades): a float32 hi, a float64 lo
+                    a[0, 16:32] *= 2.0 ** -30
+                    a[0, 130] *= 2.0 ** -30
+                arrs.append(a)
+            for e, sign in ((5, 1.0), (16 * 3 + 5, -1.0), (130, -1.0)):   # blocks 5, 5, tail
+                # small + a - a (+ c - c on more ranks): the lo sums see the small value beside
+                # a's lo, and the exact total is the small value alone, every bit of which counts
+                arrs[0][0, e] = sign * small * 1.9876543210987654321
+                if n > 1:
+                    arrs[1][0, e] = -arrs[0][1, e]
+                    arrs[1][1, e] = 0.0
+                for a in arrs[2:]:
+                    a[1, e] = -a[0, e]
+            arrs = [a.astype(dtype) for a in arrs]
+            every = [row for a in arrs for row in a]
+            want = exact_ref(every)
+            got = reproducible.sum_rows(g, arrs[rank], dtype=dtype)
+            if not same_bits(got, want):
+                bad = np.nonzero(got != want)[0][:4]
+                fails.append(f"all {dtype}: elements {bad.tolist()} got {got[bad].tolist()} "
+                             f"want {want[bad].tolist()}")
+            red = reproducible.sum_rows(g, arrs[rank], mode="root", root=0, dtype=dtype)
+            if rank == 0 and not same_bits(red, want):
+                fails.append(f"root {dtype}")
+            cut = (arrs[rank].shape[1] // n) * n
+            part = reproducible.sum_rows(g, arrs[rank][:, :cut], mode="scatter", dtype=dtype)
+            per = cut // n
+            if not same_bits(part, exact_ref([row[:cut] for row in every])[rank * per:(rank + 1) * per]):
+                fails.append(f"scatter {dtype}")
+    finally:
+        reproducible._RANGE_BYTES, exact.BLOCKS = was
+    return fails
+
+
+def test_uniform_grid_fixes_only_the_deep_blocks() -> None:
+    """The kernel: with block 3 large, the blocks holding a small value are the ``fix``, and
+    ``round_uniform`` rounds exactly as one sigma per block would where that grid holds."""
+    nb, n = 16, 16 * 8 + 5
+    rows = 1.0 + np.random.default_rng(3).random((2, n))
+    rows[:, 3:128:16] *= 2.0 ** 9
+    rows[0, 5 + 32] = 2.0 ** -13
+    rows[1, 130] = -(2.0 ** -13)
+    code = np.empty((2, nb + 1), np.int16)
+    exact.block_codes(rows, np, nb, code)
+    layout, sigma, tail, _ = exact.block_plan(code, 4, rows.dtype, np, n)
+    assert layout == 3 and tail is None
+    s, fix = exact.uniform_grid(code, 4, rows.dtype, np, 3)
+    assert np.flatnonzero(fix).tolist() == [5, nb] and s == sigma.max()
+    got, own = np.empty((2, n)), np.empty((2, n))
+    exact.round_uniform(rows, s, sigma, fix, nb, np, got)
+    exact.round_blocks(rows, sigma, nb, np, own)
+    blocks = np.arange(n) % nb
+    blocks[(n // nb) * nb:] = nb
+    mine = fix[blocks]
+    assert same_bits(got[:, mine], own[:, mine])
+    assert not np.array_equal(got, own)   # the coarse grid elsewhere (block 3's)
+    assert np.all(np.abs(rows - got)[:, ~mine] <= s * 2.0 ** -53)   # lo within half its grid
+
+
+@pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
+def test_blocks_off_the_ranges_grid_keep_their_own(world: World) -> None:
+    check(world.run(body_uniform_fix, _sizes()))
