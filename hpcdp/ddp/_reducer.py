@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import trace
+from ..trace.hooks import Phase
 from ..trace.hooks import state as trace_state
 from .._config import setting
 from ..errors import HpcdpError
@@ -166,6 +167,10 @@ class Reducer:
         self.comm_state: Any = None
         self.warned_unused = False
         self.join: Any = None  # the active join context, if any
+        #: DDP's backward on the timeline (``HPCDP_TRACE``): a "backward" span, its "wait
+        #: gradients" and a "bucket ready" mark per launched bucket, recorded as one entry
+        self.trace_phase = Phase("backward", "ddp", args=("sync",), inner="wait gradients",
+                                 mark="bucket ready", mark_args=("bucket", "bytes", "in_flight"))
         #: the last bucket (default reduction) is reduced at once, blocking, where an async one
         #: would not advance anyway until waited on: a transport that moves data only inside its
         #: calls (MPI) and no progress thread. By then every gradient is in, so nothing is left
@@ -265,8 +270,7 @@ class Reducer:
         b.launched = True
         self._next_launch = b.index + 1
         if trace_state.on:  # (buckets in flight as an arg: a counter track costs 2 events a step)
-            trace.instant("bucket ready", "ddp", bucket=b.index, bytes=b.nbytes,
-                          in_flight=len(self._inflight) + 1)
+            self.trace_phase.mark(b.index, b.nbytes, len(self._inflight) + 1)
         last = b.index == len(self.buckets) - 1
         hook = self.comm_hook
         if hook is None:   # allreduce_hook's reduction, without a GradBucket to build
@@ -322,7 +326,9 @@ class Reducer:
         self._used[...] = 0
         if self.join is not None:
             self.join.after_sync_pass()
-        trace.step()  # one synced backward: the straggler report's step (collective every N)
+        # one synced backward: the straggler report's step (collective every N); its mark is
+        # recorded with the backward's phase (``trace.step()`` otherwise)
+        self.trace_phase.step()
 
     def _wait_all(self) -> None:
         for b in self.buckets:

@@ -323,7 +323,8 @@ class DDP:
             return self._chunked_backward(grad_output, sync)
         reducer = self._reducer
         reducer.begin_pass(sync)
-        with trace.span("backward", "ddp", sync=sync), pinned_line():
+        phase = reducer.trace_phase  # span "backward", its "wait gradients", the buckets' marks
+        with phase(sync):  # (and the pinned line: the bucket allreduces name this call's caller)
             try:
                 # run_backward fires the root's backward hooks (hpcdp.nn); foreign modules offer only backward.
                 run = getattr(self.module, "run_backward", None)
@@ -332,7 +333,7 @@ class DDP:
                 reducer.in_backward = False
                 raise
             if sync:
-                with trace.span("wait gradients", "ddp"):
+                with phase.inner:
                     reducer.finish_sync_pass()
         reducer.in_backward = False
         return out

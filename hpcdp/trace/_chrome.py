@@ -281,6 +281,12 @@ class Timeline:
         if len(buf) >= self.flush_every:
             self.flush()
 
+    def op_sink(self) -> tuple[list[tuple[Any, ...]], int]:
+        """(the buffer, its flush size): where a ``Recorder`` appends what ``op_event`` would, a
+        call fewer per operation (appends ``(row, end_ns, state, tid)``, then flushes when the
+        buffer holds ``flush size`` events)."""
+        return self._buf, self.flush_every
+
     def _mine(self) -> int:
         """The calling thread's tid (``_tid()``'s common case first)."""
         tid = self._local.tid
@@ -334,8 +340,12 @@ class Timeline:
                            None if w is None else w[0])
                     if key is not None and len(fixed_ops) < 100_000:
                         fixed_ops[key] = hit
-                add(f'{hit[0]}{int(row[3])}{hit[1]}{t // 1000}.{ms[t % 1000]},'
-                    f'"dur":{dur // 1000}.{ms[dur % 1000]}}}')
+                tq, tr = divmod(t, 1000)
+                dq, dr = divmod(dur, 1000)
+                add(f'{hit[0]}{int(row[3])}{hit[1]}{tq}.{ms[tr]},"dur":{dq}.{ms[dr]}}}')
+                continue
+            if len(ev) == 10:  # a ``Phase``'s entry: its span, inner span and marks
+                add(ev[0]._text(self, ev))
                 continue
             ph, name, cat, t, dur, tid, args = ev
             t -= epoch
@@ -359,11 +369,12 @@ class Timeline:
                         if len(plans) >= 10_000:
                             plans.clear()
                         plans[key] = plan
+                tq, tr = divmod(t, 1000)
                 if ph == "X":
-                    add(f'{plan[0]}{t // 1000}.{ms[t % 1000]},"dur":{dur // 1000}.{ms[dur % 1000]}'
-                        f'{plan[1]}}}')
+                    dq, dr = divmod(dur, 1000)
+                    add(f'{plan[0]}{tq}.{ms[tr]},"dur":{dq}.{ms[dr]}{plan[1]}}}')
                 else:
-                    add(f'{plan[0]}{t // 1000}.{ms[t % 1000]}{plan[1]}}}')
+                    add(f'{plan[0]}{tq}.{ms[tr]}{plan[1]}}}')
         return ",\n".join(out)
 
     def _span_plan(self, ph: str, name: str, cat: str, tid: int,

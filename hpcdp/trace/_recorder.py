@@ -262,18 +262,34 @@ class Recorder:
             if tl is not None:
                 tl.op_event(row, t1, state)
 
-        def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
-            """Mark operation ``token`` finished; a failure also records where it was called."""
-            if state is COMPLETED:  # (``finish`` inlined: the common case, every operation)
-                i = token % cap
-                row = rows[i]
-                if row is not None and row[0] == token:
-                    t1 = _c()
-                    ends[i] = (token, t1, COMPLETED, None)
-                    if tl is not None:
-                        tl.op_event(row, t1, COMPLETED)
-            else:
-                finish(token, state, _c())
+        if tl is None:
+            def end(token: int, state: str = COMPLETED, _c: Any = clock) -> None:
+                """Mark operation ``token`` finished; a failure also records where it was called."""
+                if state is COMPLETED:  # (``finish`` inlined: the common case, every operation)
+                    i = token % cap
+                    row = rows[i]
+                    if row is not None and row[0] == token:
+                        ends[i] = (token, _c(), COMPLETED, None)
+                else:
+                    finish(token, state, _c())
+        else:
+            tbuf, every = tl.op_sink()
+
+            def end(token: int, state: str = COMPLETED, _c: Any = clock, _t: Any = _tls) -> None:
+                """Mark operation ``token`` finished; a failure also records where it was called."""
+                if state is COMPLETED:  # (``finish`` and ``Timeline.op_event`` inlined)
+                    i = token % cap
+                    row = rows[i]
+                    if row is not None and row[0] == token:
+                        t1 = _c()
+                        ends[i] = (token, t1, COMPLETED, None)
+                        h = _t.here  # the thread's tid, when the thread that began the op ends it
+                        tbuf.append((row, t1, COMPLETED, h[1] if h is not None and h[0] is tl
+                                     and h[2] == row[8] else tl._tid(row[8])))
+                        if len(tbuf) >= every:
+                            tl.flush()
+                else:
+                    finish(token, state, _c())
 
         if self.lines or tl is not None:
             def begin(op: str, group: Any, seq: int = 0, shape: Any = None, dtype: Any = None,

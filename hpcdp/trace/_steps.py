@@ -32,6 +32,11 @@ def step() -> Any:
     value an observer returned (the straggler report, on the steps it reports), else None."""
     if state.on:
         instant("step", "step")
+    return observe()
+
+
+def observe() -> Any:
+    """Call every ``on_step`` observer (``step`` without its mark); what ``step`` returns."""
     out = None
     for fn in _observers:
         got = fn()
