@@ -41,12 +41,20 @@ __all__ = ["chunk_size", "chunked", "set_chunk_size", "chunks_in", "matmul_t", "
            "weight_grad", "sample_sum", "sample_keys", "current_sample_keys", "next_call",
            "ChunkCount"]
 
-_tls = threading.local()
+class _State(threading.local):
+    """This thread's chunking state. Class defaults: a thread that never set one reads the
+    default without ``getattr``'s raised and caught AttributeError (asked per layer per step)."""
+
+    c: int | None = None
+    keys: Any = None
+
+
+_tls = _State()
 
 
 def chunk_size() -> int | None:
     """Samples per chunk while chunked gradients are on in this thread; None when off."""
-    return getattr(_tls, "c", None)
+    return _tls.c
 
 
 def set_chunk_size(c: int | None) -> None:
@@ -132,7 +140,7 @@ def sample_keys(keys: Any, step: int) -> Iterator[None]:
     """
     import numpy as np
 
-    old = getattr(_tls, "keys", None)
+    old = _tls.keys
     _tls.keys = (np.asarray(keys, dtype=np.int64).reshape(-1), int(step), {})
     try:
         yield
@@ -142,7 +150,7 @@ def sample_keys(keys: Any, step: int) -> Iterator[None]:
 
 def current_sample_keys() -> tuple[Any, int] | None:
     """(keys, step) inside ``sample_keys``; None outside."""
-    got = getattr(_tls, "keys", None)
+    got = _tls.keys
     return None if got is None else (got[0], got[1])
 
 

@@ -31,13 +31,23 @@ from ..errors import HpcdpError
 
 __all__ = ["microbatch", "current_microbatch", "SavedTensorsMixin"]
 
-_local = threading.local()
+
+class _State(threading.local):
+    """This thread's forward-pass and microbatch state, with class defaults (read per module
+    call: no ``getattr`` default, whose miss raises and catches an AttributeError)."""
+
+    depth: int = 0
+    pass_id: int | None = None
+    stack: list[int] | None = None
+
+
+_local = _State()
 _pass_ids = itertools.count(1)
 
 
 def enter_call() -> None:
     """``Module.__call__`` starts: an outermost call begins a new forward pass on this thread."""
-    depth = getattr(_local, "depth", 0)
+    depth = _local.depth
     if depth == 0:
         _local.pass_id = next(_pass_ids)
     _local.depth = depth + 1
@@ -50,12 +60,12 @@ def exit_call() -> None:
 
 def _forward_pass() -> int | None:
     """Id of the forward pass in progress on this thread; None outside any ``module(...)`` call."""
-    return _local.pass_id if getattr(_local, "depth", 0) else None
+    return _local.pass_id if _local.depth else None
 
 
 def current_microbatch() -> int:
     """Return the id of the innermost active ``microbatch`` on this thread (0 when none is)."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     return stack[-1] if stack else 0
 
 
@@ -70,7 +80,7 @@ def microbatch(index: int) -> Iterator[int]:
     """
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"nn.microbatch needs a non-negative int, got {index!r}")
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack is None:
         stack = _local.stack = []
     stack.append(index)
