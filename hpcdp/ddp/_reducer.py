@@ -177,6 +177,9 @@ class Reducer:
         #: to overlap with but a backward's input gradients, which run on this core either way;
         #: the blocking call skips the async request's bookkeeping. (Blocking or not, the call
         #: matches its peers' alike: ranks may choose differently.)
+        #: the default reduction leaves the mean's 1/n to the copy back into the gradients (one
+        #: pass over the bucket, not two) where the gradients are not the bucket's own views
+        self._scale_on_copy = not gradient_as_bucket_view
         self.block_last = (self.progress is None and group.size > 1
                            and bool(getattr(group.backend, "needs_progress_thread", False)))
 
@@ -279,7 +282,8 @@ class Reducer:
                     b.work = _average(self.group, b.flat, self.divisor)
                 self.progress.add(b.work)
             else:
-                b.work = _average(self.group, b.flat, self.divisor, not (last and self.block_last))
+                b.work = _average(self.group, b.flat, self.divisor, not (last and self.block_last),
+                                  self._scale_on_copy and type(b.flat) is np.ndarray)
         else:
             gb = GradBucket(b.index, b.flat, b.params, b.views, self.group, self.divisor, last)
             if self.progress is not None:
@@ -339,8 +343,15 @@ class Reducer:
                 res = b.work.wait()
             if res is not None and res is not b.flat:
                 b.flat[...] = res.reshape(-1)
+            s = getattr(b.work, "scale", None)  # (a user hook's future may have none)
             b.work = None
-            if not self.gradient_as_bucket_view:
+            if s is not None:  # the mean's 1/n, in the copy back (``_average``'s scale_later)
+                for p, v in zip(b.params, b.views):
+                    if p.grad is None:
+                        p.grad = v * s
+                    else:
+                        np.multiply(v, s, out=p.grad)
+            elif not self.gradient_as_bucket_view:
                 for p, v in zip(b.params, b.views):
                     if p.grad is None:
                         p.grad = v.copy()

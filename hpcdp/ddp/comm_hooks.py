@@ -80,12 +80,18 @@ class Ready:
 
 
 class HookFuture:
-    """A Work (or another future) plus a function applied to its result in ``wait()``."""
+    """A Work (or another future) plus a function applied to its result in ``wait()``.
 
-    __slots__ = ("_work", "_then", "_done", "_value")
+    ``scale``: a factor the caller still applies to the result, None for none (DDP's default
+    reduction leaves the 1/n of a mean to the copy back into the gradients: one pass over the
+    bucket instead of a scaling pass and then a copy)."""
 
-    def __init__(self, work: Any, then: Callable[[Any], Any] | None = None) -> None:
+    __slots__ = ("_work", "_then", "_done", "_value", "scale")
+
+    def __init__(self, work: Any, then: Callable[[Any], Any] | None = None,
+                 scale: float | None = None) -> None:
         self._work, self._then, self._done, self._value = work, then, False, None
+        self.scale = scale
 
     def is_completed(self) -> bool:
         """Test the underlying operation without blocking or starting anything new."""
@@ -113,9 +119,12 @@ def allreduce_hook(state: Any, bucket: GradBucket) -> HookFuture:
     return _average(_group(state, bucket), bucket.buffer(), bucket.divisor)
 
 
-def _average(group: Any, flat: Any, d: int, async_op: bool = True) -> HookFuture:
+def _average(group: Any, flat: Any, d: int, async_op: bool = True,
+             scale_later: bool = False) -> HookFuture:
     """``allreduce_hook``'s reduction of ``flat`` (sum over ``group``, divided by ``d`` in place);
-    ``async_op=False`` runs it now (a blocking allreduce) and returns it done."""
+    ``async_op=False`` runs it now (a blocking allreduce) and returns it done. ``scale_later``:
+    where the mean is the sum times ``1/d`` (``_scales_exactly``), ``flat`` keeps the sum and
+    the future's ``scale`` says what to multiply it by (the same bits)."""
     if group.size == 1 and d == 1:   # a group of one: the bucket is already its own average
         return HookFuture(Ready(flat))
     if d == group.size and (group.deterministic or not _scales_exactly(flat.dtype, d)):
@@ -126,6 +135,8 @@ def _average(group: Any, flat: Any, d: int, async_op: bool = True) -> HookFuture
     res = group.allreduce(flat, "sum", out=flat, async_op=async_op)
     if d == 1:  # under join with one active rank
         return HookFuture(res if async_op else Ready(flat))
+    if scale_later:
+        return HookFuture(res if async_op else Ready(flat), scale=1.0 / d)
     if async_op:
         return HookFuture(res, _scaler(d))
     return HookFuture(Ready(_scaler(d)(flat)))
