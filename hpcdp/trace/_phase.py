@@ -13,13 +13,12 @@ the operations started inside it), whenever source lines are recorded, tracing o
 """
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
 from . import _chrome
 from ._chrome import _MS, _PLAIN, _refresh_here, instant, now_ns, state
-from ._recorder import _process_rank, _setting, _settings, _site, _tls, user_frame
+from ._recorder import _process_rank, _tls, pin_line
 from ._steps import observe
 
 __all__ = ["Phase"]
@@ -93,19 +92,8 @@ class Phase:
         return self
 
     def __enter__(self) -> "Phase":
-        lines = _settings.get("lines")
-        if lines is None:
-            lines = _setting("lines")
-        if lines:  # ``pinned_line``: the user's call around the phase names what starts inside
-            prev = self._prev = _tls.line
-            self._pinned = True
-            if prev is None:
-                try:
-                    f = user_frame(sys._getframe(1))
-                except ValueError:
-                    f = None
-                if f is not None:
-                    _tls.line = _site(f)
+        # ``pinned_line``: the user's call around the phase names what starts inside
+        self._pinned, self._prev = pin_line()
         if state.on:  # the thread's timeline and tid (``span.__enter__``'s lookup)
             h = _tls.here
             if h is None or h[3] is not _chrome._epoch or (h[4] is not None and h[4] != _process_rank[0]):

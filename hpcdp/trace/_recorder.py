@@ -44,7 +44,7 @@ from ._clock import now_ns
 __all__ = [
     "STARTED", "COMPLETED", "TIMED_OUT", "FAILED", "STATES", "Recorder", "Op", "recorder",
     "active_recorder", "configure", "reset", "all_recorders", "bind_rank", "current_rank",
-    "user_frame", "where_of", "DEFAULT_CAPACITY", "hide_frames",
+    "user_frame", "where_of", "DEFAULT_CAPACITY", "hide_frames", "pin_line",
 ]
 
 STARTED = "started"
@@ -149,6 +149,26 @@ def _caller(depth: int) -> tuple[Any, int] | None:
     return None if f is None else _site(f)
 
 
+def pin_line() -> tuple[bool, Any]:
+    """Pin the source line of the user's call around the caller's caller (a ``with`` block's
+    ``__enter__`` calls this) for the operations this thread starts until it is restored:
+    (whether source lines are recorded, the line pinned before, which the caller puts back)."""
+    on = _settings.get("lines")
+    if on is None:
+        on = _setting("lines")
+    if not on:
+        return False, None
+    prev = _tls.line
+    if prev is None:  # ``_caller`` inlined (this runs once per traced backward)
+        try:
+            f = user_frame(sys._getframe(2))
+        except ValueError:
+            f = None
+        if f is not None:
+            _tls.line = _site(f)
+    return True, prev
+
+
 class pinned_line:
     """``with pinned_line():`` operations started inside, on this thread, take the source line of
     the user's call around it instead of each walking up the stack to find it.
@@ -161,19 +181,7 @@ class pinned_line:
     __slots__ = ("_prev", "_set")
 
     def __enter__(self) -> "pinned_line":
-        on = _settings.get("lines")
-        if on is None:
-            on = _setting("lines")
-        self._set = on
-        if on:
-            prev = self._prev = _tls.line
-            if prev is None:  # ``_caller(1)`` inlined (this runs once per traced backward)
-                try:
-                    f = user_frame(sys._getframe(1))
-                except ValueError:
-                    f = None
-                if f is not None:
-                    _tls.line = _site(f)
+        self._set, self._prev = pin_line()
         return self
 
     def __exit__(self, *exc: Any) -> None:
