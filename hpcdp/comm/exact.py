@@ -497,7 +497,7 @@ def uniform_grid(code: Any, summands: int, dtype: Any, xp: Any, layout: int,
         fix = code[1] > ones - limit
         if skip is not None:
             fix &= ~skip
-    return math.ldexp(1.5, g + 52), fix
+    return np.float64(math.ldexp(1.5, g + 52)), fix
 
 
 def quick_plan(code: Any, summands: int, dtype: Any, xp: Any, n: int) -> tuple[Any, ...] | None:
@@ -540,7 +540,7 @@ def quick_plan(code: Any, summands: int, dtype: Any, xp: Any, n: int) -> tuple[A
 
     wide = xp.flatnonzero((code[0] + code[1]) > (wp + shift))   # int16: at most 2 * 2047
     g = max(e_max - wp32, -149)
-    s = math.ldexp(1.5, g + 52)
+    s = np.float64(math.ldexp(1.5, g + 52))
     limit = g - 1 - wp + low_bias                  # uniform_grid's fix: code[1] > ones - limit
     if limit <= ones - c1_max:
         if 2 * elements(wide) < n:                 # block_plan: values, the wide blocks as a tail
@@ -582,8 +582,11 @@ def round_uniform(rows: Any, s: float, sigma: Any, fix: Any, nb: int, xp: Any, o
     ``fix`` again with their own sigma (gathered: a few blocks, a few small operations)."""
     m, n = rows.shape
     k = (n // nb) * nb
+    # ``s`` as a float64 array scalar: a Python float would take float32 rows' dtype (NEP 50),
+    # rounding them in float32 (every hi 0, or inf - inf = NaN where ``s`` overflows float32)
+    s = np.float64(s)
     with np.errstate(invalid="ignore", over="ignore"):
-        xp.add(rows, s, out=out)
+        xp.add(rows, s, out=out, dtype=np.float64)
         xp.subtract(out, s, out=out)
         if fix is None:
             return

@@ -461,3 +461,30 @@ def test_uniform_grid_fixes_only_the_deep_blocks() -> None:
 @pytest.mark.parametrize("world", worlds(*grid([1, 2, 3, 4]), "mpi"), indirect=True)
 def test_blocks_off_the_ranges_grid_keep_their_own(world: World) -> None:
     check(world.run(body_uniform_fix, _sizes()))
+
+
+def body_float32_on_one_grid(rank: int) -> list[str]:
+    """float32 rows on the range's one grid (``exact.round_uniform``): the rounding constant
+    must act in float64. A Python float takes float32 rows' dtype under numpy's promotion
+    rules: every hi came out 0 (the sum then rounded in float64, inexact), and a constant
+    beyond float32's range made NaN of finite values. Three summands (no one-addition
+    shortcut), split over the ranks, exact against the Fraction reference."""
+    g = hpcdp.get_default_group()
+    n = 2048
+    fails: list[str] = []
+    for name, a, b, c in (
+            ("cancel", 1 + 2.0 ** -23, 2.0 ** -30 * (1 + 2.0 ** -23), -(1 + 2.0 ** -23)),
+            ("huge", 2.0 ** 100 * (1 + 2.0 ** -23), 1.5 * 2.0 ** 70, 2.0 ** 100 * (1 + 2.0 ** -23))):
+        every = [np.full(n, v, np.float32) for v in (a, b, c)]
+        mine = np.array([row for i, row in enumerate(every) if i % g.size == rank],
+                        np.float32).reshape(-1, n)
+        got = reproducible.sum_rows(g, mine, dtype="float32")
+        want = exact_ref(every)
+        if not same_bits(got, want):
+            fails.append(f"{name}: got {got[:2].tolist()} want {want[:2].tolist()}")
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "tcp-2", "mpi"), indirect=True)
+def test_float32_rows_on_one_grid_are_exact(world: World) -> None:
+    check(world.run(body_float32_on_one_grid))
