@@ -18,6 +18,7 @@ from typing import Any
 
 from . import _chrome
 from ._chrome import _MS, _PLAIN, _refresh_here, instant, now_ns, state
+from ._dump import on_dump
 from ._recorder import _process_rank, _tls, pin_line
 from ._steps import observe
 
@@ -68,7 +69,7 @@ class Phase:
     """
 
     __slots__ = ("name", "cat", "args", "inner_name", "mark_name", "mark_args", "inner",
-                 "_vals", "_h", "_t0", "_ti0", "_ti1", "_ierr", "_marks", "_pinned", "_prev",
+                 "_vals", "_h", "_t0", "_ti0", "_ti1", "_ierr", "_marks", "_dumped", "_pinned", "_prev",
                  "_texts")
 
     def __init__(self, name: str, cat: str = "user", *, args: tuple[str, ...] = (),
@@ -82,6 +83,7 @@ class Phase:
         self._t0 = self._ti0 = self._ti1 = 0
         self._ierr: str | None = None
         self._marks: list[tuple[int, tuple[Any, ...]]] = []
+        self._dumped = 0  # marks a flight-record dump already wrote (``_drain``)
         self._pinned = False
         self._prev: Any = None
         #: texts of the span, the inner span and the marks by what they depend on (``_text``)
@@ -102,6 +104,7 @@ class Phase:
                 self._ti0 = self._ti1 = 0
                 self._ierr = None
                 self._h = h
+                _open.add(self)
                 self._t0 = now_ns()
         return self
 
@@ -117,10 +120,13 @@ class Phase:
             ti0, ti1, ierr = self._ti0, self._ti1, self._ierr
             if ti0 and not ti1:  # the inner span cut short by the exception leaving both
                 ti1, ierr = t1, err
+            _open.discard(self)
             marks = self._marks
             if marks:
                 self._marks = []
-            else:
+                if self._dumped:  # those a dump wrote meanwhile are in the file already
+                    marks, self._dumped = marks[self._dumped:], 0
+            if not marks:
                 marks = _NO_MARKS  # type: ignore[assignment]
             buf = h[5]
             buf.append((self, self._t0, t1, self._vals, ti0, ti1, marks, h[1], err, ierr))
@@ -150,11 +156,8 @@ class Phase:
     def _events(self, ev: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         """The entry as the ``span``/``instant`` events it stands for, in the order those append."""
         _, t0, t1, vals, ti0, ti1, marks, tid, err, ierr = ev
-        out: list[tuple[Any, ...]] = []
-        names, cat = self.mark_args, self.cat
-        for t, values in marks:
-            out.append(("i", "step", "step", t, 0, tid, None) if values is None else
-                       ("i", self.mark_name, cat, t, 0, tid, dict(zip(names, values)) or None))
+        out = self._mark_events(marks, tid)
+        cat = self.cat
         if ti0:
             out.append(("X", self.inner_name, cat, ti0, ti1 - ti0, tid,
                         None if ierr is None else {"error": ierr}))
@@ -163,6 +166,13 @@ class Phase:
             args["error"] = err
         out.append(("X", self.name, cat, t0, t1 - t0, tid, args or None))
         return out
+
+    def _mark_events(self, marks: Any, tid: int) -> list[tuple[Any, ...]]:
+        """``marks`` as the ``instant`` events they stand for."""
+        names, cat = self.mark_args, self.cat
+        return [("i", "step", "step", t, 0, tid, None) if values is None else
+                ("i", self.mark_name, cat, t, 0, tid, dict(zip(names, values)) or None)
+                for t, values in marks]
 
     def _text(self, tl: Any, ev: tuple[Any, ...]) -> str:
         """The entry's events as ``tl`` writes them (``Timeline._render``'s text for ``_events``):
@@ -228,3 +238,28 @@ class Phase:
         ihead, itail = tl._span_plan("X", self.inner_name, self.cat, tid,
                                      None if ierr is None else {"error": ierr}) if inner else ("", "")
         return head, tail, ihead, itail, {None: tl._span_plan("i", "step", "step", tid, None)}
+
+
+#: the phases being timed now, whose marks a flight-record dump writes (``_drain``)
+_open: set[Phase] = set()
+
+
+def _drain() -> None:
+    """At a flight-record dump (``on_dump``): the marks each open phase holds so far, written as
+    the instants they stand for, as ``instant`` wrote them at once. A rank stuck inside a phase
+    (DDP's backward, a bucket allreduce that never completes) shows which buckets it launched;
+    the phase's entry leaves those marks out when it ends. (A dump from another thread at the
+    very moment the phase ends may write a mark twice or leave it out.)"""
+    for p in list(_open):
+        h = p._h
+        if h is None:
+            continue
+        marks = p._marks
+        n = len(marks)
+        if n > p._dumped:
+            new, p._dumped = marks[p._dumped:n], n
+            h[5].extend(p._mark_events(new, h[1]))
+            h[0].flush()
+
+
+on_dump.append(_drain)

@@ -194,3 +194,27 @@ def test_sim_ddp_ranks_trace_their_backward(tmp_path) -> None:
         ars = [e for e in evs if e["name"] == "allreduce" and e.get("cat") == "collective"]
         assert len(ars) >= 3 and all(e["args"]["line"].startswith(f"{HERE}:{line[r]} (body)")
                                      for e in ars if any(_within(e, b) for b in bws)), ars
+
+
+def test_a_dump_inside_a_phase_writes_its_marks_so_far(tmp_path) -> None:
+    """A rank stuck inside DDP's backward (a bucket allreduce that never completes) dumps its
+    flight record: the timeline then holds the bucket marks made so far, as ``instant`` wrote
+    them at once, and the phase's entry does not write them a second time when it ends."""
+    trace.enable(tmp_path / "tl")
+    ph = _phase()
+    with ph(True):
+        ph.mark(0, 100, 1)
+        ph.mark(1, 200, 2)
+        trace.dump("stuck", directory=tmp_path / "fr")
+        with open(tmp_path / "tl" / "trace-rank0.json") as fh:   # the file so far: no closing
+            text = fh.read()
+        assert text.count('"bucket ready"') == 2 and '"backward"' not in text, text
+        ph.mark(2, 300, 3)
+        with ph.inner:
+            ph.step()
+    trace.disable()
+    evs = _events(tmp_path / "tl" / "trace-rank0.json")
+    marks = [e["args"]["bucket"] for e in evs if e["name"] == "bucket ready"]
+    assert marks == [0, 1, 2], marks                          # each once, in order
+    assert [e["name"] for e in evs].count("backward") == 1
+    assert [e["name"] for e in evs].count("step") == 1
