@@ -33,8 +33,8 @@ from ..errors import CheckpointError
 
 __all__ = ["Shard", "Leaf", "flatten", "unflatten", "MANIFEST", "FORMAT", "FORMAT_VERSION",
            "encode_manifest", "storage_dtype", "type_note", "checksum_of", "new_checksum", "feed",
-           "default_checksum", "slab_sum_key", "SEQ_DTYPES", "seq_value", "h5_attrs",
-           "BF16_META", "rank_file", "vds_name"]
+           "default_checksum", "usable_checksums", "slab_sum_key", "SEQ_DTYPES", "seq_value",
+           "h5_attrs", "BF16_META", "rank_file", "vds_name"]
 
 MANIFEST = "_hpcdp_manifest"
 MANIFEST_CRC_ATTR = "crc32"
@@ -201,14 +201,21 @@ CHECKSUMS: dict[str, tuple[Callable[[], Any], int]] = {
 _PREFERRED = ("xxh3_64", "crc32c", "crc32")
 
 
-def default_checksum() -> str:
+def usable_checksums() -> tuple[str, ...]:
+    """The checksums this process can compute, best first (zlib's CRC32 always)."""
+    out = []
     for name in _PREFERRED:
         try:
             CHECKSUMS[name][0]()
         except ImportError:
             continue
-        return name
-    return "crc32"
+        out.append(name)
+    return tuple(out)
+
+
+def default_checksum() -> str:
+    """The best checksum this process can compute."""
+    return usable_checksums()[0]
 
 
 def new_checksum(algorithm: str) -> Any:

@@ -40,7 +40,7 @@ from ..errors import (
 from . import _commit
 from ._flush import Flusher
 from ._format import (
-    FORMAT, FORMAT_VERSION, checksum_of, default_checksum, encode_manifest, flatten, rank_file,
+    FORMAT, FORMAT_VERSION, checksum_of, encode_manifest, flatten, rank_file, usable_checksums,
 )
 from ._group import backend_label, ckpt_group, native_comm, pending, resolve, set_pending
 from ._plan import make_plan, slab_data
@@ -240,7 +240,7 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
     blocks = None if local_err else [(l.offsets, tuple(l.data.shape)) if l.kind == "shard" else None
                                      for l in leaves]
     got = _agree(group, "preparing the state", final, local_err,
-                 (specs, blocks, mode, tree if rank == 0 else None, default_checksum(),
+                 (specs, blocks, mode, tree if rank == 0 else None, usable_checksums(),
                   tree_digest(checked)))
     # structure and values first: where they differ says more than a dataset spec (a list's length)
     _check_trees(group, final, [g[5] for g in got], checked)
@@ -253,7 +253,8 @@ def _save_steps(group: Any, final: str, tree: dict | None, leaves: list, mode: s
     if len(modes) != 1:
         raise CheckpointError(f"save {final!r}: ranks chose different modes {[g[2] for g in got]}")
     tree0 = got[0][3]
-    algo = got[0][4]  # rank 0's checksum, so a rank without the xxhash package still agrees
+    # the best checksum every rank can compute (a rank without the xxhash package: CRC32C)
+    algo = next(a for a in got[0][4] if all(a in g[4] for g in got))
     plans = make_plan(all_specs[0], [g[1] for g in got], size)  # raises alike on every rank
 
     # 3. temporary directory

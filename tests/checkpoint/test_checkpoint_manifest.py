@@ -181,3 +181,29 @@ def test_a_checksum_whose_package_is_missing_says_so(tmp_path, monkeypatch) -> N
     assert "xxhash package" in msg and msg.startswith("load "), msg
     # and save falls back to the next checksum instead of failing
     assert _format.default_checksum() == "crc32c"
+
+
+def test_ranks_with_different_checksum_packages_agree(tmp_path, monkeypatch) -> None:
+    """A rank without the xxhash package: ``save`` takes the best checksum every rank can
+    compute (CRC32C), and the checkpoint loads."""
+    import numpy as np
+
+    from hpcdp.checkpoint import _save, save
+    from hpcdp.testing import run_ranks
+
+    def usable() -> tuple[str, ...]:
+        full = ("xxh3_64", "crc32c", "crc32")
+        return full[1:] if hpcdp.get_rank() == 1 else full
+
+    monkeypatch.setattr(_save, "usable_checksums", usable)
+    path = str(tmp_path / "step-1")
+
+    def body(rank: int) -> tuple[str, list]:
+        save(path, {"w": np.arange(6.0), "step": 3})
+        import h5py
+        with h5py.File(path + "/data.h5", "r") as f:
+            algo = json.loads(f["_hpcdp_manifest"].asstr()[()])["checksum"]
+        return algo, load(path)["w"].tolist()
+
+    out = run_ranks("sim", 2, body)
+    assert out == [("crc32c", [0.0, 1.0, 2.0, 3.0, 4.0, 5.0])] * 2, out
