@@ -277,14 +277,41 @@ class PointToPoint:
 
     def _null(self, op: str, x: Any, tag: int, result: Any) -> Work:
         """A send to, or receive from, ``PROC_NULL``: checked like any call, then done."""
+        self._check_null(op, x, tag)
+        return CompletedWork(self._g, f"{op}({'dst' if op == 'send' else 'src'}=PROC_NULL, tag={tag})",
+                             0, result)
+
+    def _check_null(self, op: str, x: Any, tag: int) -> None:
         where = self._g._where(op)
         self._g._usable(op)
         if not (op == "recv" and tag == ANY_TAG):
             check_tag(where, tag, self._g._max_tag)
         if x is not None:
             check_array(where, x)
-        return CompletedWork(self._g, f"{op}({'dst' if op == 'send' else 'src'}=PROC_NULL, tag={tag})",
-                             0, result)
+
+    def _check_op(self, send: bool, x: Any, peer: Any, tag: Any) -> tuple[Any, Any]:
+        """What ``isend``/``irecv`` would refuse of this call, refused with the same error,
+        without posting or counting anything (``post_batch`` checks every op before it posts
+        one). ``(array, tensor call)``: what to post (a tensor's view, made once) and the
+        ``TensorCall`` that hands it back (None for an array)."""
+        op = "send" if send else "recv"
+        tc = None
+        if x is not None and type(x) is not _ndarray and (tc := tensor_call(self._g._where(op), x)):
+            x = tc.read(x) if send else tc.write(x, "the receive buffer")
+        if peer == PROC_NULL:
+            self._check_null(op, x, tag)
+        else:
+            where, _, _ = self._check_p2p(op, x, "dst" if send else "src", peer, tag)
+            if not send and isinstance(x, np.ndarray) and not x.flags.writeable:
+                raise ValueError(f"{where}: the receive buffer is read-only")
+        return x, tc
+
+    def _post_checked(self, send: bool, x: Any, peer: int, tag: int, tc: Any) -> Work:
+        """An op ``_check_op`` passed, posted as ``isend``/``irecv`` post it (a tensor's view
+        as they post it after converting the tensor)."""
+        if tc is None:
+            return self.isend(x, peer, tag) if send else self.irecv(x, peer, tag)
+        return via_tensors(tc, self._isend(x, peer, tag) if send else self._irecv_any_kind(x, peer, tag))
 
     def _irecv(self, buf: Any, src: int, tag: int, check: str,
                on_meta: Any = None) -> Work:

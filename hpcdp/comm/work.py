@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .group import ProcessGroup
 
 __all__ = ["Work", "QuickWork", "then", "wait_for", "finish_wait", "timeout_error", "Polled",
-           "WATCH_AFTER", "QUICK_SPIN_S", "p2p_name", "wait_quick"]
+           "WATCH_AFTER", "QUICK_SPIN_S", "p2p_name", "wait_quick", "QuickBatch", "wait_batch"]
 
 #: seconds a blocking call waits before the watchdog (``_watchdog``) takes over its wait
 WATCH_AFTER = _watchdog.WATCH_AFTER
@@ -310,6 +310,61 @@ def wait_quick(works: list[Work]) -> bool:
     if ok and lane.alert[0]:
         lane.take_notices()
     return ok and not rest
+
+
+class QuickBatch(list):  # type: ignore[type-arg]
+    """The ``Work``s of a ``batch_isend_irecv`` whose every op started on one quick lane: the
+    list of them (in the order of the ops) that also keeps their bare requests as posted, so
+    that ``wait_all`` (``wait_batch``) tests them together without gathering them again. A
+    list in every other way; changed, or with a work waited on by itself, it is waited on as
+    any list is."""
+
+    # made by ``QuickBatch(works)`` (list's own constructor: no ``__init__`` frame), then
+    # ``_snap`` (the list it was made from: compared, identity first, before use), ``_lane``
+    # and ``_raws`` set by its maker (``_p2p_batch.post_batch``)
+    __slots__ = ("_lane", "_raws", "_snap")
+
+
+def wait_batch(b: QuickBatch) -> list[Any] | None:
+    """``wait_quick`` for a ``QuickBatch`` as it was made, with none of its works waited on,
+    adopted or recorded by themselves (else None at once: ``wait_quick`` then): its requests
+    tested together (one ``Testall``) in a short spin; the results once every work is done,
+    else None (the works adopted, for the general wait)."""
+    if b != b._snap:
+        return None
+    for w in b:
+        if w._raw is None or w._tok:
+            return None
+    lane = b._lane
+    raws = b._raws
+    testall = lane.testall
+    try:
+        ok = testall(raws) or _spun(lambda: testall(raws), lane.alert)
+    except Exception as exc:  # noqa: BLE001 - which one failed is not known: all carry it
+        for w in b:
+            if w._raw is not None:
+                w._fail(w._failed(exc))
+        return None
+    except BaseException:
+        for w in b:
+            w._adopt()
+        raise
+    if not ok:
+        for w in b:
+            w._adopt()
+        return None
+    live = lane.live
+    out: list[Any] = []
+    put = out.append
+    for w in b:  # (``_quick_done`` inlined; its notice check once below)
+        w._done = True
+        live.pop(id(w._raw), None)
+        w._raw = None
+        put(r := None if w._send else w._buf)
+        w._result = r
+    if lane.alert[0]:
+        lane.take_notices()
+    return out
 
 
 def then(work: Work, after: Callable[[Any], Any]) -> Work:

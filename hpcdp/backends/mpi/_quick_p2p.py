@@ -196,6 +196,36 @@ class Lane:
         self.live[id(req)] = (req, buf, send, peer, tag)
         return req
 
+    def start_all(self, items: list[tuple[Any, np.ndarray, int, int, bool]], raws: list[Any]) -> None:
+        """``start`` for many calls at once (``batch_isend_irecv``): each of ``items``
+        (``(caller's key, buf, peer, tag, send)``), in order, started and its bare request
+        appended to ``raws``, the lane's state read once for all of them. Stops at the first
+        one ``start`` would decline (the caller posts it and those after it one by one, in
+        order: matching is in posting order); an MPI error is raised with the requests
+        started before it in ``raws``."""
+        if self.notices.left is not None:
+            return
+        limit, tc, live, meta, comm = self.limit[0], self._tc, self.live, self.meta, self.comm
+        isend, irecv, put = comm.Isend, comm.Irecv, raws.append
+        send = False
+        try:
+            for _, buf, peer, tag, send in items:
+                if buf.size > limit:
+                    return
+                t, code = tc[buf.dtype]
+                if meta is None:
+                    w = tag
+                else:
+                    nd = buf.ndim
+                    if nd > 1:
+                        return
+                    w = (tag << SHIFT) | (16 if nd else 0) | code
+                req = isend([buf, t], peer, w) if send else irecv([buf, t], peer, w)
+                live[id(req)] = (req, buf, send, peer, tag)
+                put(req)
+        except _rq._MPI.Exception as exc:
+            raise self.notices.mpi_error(exc, "send" if send else "recv", 0) from None
+
     def adopt(self, req: Any, buf: np.ndarray, send: bool, peer: int, tag: int) -> Request:
         """A request of ``start`` as a registered one (its buffer kept until MPI is done with
         it, a receive watching for another dtype or shape), for the general wait."""
