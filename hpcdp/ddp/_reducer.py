@@ -24,7 +24,7 @@ from .._config import setting
 from ..errors import HpcdpError
 from ..comm.world import get_default_group, is_initialized, local_world_size
 from ._buckets import Bucket, build_buckets
-from .comm_hooks import GradBucket, _average
+from .comm_hooks import GradBucket, HookFuture, _average
 
 __all__ = ["Reducer", "CommHook", "use_progress_thread"]
 
@@ -343,7 +343,8 @@ class Reducer:
                 res = b.work.wait()
             if res is not None and res is not b.flat:
                 b.flat[...] = res.reshape(-1)
-            s = getattr(b.work, "scale", None)  # (a user hook's future may have none)
+            # (only the default reduction's own future: a user hook's may have a ``scale`` of its own)
+            s = b.work.scale if type(b.work) is HookFuture else None
             b.work = None
             if s is not None:  # the mean's 1/n, in the copy back (``_average``'s scale_later)
                 for p, v in zip(b.params, b.views):

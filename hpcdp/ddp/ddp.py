@@ -188,7 +188,9 @@ class DDP:
 
     @property
     def buckets(self) -> list[Bucket]:
-        """The gradient buckets, in launch order."""
+        """The gradient buckets, in launch order. Without ``gradient_as_bucket_view`` a bucket's
+        buffer is staging: after a synced backward it may hold the sum, whose mean (times 1/n)
+        went into each ``.grad`` in the copy back; the gradients are the result."""
         return self._reducer.buckets if self._reducer is not None else []
 
     # -- construction-time state sync ----------------------------------------------------------
