@@ -168,11 +168,17 @@ def body_batch_waited_other_ways(rank: int) -> list[str]:
     n = g.size
     fails: list[str] = []
     right, left = (rank + 1) % n, (rank - 1) % n
-    for how in ("one by one", "first waited", "reversed", "extended", "is_completed", "timeout"):
+    for how in ("one by one", "first waited", "reversed", "extended", "is_completed", "timeout",
+                "generator", "twice"):
         inn = np.zeros(6)
         ops = [P2POp("irecv", inn, left, 9), P2POp("isend", np.full(6, float(rank)), right, 9)]
-        ws = hpcdp.batch_isend_irecv(ops)
-        if how == "one by one":
+        ws = hpcdp.batch_isend_irecv(iter(ops) if how == "generator" else ops)
+        if how == "twice":  # the second wait_all finds every work done: the same results
+            first = hpcdp.wait_all(ws)
+            res = hpcdp.wait_all(ws)
+            if res[0] is not first[0]:
+                fails.append(f"{how}: the second wait_all returned {res[0]!r}")
+        elif how == "one by one":
             res = [w.wait(timeout=30) for w in ws]
         elif how == "first waited":
             ws[0].wait(timeout=30)
@@ -190,10 +196,12 @@ def body_batch_waited_other_ways(rank: int) -> list[str]:
             res = hpcdp.wait_all(ws)
         else:
             res = hpcdp.wait_all(ws, timeout=30)
-        if res[0] is not inn or res[1] is not None or not (inn == left).all():
+        if len(ws) < 2 or res[0] is not inn or res[1] is not None or not (inn == left).all():
             fails.append(f"{how}: {res[:2]}, received {inn}")
         if not all(w.is_completed() for w in ws):
             fails.append(f"{how}: a work not complete after its wait")
+    if hpcdp.batch_isend_irecv([]) != [] or hpcdp.wait_all(hpcdp.batch_isend_irecv(iter(()))) != []:
+        fails.append("an empty batch is not an empty list of works")
     g.barrier()
     return fails
 
