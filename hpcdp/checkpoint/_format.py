@@ -16,8 +16,8 @@ UTF-8, ``None`` an attribute with an empty (null) dataspace, which h5py reads as
 the manifest is one fixed-length UTF-8 string (its stored size is checked before it is read).
 Format 3 keeps format 2's layout and checksums each slab with XXH3-64 (``CHECKSUMS``), under
 the slab's key "checksum"; format 2 (CRC32C under "crc32") and format 1 (a group of attributes
-per list, ``None`` as the string 'None', the manifest as uint8 bytes) still load. hpcdp loads every value from the manifest and the checksummed datasets; the
-attributes are for people.
+per list, ``None`` as the string 'None', the manifest as uint8 bytes) still load. hpcdp loads
+every value from the manifest and the checksummed datasets; the attributes are for people.
 """
 from __future__ import annotations
 
@@ -42,11 +42,6 @@ FORMAT = "hpcdp-checkpoint"
 #: 2: numeric lists as datasets, None as an empty attribute, the manifest as a UTF-8 string;
 #: 3: a slab's checksum under "checksum" (it was "crc32"), XXH3-64 by default
 FORMAT_VERSION = 3
-
-
-def slab_sum_key(version: int) -> str:
-    """The key of a slab's checksum in a manifest of format ``version``."""
-    return "checksum" if version >= 3 else "crc32"
 #: a list or tuple of only these Python types (and at least one) is stored as one dataset
 SEQ_DTYPES = {"int": "<i8", "float": "<f8", "bool": "|b1"}
 #: numpy dtype metadata that marks a uint16 array as raw bfloat16 bits (when ml_dtypes is absent)
@@ -199,6 +194,11 @@ CHECKSUMS: dict[str, tuple[Callable[[], Any], int]] = {
 }
 #: what ``save`` writes, best first: the first whose package imports
 _PREFERRED = ("xxh3_64", "crc32c", "crc32")
+
+
+def slab_sum_key(version: int) -> str:
+    """The key of a slab's checksum in a manifest of format ``version``."""
+    return "checksum" if version >= 3 else "crc32"
 
 
 def usable_checksums() -> tuple[str, ...]:

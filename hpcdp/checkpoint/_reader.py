@@ -396,8 +396,9 @@ def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: A
             loads): its arrays (and ``Shard``s' local arrays) receive the data in place, so a
             load needs no second copy of the model in memory and writes pages already touched;
             its dicts and lists get the loaded scalars and the entries it lacks (a tuple
-            cannot change: its scalars are in the returned state only); returns ``out``. Every structure, shape and dtype is checked before the first byte is
-            written, but a slab that fails its checksum is found only as it is read: after a
+            cannot change: its scalars are in the returned state only); returns ``out``.
+            Every structure, shape and dtype is checked before the first byte is written,
+            but a slab that fails its checksum is found only as it is read: after a
             ``CheckpointError`` from that, ``out``'s arrays may hold part of the file. Load
             with ``like=`` where the current values must survive a corrupt file.
         group: the ranks that load together (default: the default group, or none at all).

@@ -264,10 +264,10 @@ def _spun(test: Callable[[], Any], alert: Any) -> bool:
 
 def wait_quick(works: list[Work]) -> bool:
     """``wait_all``'s first step: the lean ``QuickWork``s among ``works``, if they share one
-    lane, tested together (one ``Testall``) in a short spin; completed, or else adopted, so
-    that the general waits that follow cost nothing for them or do not spin again. True when
-    every one of ``works`` is done (successfully: ``_result`` is its result)."""
+    lane, tested together (``_settle``). True when every one of ``works`` is done
+    (successfully: ``_result`` is its result)."""
     lane = None
+    pending: list[QuickWork] = []
     raws = []
     rest = False  # a work that is neither lean nor done
     for w in works:
@@ -278,38 +278,48 @@ def wait_quick(works: list[Work]) -> bool:
                 lane = w._lane
             elif w._lane is not lane:
                 return False  # several groups: each waits on its own
+            pending.append(w)
             raws.append(w._raw)
         elif not w._done:
             rest = True
     if lane is None:
         return not rest
+    return _settle(pending, lane, raws) and not rest
+
+
+def _settle(ws: list[QuickWork], lane: Any, raws: list[Any]) -> bool:
+    """Test ``raws``, the bare requests of the pending lean works ``ws`` (one lane), together
+    (one ``Testall``) in a short spin. True: all done, each marked so. False: each adopted
+    for the general wait that follows (it then costs nothing for them, and does not spin
+    again), or failed if the test raised."""
     testall = lane.testall
     try:
         ok = testall(raws) or _spun(lambda: testall(raws), lane.alert)
     except Exception as exc:  # noqa: BLE001 - which one failed is not known: all carry it
-        for w in works:
-            if type(w) is QuickWork and w._req is None and not w._done and w._raw is not None:
+        for w in ws:
+            if w._raw is not None:
                 w._fail(w._failed(exc))
         return False
-    except BaseException:
-        for w in works:
-            if type(w) is QuickWork:
-                w._adopt()
+    except BaseException:  # KeyboardInterrupt: the transport may still use the buffers
+        for w in ws:
+            w._adopt()
         raise
-    for w in works:
-        if type(w) is QuickWork and w._req is None and not w._done:
-            if not ok:
-                w._adopt()
-            elif w._tok:
-                w._quick_done()
-            else:  # (``_quick_done`` inlined; its notice check once below)
-                w._done = True
-                lane.live.pop(id(w._raw), None)
-                w._raw = None
-                w._result = None if w._send else w._buf
-    if ok and lane.alert[0]:
+    if not ok:
+        for w in ws:
+            w._adopt()
+        return False
+    live = lane.live
+    for w in ws:
+        if w._tok:
+            w._quick_done()
+        else:  # (``_quick_done`` inlined; its notice check once below)
+            w._done = True
+            live.pop(id(w._raw), None)
+            w._raw = None
+            w._result = None if w._send else w._buf
+    if lane.alert[0]:
         lane.take_notices()
-    return ok and not rest
+    return True
 
 
 class QuickBatch(list):  # type: ignore[type-arg]
@@ -328,43 +338,16 @@ class QuickBatch(list):  # type: ignore[type-arg]
 def wait_batch(b: QuickBatch) -> list[Any] | None:
     """``wait_quick`` for a ``QuickBatch`` as it was made, with none of its works waited on,
     adopted or recorded by themselves (else None at once: ``wait_quick`` then): its requests
-    tested together (one ``Testall``) in a short spin; the results once every work is done,
-    else None (the works adopted, for the general wait)."""
+    as posted, tested together (``_settle``); the results once every work is done, else None
+    (the works adopted, for the general wait)."""
     if b != b._snap:
         return None
     for w in b:
         if w._raw is None or w._tok:
             return None
-    lane = b._lane
-    raws = b._raws
-    testall = lane.testall
-    try:
-        ok = testall(raws) or _spun(lambda: testall(raws), lane.alert)
-    except Exception as exc:  # noqa: BLE001 - which one failed is not known: all carry it
-        for w in b:
-            if w._raw is not None:
-                w._fail(w._failed(exc))
+    if not _settle(b, b._lane, b._raws):
         return None
-    except BaseException:
-        for w in b:
-            w._adopt()
-        raise
-    if not ok:
-        for w in b:
-            w._adopt()
-        return None
-    live = lane.live
-    out: list[Any] = []
-    put = out.append
-    for w in b:  # (``_quick_done`` inlined; its notice check once below)
-        w._done = True
-        live.pop(id(w._raw), None)
-        w._raw = None
-        put(r := None if w._send else w._buf)
-        w._result = r
-    if lane.alert[0]:
-        lane.take_notices()
-    return out
+    return [w._result for w in b]
 
 
 def then(work: Work, after: Callable[[Any], Any]) -> Work:

@@ -171,15 +171,15 @@ class Reducer:
         #: gradients" and a "bucket ready" mark per launched bucket, recorded as one entry
         self.trace_phase = Phase("backward", "ddp", args=("sync",), inner="wait gradients",
                                  mark="bucket ready", mark_args=("bucket", "bytes", "in_flight"))
+        #: the default reduction leaves the mean's 1/n to the copy back into the gradients (one
+        #: pass over the bucket, not two) where the gradients are not the bucket's own views
+        self._scale_on_copy = not gradient_as_bucket_view
         #: the last bucket (default reduction) is reduced at once, blocking, where an async one
         #: would not advance anyway until waited on: a transport that moves data only inside its
         #: calls (MPI) and no progress thread. By then every gradient is in, so nothing is left
         #: to overlap with but a backward's input gradients, which run on this core either way;
         #: the blocking call skips the async request's bookkeeping. (Blocking or not, the call
         #: matches its peers' alike: ranks may choose differently.)
-        #: the default reduction leaves the mean's 1/n to the copy back into the gradients (one
-        #: pass over the bucket, not two) where the gradients are not the bucket's own views
-        self._scale_on_copy = not gradient_as_bucket_view
         self.block_last = (self.progress is None and group.size > 1
                            and bool(getattr(group.backend, "needs_progress_thread", False)))
 

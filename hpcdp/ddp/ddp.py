@@ -28,8 +28,9 @@ Design choices (see also ``hpcdp/ddp/__init__.py``):
   collectives and nothing can hang. With ``find_unused_parameters=False`` this also emits a
   one-time warning naming the parameters; with True a small used-map allreduce tells which
   parameters no rank used, and those get ``.grad = None`` (as torch leaves them untouched).
-* Averaging divides each bucket's *sum* in place when its reduction completes (as a product by
-  ``1/n`` where that gives the quotient's very bits: ``n`` a power of two). Scaling the loss
+* Averaging divides each bucket's *sum* when its reduction completes (as a product by ``1/n``
+  where that gives the quotient's very bits: ``n`` a power of two; with separate ``.grad``
+  arrays that product is the copy back into them, one pass instead of two). Scaling the loss
   gradient by 1/n before backward would spare that pass, but it is right only for a backward
   that is linear in its input (not for, e.g., a penalty added inside backward), and user hooks
   would see scaled gradients. The pass is small next to a step (measured as fast either way:

@@ -204,6 +204,15 @@ def _refresh_here() -> tuple[Any, ...] | None:
     return h
 
 
+def _here_entry() -> tuple[Any, ...] | None:
+    """The calling thread's ``_tls.here``, looked up again (``_refresh_here``) when timelines
+    came or went since it was made, or the process rank it was made under changed."""
+    h = _tls.here
+    if h is None or h[3] is not _epoch or (h[4] is not None and h[4] != _process_rank[0]):
+        h = _refresh_here()
+    return h
+
+
 def trace_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"trace-rank{rank}.json")
 
@@ -581,11 +590,8 @@ class span:
         self._t0 = 0
 
     def __enter__(self) -> "span":
-        if state.on:  # (the thread's timeline and tid: ``_refresh_here``'s cache, inlined)
-            h = _tls.here
-            if h is None or h[3] is not _epoch or (h[4] is not None and h[4] != _process_rank[0]):
-                h = _refresh_here()
-            self._h = h
+        if state.on:  # the thread's timeline and tid
+            self._h = _here_entry()
             self._t0 = now_ns()
         return self
 
@@ -624,11 +630,9 @@ def _here() -> Timeline | None:
 def instant(name: str, cat: str = "mark", **args: Any) -> None:
     """A point in time on the current rank's timeline (e.g. "bucket 3 ready")."""
     if state.on:
-        h = _tls.here  # ``_refresh_here``'s cache and ``Timeline.instant`` inlined: DDP marks every bucket
-        if h is None or h[3] is not _epoch or (h[4] is not None and h[4] != _process_rank[0]):
-            h = _refresh_here()
-            if h is None:
-                return
+        h = _here_entry()  # (``Timeline.instant`` inlined)
+        if h is None:
+            return
         buf = h[5]
         buf.append(("i", name, cat, now_ns(), 0, h[1], args or None))
         if len(buf) >= h[6]:

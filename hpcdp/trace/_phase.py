@@ -16,10 +16,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from . import _chrome
-from ._chrome import _MS, _PLAIN, _refresh_here, instant, now_ns, state
+from ._chrome import _MS, _PLAIN, _here_entry, instant, now_ns, state
 from ._dump import on_dump
-from ._recorder import _process_rank, _tls, pin_line
+from ._recorder import _tls, pin_line
 from ._steps import observe
 
 __all__ = ["Phase"]
@@ -96,16 +95,12 @@ class Phase:
     def __enter__(self) -> "Phase":
         # ``pinned_line``: the user's call around the phase names what starts inside
         self._pinned, self._prev = pin_line()
-        if state.on:  # the thread's timeline and tid (``span.__enter__``'s lookup)
-            h = _tls.here
-            if h is None or h[3] is not _chrome._epoch or (h[4] is not None and h[4] != _process_rank[0]):
-                h = _refresh_here()
-            if h is not None:
-                self._ti0 = self._ti1 = 0
-                self._ierr = None
-                self._h = h
-                _open.add(self)
-                self._t0 = now_ns()
+        if state.on and (h := _here_entry()) is not None:  # the thread's timeline and tid
+            self._ti0 = self._ti1 = 0
+            self._ierr = None
+            self._h = h
+            _open.add(self)
+            self._t0 = now_ns()
         return self
 
     def __exit__(self, tp: Any, value: Any, tb: Any) -> bool:
