@@ -81,3 +81,41 @@ def test_the_128th_call_is_checked(world: World) -> None:
 def test_the_sample_is_chosen_by_sequence_number_alone() -> None:
     picked = [s for s in range(1, 1025) if _debug.sampled(s)]
     assert picked == list(range(1, 33)) + [128 * k for k in range(1, 9)]
+
+
+def test_signatures_are_built_once_per_call_and_carry_their_sequence_number() -> None:
+    f8 = np.dtype("f8")
+    a = _debug._signature("allreduce", 7, "sum", None, (2, 3), f8)
+    b = _debug._signature("allreduce", 9, "sum", None, (2, 3), f8)
+    assert (a[1], b[1]) == (7, 9)
+    assert np.array_equal(a, _debug._build_signature("allreduce", 7, "sum", None, (2, 3), f8))
+    a[:] = 0  # a caller's copy: the next signature of the call is whole
+    assert np.array_equal(_debug._signature("allreduce", 7, "sum", None, (2, 3), f8),
+                          _debug._build_signature("allreduce", 7, "sum", None, (2, 3), f8))
+    # an unhashable shape is built each time, and equals the tuple's
+    assert np.array_equal(_debug._signature("allreduce", 3, "sum", None, [2, 3], f8),
+                          _debug._signature("allreduce", 3, "sum", None, (2, 3), f8))
+    # each of (op, root, shape, dtype, operation) changes the signature
+    calls = [("allreduce", "sum", None, (2, 3), f8), ("allreduce", "max", None, (2, 3), f8),
+             ("reduce", "sum", 1, (2, 3), f8), ("reduce", "sum", 0, (2, 3), f8),
+             ("allreduce", "sum", None, (3, 2), f8), ("allreduce", "sum", None, (2, 3), np.dtype("f4")),
+             ("broadcast", None, 0, (2, 3), f8)]
+    sigs = {_debug._signature(c[0], 5, *c[1:]).tobytes() for c in calls}
+    assert len(sigs) == len(calls)
+    # past the cache's bound it is cleared and rebuilt, never wrong
+    for n in range(_debug._SIGNATURES_MAX + 10):
+        s = _debug._signature("all_gather", n, None, None, (n,), f8)
+        assert s[1] == n and s[7] == n, n
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_judge_sees_a_differing_rank_wherever_it_is(size: int) -> None:
+    g = hpcdp.ProcessGroup(None, name="judge", members=range(size))
+    same = _debug._signature("allreduce", 4, "sum", None, (2,), np.dtype("f8"))
+    got = np.tile(same, (size, 1))
+    _debug.judge_sampled(g, "allreduce", 4, got)  # all alike: no error
+    for r in range(size if size > 1 else 0):
+        odd = got.copy()
+        odd[r] = _debug._signature("allreduce", 4, "sum", None, (3,), np.dtype("f8"))
+        with pytest.raises(hpcdp.CollectiveMismatchError, match=f"rank {r}: allreduce.*shape \\(3,\\)"):
+            _debug.judge_sampled(g, "allreduce", 4, odd)

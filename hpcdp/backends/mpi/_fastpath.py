@@ -441,6 +441,7 @@ class FirstCall(_rq.MPIRequest):
 #: the slower deadline-checked wait (with 64 Tests and no second spin the early rank of a
 #: barrier fell into the slower wait every few calls).
 _SPIN_S = SPIN_SECONDS
+_RING_MIN_BYTES = _tuning.RING_MIN_BYTES
 #: a larger collective's lane spins as long as its bytes take at this rate (a registered wait
 #: polls as busily for its first milliseconds, at the cost of the request bookkeeping), capped
 _SPIN_BPS, _SPIN_MAX_S = 2e9, 2e-3
@@ -524,7 +525,7 @@ class FastPath:
         small, nbytes, view = self.slots, recv.nbytes, self._view
         out = None  # the persistent request's result buffer, once started
         try:
-            if small is not None and n and nbytes < _tuning.RING_MIN_BYTES:
+            if small is not None and n and nbytes < _RING_MIN_BYTES:
                 slot = table.get(n)
                 if slot is None:  # the shape's first call: checked
                     first = small.first(send, recv, op, index)
@@ -542,8 +543,9 @@ class FastPath:
                 t = fast[0]
                 s = _rq._MPI.IN_PLACE if send is recv else [send, t]
                 req = _tuning.post(self.tuner, self.comm, s, [recv, t], mop, nbytes)
-            # a short spin (``base.spin``); the deadline counts from its end
-            if spin(req.Test, view, min(_SPIN_S, timeout)):
+            # a short spin (``base.spin``), after one test that a peer already there passes;
+            # the deadline counts from its end
+            if req.Test() or spin(req.Test, view, _SPIN_S if timeout > _SPIN_S else timeout):
                 if out is not None:
                     recv[...] = out
                 if view[0]:  # a notice landed: answer it, or fail if a peer left
