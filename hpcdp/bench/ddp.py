@@ -142,6 +142,39 @@ def bench_d2(g: Any, trials: int, sink: JsonSink, total_mb: float = 50, iters: i
     return t.median_ratio
 
 
+def _d4_limits(g: Any, step: Callable[[], None], model: nn.Module, t1: Callable[[], float],
+               iters: int, trials: int) -> dict[str, Any]:
+    """What the machine allows D4 (MPI only): t1 against the plain step run on every rank at
+    once ("bound": the cost of sharing memory and caches), and against that step plus a raw
+    mpi4py ``Allreduce`` of a buffer of its gradients' size after it ("ceiling": DDP with no
+    overhead and no overlap; its copies left out, so an upper bound). Interleaved like D4."""
+    comm = getattr(g.backend, "comm", None)
+    if g.backend.name != "mpi" or comm is None:
+        return {}
+    from mpi4py import MPI
+
+    flat = np.zeros(sum(p.data.size for p in model.parameters()), np.float32)
+    flat += 1.0  # touched: no page faults in the timed part
+
+    def raw_step() -> None:
+        step()
+        comm.Allreduce(MPI.IN_PLACE, flat)
+
+    def t_both() -> float:
+        return _gather_max(time_loop(step, iters, g.barrier))
+
+    def t_raw() -> float:
+        return _gather_max(time_loop(raw_step, iters, g.barrier))
+
+    raw_step()
+    tb = interleaved(t1, t_both, trials)
+    tr = interleaved(t1, t_raw, trials)
+    return {"bound": statistics.median(b / c for b, c in zip(tb.base, tb.cand)),
+            "t_both_ms": tb.cand_median * 1e3, "grad_mb": flat.nbytes / 1e6,
+            "ceiling": statistics.median(b / c for b, c in zip(tr.base, tr.cand)),
+            "t_raw_step_ms": tr.cand_median * 1e3}
+
+
 def _mlp(seed: int, hidden: int = 1024) -> nn.Module:
     return nn.Sequential(nn.Linear(784, hidden, seed=seed), nn.ReLU(), nn.Linear(hidden, hidden, seed=seed + 1),
                          nn.ReLU(), nn.Linear(hidden, 10, seed=seed + 2))
@@ -184,6 +217,7 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
     step_ddp()
     tr = interleaved(t1, t2, trials)
     eff = statistics.median(b / c for b, c in zip(tr.base, tr.cand))
+    limits = _d4_limits(g, step_alone, alone, t1, iters, trials)
 
     # Hidden communication: backward alone, sync alone, backward with DDP (all ranks at once).
     def bwd_alone() -> float:
@@ -222,13 +256,18 @@ def bench_d4(g: Any, trials: int, sink: JsonSink, batch: int = 64, iters: int = 
     res = {"efficiency": eff, "t1_ms": tr.base_median * 1e3, "t2_ms": tr.cand_median * 1e3,
            "hidden": statistics.median(shares), "t_backward_ms": statistics.median(tb) * 1e3,
            "t_sync_ms": statistics.median(ts) * 1e3, "t_backward_ddp_ms": statistics.median(to) * 1e3,
-           "buckets_mb": [round(b.nbytes / 2**20, 2) for b in ddp.buckets]}
+           "buckets_mb": [round(b.nbytes / 2**20, 2) for b in ddp.buckets], **limits}
     if g.rank == 0:
         print(f"# D4 weak scaling ({g.size} ranks vs 1, MLP 784-{hidden}-{hidden}-10, batch {batch}/rank): "
               f"t1 {res['t1_ms']:.2f} ms, t2 {res['t2_ms']:.2f} ms, efficiency {eff:.3f} ({judged('D4', '', eff)})")
         print(f"# hidden communication: backward {res['t_backward_ms']:.2f} ms, sync alone "
               f"{res['t_sync_ms']:.2f} ms, backward+DDP {res['t_backward_ddp_ms']:.2f} ms -> "
               f"{100 * res['hidden']:.0f}% of the sync time hidden behind backward (buckets {res['buckets_mb']} MiB)")
+        if "bound" in res:
+            print(f"# machine limits (D4): the plain step on every rank at once {res['t_both_ms']:.2f} ms "
+                  f"(t1 / that {res['bound']:.3f}: what sharing the machine costs); plain step + a raw "
+                  f"mpi4py Allreduce of its {res['grad_mb']:.2f} MB of gradients {res['t_raw_step_ms']:.2f} ms "
+                  f"(t1 / that {res['ceiling']:.3f}: the most a DDP without overhead or overlap reaches)")
     sink.write({"bench": "ddp", "op": "D4", "ranks": g.size, **res})
     summarize(sink, "D4", eff, ranks=g.size, width=hidden, batch=batch, hidden_share=res["hidden"],
               trials=[b / c for b, c in zip(tr.base, tr.cand)])

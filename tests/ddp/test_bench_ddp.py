@@ -9,6 +9,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from hpcdp.testing.fixtures import World, worlds
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--trials", "1", "--iters", "2", "--d1-tensors", "20", "--d4-hidden", "32", "--d4-batch", "8"]
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)", re.IGNORECASE)
@@ -55,3 +59,25 @@ def test_bench_ddp_tiny(tmp_path) -> None:
 def test_bench_ddp_rejects_bad_sizes() -> None:
     proc = _bench("--iters", "0")
     assert proc.returncode == 2 and "--iters" in proc.stderr, proc.stderr
+
+
+def _d4_tiny(rank: int) -> dict:
+    import hpcdp
+    from hpcdp.bench._common import JsonSink
+    from hpcdp.bench.ddp import bench_d4
+
+    return bench_d4(hpcdp.get_default_group(), 2, JsonSink(None), batch=8, iters=2, hidden=32)
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
+def test_d4_reports_the_machines_limits_on_mpi(world: World) -> None:
+    """On MPI, D4 also times the plain step on every rank and the plain step plus a raw
+    Allreduce of its gradient bytes: the bound and ceiling a DDP is judged against."""
+    out = world.run(_d4_tiny, timeout=120)
+    for res in out:
+        if world.backend == "mpi":
+            for key in ("bound", "ceiling", "t_both_ms", "t_raw_step_ms"):
+                assert math.isfinite(res[key]) and res[key] > 0, (key, res)
+            assert res["grad_mb"] == pytest.approx((784 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10) * 4 / 1e6)
+        else:  # no raw MPI to compare with: nothing made up
+            assert "ceiling" not in res and "bound" not in res, res
