@@ -7,7 +7,7 @@ Three figures, each the median of per-trial ratios over interleaved trials (PERF
 - halo step: every rank exchanges a boundary with each neighbour of a periodic grid (1-D: left and
   right; 2-D: a ``dims_create`` grid, four neighbours), hpcdp ``isend``/``irecv`` + ``wait_all``
   against mpi4py ``Isend``/``Irecv``/``Waitall``, and hpcdp ``sendrecv`` against mpi4py
-  ``Sendrecv`` (target: A7 halo);
+  ``Sendrecv``, with tags and with mpi4py's defaults (any receive tag) (target: A7 halo);
 - ``batch_isend_irecv`` + ``wait_all`` against hpcdp's own ``isend``/``irecv`` of the same halo
   step (target: A7 batch: the batch must be no slower).
 
@@ -146,6 +146,14 @@ def _halo(g: Any, comm: Any, ndim: int, nbytes: int, steps: int, trials: int) ->
         for i in range(k):
             g.sendrecv(out[i], dsts[i], inn[i], srcs[i], sendtag=i, recvtag=i)
 
+    def raw_sr_any() -> None:  # mpi4py's defaults: send tag 0, receive any tag
+        for i in range(k):
+            comm.Sendrecv(out[i], dsts[i], recvbuf=inn[i], source=srcs[i])
+
+    def ours_sr_any() -> None:
+        for i in range(k):
+            g.sendrecv(out[i], dsts[i], inn[i], srcs[i])
+
     ops = ([hpcdp.P2POp("irecv", inn[i], srcs[i], i) for i in range(k)]
            + [hpcdp.P2POp("isend", out[i], dsts[i], i) for i in range(k)])
 
@@ -157,9 +165,11 @@ def _halo(g: Any, comm: Any, ndim: int, nbytes: int, steps: int, trials: int) ->
     for figure, base, cand, baseline in (
             ("halo", raw_nb, ours_nb, "mpi4py Isend/Irecv/Waitall"),
             ("halo", raw_sr, ours_sr, "mpi4py Sendrecv"),
+            ("halo", raw_sr_any, ours_sr_any, "mpi4py Sendrecv, default tags"),
             ("batch", ours_nb, ours_batch, "hpcdp isend/irecv + wait_all")):
         b, c, r = _trials(lambda: _timed(base, steps, comm), lambda: _timed(cand, steps, comm), trials)
-        op = {"halo": "isend/irecv + wait_all" if base is raw_nb else "sendrecv",
+        op = {"halo": ("isend/irecv + wait_all" if base is raw_nb else "sendrecv" if base is raw_sr
+                       else "sendrecv, any receive tag"),
               "batch": "batch_isend_irecv + wait_all"}[figure]
         rows.append({"bench": "A7", "figure": figure, "op": f"{what}: {op}", "baseline": baseline,
                      "base_us": b * 1e6, "us": c * 1e6, "ratio": r, "target": TARGETS[figure]})

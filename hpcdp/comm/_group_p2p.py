@@ -641,6 +641,12 @@ class PointToPoint:
                          or not np.may_share_memory(sendbuf, recvbuf))):
                 self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
                 return recvbuf
+            if (recvtag == ANY_TAG and type(recvbuf) is _ndarray and type(src) is int
+                    and src in self._peers and not return_status and dtype is None
+                    and self._p2p_fast(sendbuf, dst, sendtag, True) and self._recv_fast(recvbuf, src, 0)
+                    and ((sendbuf.base is None and recvbuf.base is None and sendbuf is not recvbuf)
+                         or not np.may_share_memory(sendbuf, recvbuf))):
+                return self._sendrecv_any_tag(sendbuf, dst, sendtag, recvbuf, src, timeout)
             if (type(sendbuf) is not _ndarray or type(recvbuf) is not _ndarray) and (
                     tc := tensor_call(g._where("sendrecv"), sendbuf, recvbuf)):
                 return via_tensors(tc, self.sendrecv(
@@ -666,6 +672,34 @@ class PointToPoint:
             return got
         except HpcdpError as exc:
             raise public_error(exc)  # noqa: B904 - exc is its __context__
+
+    def _sendrecv_any_tag(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
+                          timeout: float | None) -> np.ndarray:
+        """``sendrecv`` from one source with any tag (mpi4py's default ``recvtag``) where the
+        lane cannot post a wildcard receive itself (MPI carrying dtypes in its tags): the send
+        posted first (so the peer's sendrecv can complete), then the source's next message
+        looked at in a short spin of probes and received by its tag through the quick lane,
+        which checks its dtype and size as for any receive. A message not there within the spin
+        is waited for by ``probe`` (its deadline, the watchdog, the flight record)."""
+        g = self._g
+        t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
+        deadline = time.monotonic() + t
+        sent = self.isend(sbuf, dst, stag)
+        try:
+            look = g.backend.probe_meta
+            hit = look(src, ANY_TAG)
+            if hit is None:
+                until = time.monotonic() + QUICK_SPIN_S
+                while (hit := look(src, ANY_TAG)) is None and time.monotonic() < until:
+                    pass
+            tag = hit.tag if hit is not None else self.probe(
+                src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic())).tag
+            self.recv(rbuf, src, tag, timeout=max(1e-3, deadline - time.monotonic()))
+        except BaseException:
+            sent.is_completed()  # progress it; the receive's error is what is raised
+            raise
+        sent.wait(max(1e-3, deadline - time.monotonic()))
+        return rbuf
 
     def _sendrecv_quick(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
                         rtag: int, timeout: float | None) -> None:

@@ -131,6 +131,59 @@ def body_bad_sendrecv(rank: int) -> list[str]:
     return fails
 
 
+def body_any_tag(rank: int) -> list[str]:
+    """mpi4py's default ``recvtag`` (any tag) from one source: messages of any tag, in order,
+    one that arrives late, a message of another dtype, and a source that sends nothing."""
+    g = hpcdp.get_default_group()
+    n, fails = g.size, []
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for i, tag in enumerate((5, 0, 123, 5)):
+        got = g.sendrecv(np.full(3, 10.0 * rank + i), right, np.zeros(3), left, sendtag=tag)
+        if not np.array_equal(got, np.full(3, 10.0 * left + i)):
+            fails.append(f"tag {tag}: {got}")
+    for shape in ((2, 3), (6,), ()):  # n-D and 0-d messages, into buffers of their shape
+        got = g.sendrecv(np.full(shape, rank + 0.5), right, np.zeros(shape), left)
+        if got.shape != shape or not (got == left + 0.5).all():
+            fails.append(f"shape {shape}: {got}")
+    if rank == 0:  # rank 0's receive is waited for past the lane's spin
+        time.sleep(0.2)
+        g.send(np.full(2, 7.0), right, tag=4)
+        got = g.recv(np.zeros(2), left, tag=4)
+    else:
+        got = g.sendrecv(np.full(2, 7.0), right, np.zeros(2), left, sendtag=4)
+    if not (got == 7.0).all():
+        fails.append(f"late message: {got}")
+    g.barrier()
+    # another dtype than the buffer's: refused by name, as a receive of its tag is
+    try:
+        g.sendrecv(np.ones(4, np.float32), right, np.zeros(4), left, sendtag=8, timeout=5)
+        fails.append("a float32 message was taken into a float64 buffer")
+    except hpcdp.CollectiveMismatchError as exc:
+        if "float32" not in str(exc):
+            fails.append(f"unclear mismatch: {exc}")
+        g.recv(np.zeros(4, np.float32), left, tag=8)  # take it: nothing left in flight
+    g.barrier()
+    if rank == 0:  # a source that sends nothing: a timeout naming what did not arrive
+        t0 = time.monotonic()
+        try:
+            g.sendrecv(np.ones(2), right, np.empty(2), left, sendtag=6, timeout=0.5)
+            fails.append("no timeout")
+        except hpcdp.CommTimeoutError as exc:
+            took = time.monotonic() - t0
+            if not 0.45 <= took < 10 or f"rank {left}" not in str(exc):
+                fails.append(f"timeout after {took:.2f} s: {exc}")
+    elif rank == 1:  # rank 0's right neighbour takes its message
+        g.recv(np.empty(2), 0, tag=6)
+    g.barrier()
+    return fails
+
+
+@pytest.mark.parametrize("world", worlds("sim-2", "sim-3", "tcp-3", "mpi"), indirect=True)
+def test_sendrecv_any_tag_from_one_source(world: World) -> None:
+    out = world.run(body_any_tag, timeout=60)
+    assert out == [[]] * world.size, out
+
+
 @pytest.mark.parametrize("world", worlds("sim-1", "sim-2", "sim-3", "sim-4", "tcp-3", "mpi"),
                          indirect=True)
 def test_sendrecv_rings_lines_and_shapes(world: World) -> None:
