@@ -642,8 +642,9 @@ class PointToPoint:
                 self._sendrecv_quick(sendbuf, dst, sendtag, recvbuf, src, recvtag, timeout)
                 return recvbuf
             if (recvtag == ANY_TAG and type(recvbuf) is _ndarray and type(src) is int
-                    and src in self._peers and not return_status and dtype is None
-                    and self._p2p_fast(sendbuf, dst, sendtag, True) and self._recv_fast(recvbuf, src, 0)
+                    and (src in self._peers or src == ANY_SOURCE) and not return_status and dtype is None
+                    and self._p2p_fast(sendbuf, dst, sendtag, True) and recvbuf.dtype in SUPPORTED_SET
+                    and (f := recvbuf.flags).c_contiguous and f.writeable
                     and ((sendbuf.base is None and recvbuf.base is None and sendbuf is not recvbuf)
                          or not np.may_share_memory(sendbuf, recvbuf))):
                 return self._sendrecv_any_tag(sendbuf, dst, sendtag, recvbuf, src, timeout)
@@ -675,12 +676,13 @@ class PointToPoint:
 
     def _sendrecv_any_tag(self, sbuf: np.ndarray, dst: int, stag: int, rbuf: np.ndarray, src: int,
                           timeout: float | None) -> np.ndarray:
-        """``sendrecv`` from one source with any tag (mpi4py's default ``recvtag``) where the
-        lane cannot post a wildcard receive itself (MPI carrying dtypes in its tags): the send
-        posted first (so the peer's sendrecv can complete), then the source's next message
-        looked at in a short spin of probes and received by its tag through the quick lane,
-        which checks its dtype and size as for any receive. A message not there within the spin
-        is waited for by ``probe`` (its deadline, the watchdog, the flight record)."""
+        """``sendrecv`` with any tag (mpi4py's default ``recvtag``), from one source or any,
+        where the lane cannot post a wildcard receive itself (MPI carrying dtypes in its tags):
+        the send posted first (so the peer's sendrecv can complete), then the next message
+        looked at in a short spin of probes and received by its source and tag through the
+        quick lane, which checks its dtype and size as for any receive. A message not there
+        within the spin is waited for by ``probe`` (its deadline, the watchdog, the flight
+        record)."""
         g = self._g
         t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
         deadline = time.monotonic() + t
@@ -692,9 +694,13 @@ class PointToPoint:
                 until = time.monotonic() + QUICK_SPIN_S
                 while (hit := look(src, ANY_TAG)) is None and time.monotonic() < until:
                     pass
-            tag = hit.tag if hit is not None else self.probe(
-                src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic())).tag
-            self.recv(rbuf, src, tag, timeout=max(1e-3, deadline - time.monotonic()))
+            if hit is None:
+                hit = self.probe(src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic()))
+            left = max(1e-3, deadline - time.monotonic())
+            if hit.source == g.rank:  # to oneself (any source): the blocking path refuses it
+                self.irecv(rbuf, hit.source, hit.tag).wait(left)
+            else:
+                self.recv(rbuf, hit.source, hit.tag, timeout=left)
         except BaseException:
             sent.is_completed()  # progress it; the receive's error is what is raised
             raise

@@ -141,6 +141,11 @@ def body_any_tag(rank: int) -> list[str]:
         got = g.sendrecv(np.full(3, 10.0 * rank + i), right, np.zeros(3), left, sendtag=tag)
         if not np.array_equal(got, np.full(3, 10.0 * left + i)):
             fails.append(f"tag {tag}: {got}")
+    # any source too (mpi4py's default ``source``): here only the left neighbour sends to us
+    for i in range(3):
+        got = g.sendrecv(np.full(2, rank + 0.25 * i), right, np.zeros(2))
+        if not (got == left + 0.25 * i).all():
+            fails.append(f"any source, step {i}: {got}")
     for shape in ((2, 3), (6,), ()):  # n-D and 0-d messages, into buffers of their shape
         got = g.sendrecv(np.full(shape, rank + 0.5), right, np.zeros(shape), left)
         if got.shape != shape or not (got == left + 0.5).all():
