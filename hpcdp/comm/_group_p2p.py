@@ -372,6 +372,14 @@ class PointToPoint:
         if src == PROC_NULL:
             return Status(PROC_NULL, ANY_TAG, 0)
         t = g.timeout if timeout is None else g._timeout_of("probe", timeout)
+        look = g.backend.probe_meta
+        hit = look(src, tag)  # a message already there, or there within a short spin: no
+        if hit is None:       # waiting, so nothing to record (as in the quick lanes)
+            until = time.monotonic() + (t if t < QUICK_SPIN_S else QUICK_SPIN_S)
+            while (hit := look(src, tag)) is None and time.monotonic() < until:
+                pass
+        if hit is not None:
+            return self._status(hit)
         box: list[Any] = []
 
         def found() -> bool:
@@ -690,11 +698,7 @@ class PointToPoint:
         try:
             look = g.backend.probe_meta
             hit = look(src, ANY_TAG)
-            if hit is None:
-                until = time.monotonic() + QUICK_SPIN_S
-                while (hit := look(src, ANY_TAG)) is None and time.monotonic() < until:
-                    pass
-            if hit is None:
+            if hit is None:  # (``probe`` spins too, after checks this call made already)
                 hit = self.probe(src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic()))
             left = max(1e-3, deadline - time.monotonic())
             if hit.source == g.rank:  # to oneself (any source): the blocking path refuses it
