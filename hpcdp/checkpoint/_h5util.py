@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 
 __all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
-           "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text", "raw_place",
-           "pread_into", "flat_index"]
+           "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text", "posix_fd",
+           "raw_offset", "run_offset", "pread_into", "flat_index"]
 
 
 class SlabWriteError(Exception):
@@ -103,34 +103,49 @@ def read_into(dset: Any, out: np.ndarray, out_offsets: Sequence[int], offsets: S
     _did(dset).read(mem, file_space(dset, offsets, shape), out)
 
 
-def raw_place(dset: Any, offsets: Sequence[int], shape: Sequence[int]) -> tuple[int, int] | None:
-    """(file descriptor, byte offset) of the block ``shape`` at ``offsets`` of ``dset`` when
-    reading it with ``pread`` gives exactly what HDF5's read would: the dataset is stored
-    contiguously in a file HDF5 opened with its POSIX driver, its file type is the very type numpy's
-    dtype maps to (HDF5 would convert nothing), and the block is one run of bytes in C order. Else
-    None (HDF5 reads it). The caller has checked that the stored bytes lie inside the file."""
-    did = _did(dset)
+def posix_fd(fid: Any) -> int | None:
+    """The file descriptor under the open HDF5 file ``fid`` (a FileID) when HDF5 reads it with its
+    POSIX driver, so that ``pread`` at a dataset's offset sees the bytes HDF5 would; else None.
+    Asked once per file: the driver and handle are the file's, not each dataset's."""
     try:
-        if did.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
-            return None
-        dt = did.dtype
-        if not did.get_type().equal(h5py.h5t.py_create(dt)):
-            return None
-        fid = h5py.h5i.get_file_id(did)
         if fid.get_access_plist().get_driver() != h5py.h5fd.SEC2:
             return None
         fd = fid.get_vfd_handle()
-        base = did.get_offset()
-        dshape = did.shape
     except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
         return None
-    if base is None or not isinstance(fd, int) or len(offsets) != len(dshape):
+    return fd if isinstance(fd, int) else None
+
+
+def raw_offset(dset: Any, dcpl: Any = None) -> int | None:
+    """The byte offset in its file of ``dset`` (a Dataset or DatasetID; ``dcpl`` its creation
+    properties, if the caller has them) when reading its bytes there with ``pread`` gives exactly
+    what HDF5's read would: it is stored contiguously and its file type is the very type numpy's
+    dtype maps to (HDF5 would convert nothing). Else None. The caller has checked that the stored
+    bytes lie inside the file (``_layout``) and asks ``posix_fd`` about the file."""
+    did = _did(dset)
+    try:
+        dcpl = did.get_create_plist() if dcpl is None else dcpl
+        if dcpl.get_layout() != h5py.h5d.CONTIGUOUS:
+            return None
+        if not did.get_type().equal(h5py.h5t.py_create(did.dtype)):
+            return None
+        base = did.get_offset()
+    except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
+        return None
+    return base if isinstance(base, int) else None
+
+
+def run_offset(offsets: Sequence[int], shape: Sequence[int], dshape: Sequence[int],
+               itemsize: int) -> int | None:
+    """Where the block ``shape`` at ``offsets`` of a C-order array of ``dshape`` starts, in bytes
+    from the array's first byte, when the block is one run of bytes; else None."""
+    if len(offsets) != len(dshape):
         return None
     # one run: after the first axis along which the block is longer than 1, it spans whole axes
     k = next((a for a, n in enumerate(shape) if n > 1), len(shape))
     if any(n != d or o != 0 for n, d, o in zip(shape[k + 1:], dshape[k + 1:], offsets[k + 1:])):
         return None
-    return fd, base + flat_index(offsets, dshape) * dt.itemsize
+    return flat_index(offsets, dshape) * itemsize
 
 
 def flat_index(offsets: Sequence[int], shape: Sequence[int]) -> int:

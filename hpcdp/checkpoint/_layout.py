@@ -27,11 +27,11 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
-from ._format import FORMAT, MANIFEST, rank_file, vds_name
+from ._format import FORMAT, MANIFEST, MANIFEST_CRC_ATTR, rank_file, vds_name
 from ._h5util import read_slab
 from ._manifest import decode_manifest
 
-__all__ = ["Piece", "Names", "read_manifest", "survey", "open_rank_file"]
+__all__ = ["Piece", "Names", "read_manifest", "survey", "open_rank_file", "file_id"]
 
 _LAYOUTS = {h5py.h5d.COMPACT: "compact", h5py.h5d.CONTIGUOUS: "contiguous",
             h5py.h5d.CHUNKED: "chunked", h5py.h5d.VIRTUAL: "virtual"}
@@ -48,6 +48,11 @@ class Piece:
     dset: Any = field(default=None, compare=False)  # its open DatasetID, for data.h5's own
 
 
+def file_id(f: Any) -> Any:
+    """The low-level FileID of an open file: ``f`` itself, or an ``h5py.File``'s ``id``."""
+    return f.id if isinstance(f, h5py.File) else f
+
+
 class Names:
     """The objects of one open HDF5 file by path, reached through hard links only.
 
@@ -57,7 +62,7 @@ class Names:
 
     def __init__(self, f: Any, where: str) -> None:
         self.where = where
-        self._groups: dict[str, Any] = {"": h5py.h5g.open(f.id, b"/")}
+        self._groups: dict[str, Any] = {"": h5py.h5g.open(file_id(f), b"/")}
 
     def exists(self, name: str) -> bool:
         """Whether the root holds a link ``name`` (never followed: ``name in f`` would open the
@@ -143,17 +148,34 @@ def _stored(d: Any, where: str, path: str, file_size: int, dcpl: Any = None) -> 
     return stored
 
 
-def read_manifest(f: Any, where: str) -> dict:
-    """The validated manifest of the open ``data.h5`` ``f`` (format marker first)."""
+def _scalar_attr(obj: Any, name: bytes) -> Any:
+    """The value of the scalar attribute ``name`` of the object ``obj`` (an ObjectID), as h5py's
+    ``attrs.get`` reads it (a string as ``str`` or ``bytes``, a number as a numpy scalar); None if
+    it is absent, not a scalar, or of a type h5py cannot read. Low-level: a fraction of the cost
+    of ``attrs.get``, which a load pays twice."""
     try:
-        marker = f.attrs.get("hpcdp_format")
-    except Exception:  # noqa: BLE001 - an attribute h5py cannot read is no marker
-        marker = None
+        if not h5py.h5a.exists(obj, name):
+            return None
+        a = h5py.h5a.open(obj, name)
+        if a.shape != ():
+            return None
+        buf = np.empty((), a.dtype)
+        a.read(buf)
+        return buf[()]
+    except Exception:  # noqa: BLE001 - an attribute h5py cannot read is as good as none
+        return None
+
+
+def read_manifest(f: Any, where: str, names: Names | None = None) -> dict:
+    """The validated manifest of the open ``data.h5`` ``f`` (an ``h5py.File`` or its FileID;
+    ``names`` its ``Names``, if the caller has them), format marker first."""
+    fid = file_id(f)
+    marker = _scalar_attr(fid, b"hpcdp_format")
     if isinstance(marker, bytes):
         marker = marker.decode(errors="replace")
     if marker != FORMAT:
         raise CheckpointError(f"{where}: not an hpcdp checkpoint: no {FORMAT!r} format marker")
-    names = Names(f, where)
+    names = Names(fid, where) if names is None else names
     if not names.exists(MANIFEST):
         raise CheckpointError(f"{where}: not an hpcdp checkpoint: no manifest dataset {MANIFEST!r}")
     d = names.get(MANIFEST, "the manifest")
@@ -166,13 +188,13 @@ def read_manifest(f: Any, where: str) -> dict:
     if not ok:
         raise CheckpointError(f"{where}: the manifest {MANIFEST!r} is neither a fixed-length string "
                               "dataset nor (format 1) a 1-D uint8 array")
-    _stored(d, where, MANIFEST, os.path.getsize(f.filename))
+    _stored(d, where, MANIFEST, os.path.getsize(os.fsdecode(h5py.h5f.get_name(fid))))
     try:
         if text:  # read as the file's own UTF-8 type: numpy's "S" alone is ASCII to HDF5
             raw = read_slab(d, np.empty((), dt), ()).item()
         else:
             raw = read_slab(d, np.empty(shape, np.uint8), (0,))
-        crc = h5py.Dataset(d).attrs.get("crc32")
+        crc = _scalar_attr(d, MANIFEST_CRC_ATTR.encode())
     except (OSError, KeyError, ValueError, TypeError) as exc:
         raise CheckpointError(f"{where}: the manifest cannot be read (truncated?): {exc}") from None
     return decode_manifest(raw, crc, where)
@@ -237,14 +259,15 @@ def _mapping(dcpl: Any, where: str, path: str, meta: dict, files: list[str]) -> 
     return out
 
 
-def survey(f: Any, fn: str, m: dict) -> dict[str, list[Piece]]:
-    """Check every dataset of the manifest ``m`` of the open ``data.h5`` ``fn``; where each slab is.
+def survey(f: Any, fn: str, m: dict, names: Names | None = None) -> dict[str, list[Piece]]:
+    """Check every dataset of the manifest ``m`` of the open ``data.h5`` ``fn`` (``names``: its
+    ``Names``, if the caller has them); where each slab is.
 
     Metadata only: nothing is allocated for the data. Opens each rank file once, in turn.
     """
     where = f"load {fn}"
     directory = os.path.dirname(os.path.abspath(fn))
-    names = Names(f, where)
+    names = Names(f, where) if names is None else names
     size = {fn: os.path.getsize(fn)}
     used = {fn: names.get(MANIFEST, "the manifest").get_storage_size()}
     pieces: dict[str, list[Piece]] = {}

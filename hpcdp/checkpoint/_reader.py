@@ -9,14 +9,19 @@ rank keeps only part of is read and checked in C-order blocks of ``READ_BLOCK_BY
 holds its own part plus one block, never a whole foreign slab. A large slab stored as one run of
 bytes that HDF5 would copy unconverted is read with ``pread`` straight into its place, a
 ``RAW_BLOCK_BYTES`` piece at a time, each checksummed at once while it is still in the CPU's
-cache: one pass over memory instead of a read pass and then a checksum pass. Errors are gathered
-so every rank raises the same ``CheckpointError`` naming the file and dataset; nothing is loaded
-in part: ``load`` returns a new state and never modifies ``like``. ``load(out=)`` reads into the
-caller's arrays instead (no second copy of the state; pages already touched), after checking
-every shape and dtype; only a checksum failure found mid-read can leave it filled in part.
+cache: one pass over memory instead of a read pass and then a checksum pass (format 4's
+checksum is made of such blocks, each hashed in one call). The whole slabs of data.h5 itself are
+read last, after HDF5's file is closed (through a duplicate of its descriptor): the metadata
+work of the load, HDF5's included, then runs before the bulk reads flush the CPU's caches, not
+between them. Errors are gathered so every rank raises the same ``CheckpointError`` naming the
+file and dataset (one small reduction when there is none); nothing is loaded in part: ``load``
+returns a new state and never modifies ``like``. ``load(out=)`` reads into the caller's arrays
+instead (no second copy of the state; pages already touched), after checking every shape and
+dtype; only a checksum failure found mid-read can leave it filled in part.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections import OrderedDict
@@ -31,19 +36,22 @@ from .._arrays import is_cupy
 from ..errors import CheckpointError, HpcdpError
 from ._commit import DATA, recover
 from ._format import (
-    Shard, feed, memory_dtype, new_checksum, scalar_value, seq_value, slab_sum_key, storage_dtype,
-    type_note, unflatten,
+    SUM_BLOCK_BYTES, BlockXxh3, Shard, feed, memory_dtype, new_checksum, scalar_value, seq_value,
+    slab_sum_key, storage_dtype, type_note, unflatten,
 )
 from ._group import resolve as resolve_group
-from ._h5util import flat_index, pread_into, raw_place, read_into, read_slab
-from ._layout import Names, Piece, open_rank_file, read_manifest, survey
+from ._h5util import (
+    flat_index, posix_fd, pread_into, raw_offset, read_into, read_slab, run_offset,
+)
+from ._layout import Names, Piece, file_id, open_rank_file, read_manifest, survey
 
 __all__ = ["load", "verify_structure", "data_file", "READ_BLOCK_BYTES", "RAW_BLOCK_BYTES"]
 
 #: a slab a rank keeps only part of is read and verified in pieces of at most this many bytes
 READ_BLOCK_BYTES = 16 << 20
-#: a slab read with ``pread`` is read and checksummed this many bytes at a time (a core's L2)
-RAW_BLOCK_BYTES = 512 << 10
+#: a slab read with ``pread`` is read and checksummed this many bytes at a time (within a core's
+#: L2; format 4's checksum block, so that each piece is hashed in one call)
+RAW_BLOCK_BYTES = SUM_BLOCK_BYTES
 #: slabs smaller than this go through HDF5's read (finding the raw place costs a few HDF5 calls)
 RAW_MIN_BYTES = 1 << 20
 #: rank files kept open at once while one load reads (a 1000-rank checkpoint has 1000 of them)
@@ -56,10 +64,14 @@ def data_file(path: str | os.PathLike) -> str:
 
 
 def _open(fn: str) -> Any:
+    """``fn`` opened read-only, as its low-level FileID: ``h5py.File``'s bookkeeping at open and
+    at close is a share of a load from the page cache. HDF5 closes the file once the FileID and
+    the last object opened in it are closed (``_Reader.close`` drops them; the file's close
+    degree stays the default: another ``h5py.File`` of the same file may be open)."""
     if not os.path.exists(fn):
         raise CheckpointError(f"load {fn}: no such checkpoint")
     try:
-        return h5py.File(fn, "r")
+        return h5py.h5f.open(os.fsencode(fn), h5py.h5f.ACC_RDONLY)
     except OSError as exc:
         raise CheckpointError(f"load {fn}: cannot open as HDF5 (truncated or not a checkpoint): {exc}") from None
 
@@ -67,8 +79,12 @@ def _open(fn: str) -> Any:
 def verify_structure(directory: str) -> None:
     """Check before commit: manifest intact, every dataset present, stored and mapped as it must be."""
     fn = os.path.join(directory, DATA)
-    with _open(fn) as f:
-        survey(f, fn, read_manifest(f, f"load {fn}"))
+    f = _open(fn)
+    try:
+        names = Names(f, f"load {fn}")
+        survey(f, fn, read_manifest(f, f"load {fn}", names), names)
+    finally:
+        f.close()
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, budget: int
@@ -101,20 +117,43 @@ class _Reader:
 
     def __init__(self, f: Any, fn: str) -> None:
         self.f, self.fn, self.where = f, fn, f"load {fn}"
-        self.m = read_manifest(f, self.where)
+        with trace.span("checkpoint.manifest", "checkpoint"):
+            names = Names(f, self.where)  # (one walk of data.h5's groups: manifest and survey)
+            self.m = read_manifest(f, self.where, names)
         self.algo = self.m["checksum"]
         self.sum_key = slab_sum_key(self.m["format_version"])
         try:  # a package the checksum needs is missing: said before anything is read
             new_checksum(self.algo)
         except CheckpointError as exc:
             raise CheckpointError(f"{self.where}: {exc}") from None
-        self.pieces = survey(f, fn, self.m)
+        with trace.span("checkpoint.survey", "checkpoint"):
+            self.pieces = survey(f, fn, self.m, names)
         self._rank_files: OrderedDict[str, Any] = OrderedDict()
+        #: by file: the descriptor ``pread`` may read (``posix_fd``), asked once per file;
+        #: data.h5's is a duplicate of HDF5's (``_own_fd``), so it outlives HDF5's file
+        self._fds: dict[str, int | None] = {}
+        self._own_fd: int | None = None
+        #: by data.h5 dataset: its byte offset for ``pread`` (``raw_offset``), asked once
+        self._raw: dict[str, int | None] = {}
+        #: whole data.h5 slabs whose ``pread`` waits for ``read_deferred``:
+        #: (fd, offset, destination, hasher, piece, dataset path)
+        self._deferred: list[tuple[int, int, np.ndarray, Any, Piece, str]] = []
 
     def close(self) -> None:
+        """Close every HDF5 object of this load (data.h5's ``pread`` descriptor stays open for
+        ``read_deferred`` until ``close_fd``)."""
         for g, _ in self._rank_files.values():
             g.close()
         self._rank_files.clear()
+        self.pieces = {}  # their DatasetIDs: the last objects that keep data.h5 open
+
+    def close_fd(self) -> None:
+        """Close data.h5's ``pread`` descriptor (whatever ``read_deferred`` did not read is
+        dropped: the load has failed)."""
+        self._deferred.clear()
+        if self._own_fd is not None:
+            os.close(self._own_fd)
+            self._own_fd = None
 
     def _dataset(self, p: Piece) -> Any:
         if p.dset is not None:
@@ -124,15 +163,47 @@ class _Reader:
             g = open_rank_file(os.path.dirname(p.file), os.path.basename(p.file), self.where)
             entry = (g, Names(g, f"{self.where}: slab file {os.path.basename(p.file)}"))
             while len(self._rank_files) >= OPEN_RANK_FILES:
-                self._rank_files.popitem(last=False)[1][0].close()
+                old, (g_old, _) = self._rank_files.popitem(last=False)
+                g_old.close()
+                self._fds.pop(old, None)  # opened again, it may have another descriptor
         self._rank_files[p.file] = entry
         return entry[1].get(p.name)
 
+    def _place(self, d: Any, p: Piece, shape: tuple, item: int) -> tuple[int, int] | None:
+        """(file descriptor, byte offset) of slab ``p`` (of ``shape``) in dataset ``d`` when
+        ``pread`` there reads exactly what HDF5's read would (``raw_offset``; the slab is one run
+        of bytes in C order), else None. data.h5's facts are asked once per load."""
+        if p.dset is not None:  # data.h5's own: its shape is the manifest's (survey checked)
+            base = self._raw.get(p.name, -1)
+            if base == -1:
+                base = self._raw[p.name] = raw_offset(d)
+            dshape = self.m["datasets"][p.name]["shape"]
+            fid = self.f
+        else:  # a rank file's dataset (survey saw it; read as this open finds it)
+            base, dshape = raw_offset(d), d.shape
+            fid = self._rank_files[p.file][0]
+        if base is None:
+            return None
+        fd = self._fds.get(p.file, -1)
+        if fd == -1:
+            fd = posix_fd(file_id(fid))
+            if fd is not None and p.dset is not None:
+                fd = self._own_fd = os.dup(fd)
+            self._fds[p.file] = fd
+        rel = run_offset(p.at, shape, dshape, item) if fd is not None else None
+        return None if rel is None else (fd, base + rel)
+
     # -- one region of one dataset, verified --------------------------------------------------
-    def region(self, path: str, offsets: tuple, shape: tuple, dest: np.ndarray | None = None
-               ) -> np.ndarray:
+    def region(self, path: str, offsets: tuple, shape: tuple, dest: np.ndarray | None = None,
+               defer: bool = False) -> np.ndarray:
         """The verified block ``shape`` at ``offsets`` of dataset ``path`` (storage dtype), read
-        into ``dest`` when given (a writeable host array of that shape and dtype: ``load(out=)``)."""
+        into ``dest`` when given (a writeable host array of that shape and dtype: ``load(out=)``).
+
+        ``defer``: the caller uses the array's values only after ``read_deferred`` (it returns
+        the array itself or a view of it): whole data.h5 slabs read by ``pread`` are then read
+        and verified there, after every other part of the load (HDF5's metadata, small arrays)
+        and after HDF5's file is closed, so that none of that work runs on caches the bulk
+        reads have just flushed."""
         dtype = np.dtype(self.m["datasets"][path]["dtype"])
         # within the declared shape, which survey saw stored
         out = np.empty(shape, dtype) if dest is None else dest
@@ -143,40 +214,63 @@ class _Reader:
             if any(l >= h for l, h in zip(lo, hi)):
                 continue  # this slab does not meet the region
             h = new_checksum(self.algo)
-            try:
-                self._slab(self._dataset(p), p, out, offsets, lo, hi, h)
-            except CheckpointError:
-                raise
-            except (OSError, ValueError, TypeError, RuntimeError, KeyError) as exc:
-                raise CheckpointError(f"{self.where}: dataset {path!r} cannot be read (truncated?): "
-                                      f"{exc}") from None
-            if h.intdigest() != p.slab[self.sum_key]:
-                raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {ss} at {so} fails "
-                                      f"its {self.algo.upper()} checksum (corrupt data)")
+            with self._reading(path):
+                if self._slab(self._dataset(p), p, out, offsets, lo, hi, h, defer):
+                    continue  # read and verified by ``read_deferred``
+            self._verify(h, p, path)
         return out
 
+    def read_deferred(self) -> None:
+        """Read and verify the slabs ``region(defer=True)`` left for now, in their order."""
+        jobs, self._deferred = self._deferred, []
+        for fd, offset, view, h, p, path in jobs:
+            with self._reading(path):
+                self._read_checked(fd, offset, view, h)
+            self._verify(h, p, path)
+
+    @contextlib.contextmanager
+    def _reading(self, path: str) -> Iterator[None]:
+        """A failed read of dataset ``path`` as the CheckpointError that names it."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, TypeError, RuntimeError, KeyError) as exc:
+            raise CheckpointError(f"{self.where}: dataset {path!r} cannot be read (truncated?): "
+                                  f"{exc}") from None
+
+    def _verify(self, h: Any, p: Piece, path: str) -> None:
+        if h.intdigest() != p.slab[self.sum_key]:
+            raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {tuple(p.slab['shape'])} "
+                                  f"at {tuple(p.slab['offsets'])} fails its {self.algo.upper()} "
+                                  "checksum (corrupt data)")
+
     def _slab(self, d: Any, p: Piece, out: np.ndarray, offsets: tuple, lo: tuple, hi: tuple,
-              h: Any) -> None:
+              h: Any, defer: bool = False) -> bool:
         """Read slab ``p`` from ``d``, put its part in [lo, hi) into ``out``, every byte of the
-        slab fed to the hasher ``h`` in order."""
+        slab fed to the hasher ``h`` in order; or, with ``defer`` where the whole slab of
+        data.h5 is read by ``pread``, leave that to ``read_deferred`` and return True."""
         so, ss = tuple(p.slab["offsets"]), tuple(p.slab["shape"])
         item = out.dtype.itemsize
         blocks = _blocks(ss, item, READ_BLOCK_BYTES)
-        raw = raw_place(d, p.at, ss) if prod(ss) * item >= RAW_MIN_BYTES else None
+        raw = self._place(d, p, ss, item) if prod(ss) * item >= RAW_MIN_BYTES else None
         if lo == so and hi == tuple(a + n for a, n in zip(so, ss)):
             # the whole slab is wanted: read it in place, checksummed as it arrives or after
             rel = tuple(a - b for a, b in zip(so, offsets))
             if raw is not None and (view := out[_box(rel, ss)]).flags.c_contiguous:
+                if defer and p.dset is not None:
+                    self._deferred.append((raw[0], raw[1], view, h, p, p.name))
+                    return True
                 self._read_checked(raw[0], raw[1], view, h)
-                return
+                return False
             read_into(d, out, rel, p.at, ss)
             view = out[_box(rel, ss)]  # after the read: a 0-d array indexed thus is a copy
             if view.flags.c_contiguous:
                 feed(h, view)
-                return
+                return False
             for bo, bs in blocks:
                 feed(h, view[_box(bo, bs)])
-            return
+            return False
         for bo, bs in blocks:  # only part is wanted: never hold the whole slab
             buf = np.empty(bs, out.dtype)
             if raw is not None:  # the slab is one run of bytes: so is each C-order block of it
@@ -190,17 +284,38 @@ class _Reader:
             if all(l < e for l, e in zip(blo, bhi)):
                 out[tuple(slice(l - o, e - o) for l, e, o in zip(blo, bhi, offsets))] = \
                     buf[tuple(slice(l - g, e - g) for l, e, g in zip(blo, bhi, g0))]
+        return False
 
     def _read_checked(self, fd: int, offset: int, dest: np.ndarray, h: Any) -> None:
         """Read the file's bytes at ``offset`` into the C-contiguous ``dest``, feeding them to
-        the hasher ``h``: each piece straight after its read, from cache."""
+        the hasher ``h``: each piece straight after its read, from cache. The loop is lean (a
+        memoryview slice, one ``preadv``, one ``update`` per piece; ``pread_into`` only to finish
+        a short read): a load from the page cache runs it hundreds of times per GiB."""
         if not dest.flags.c_contiguous:  # a reshape would copy: the bytes would miss ``dest``
             raise ValueError("_read_checked: dest must be C-contiguous")
-        flat = dest.reshape(-1).view(np.uint8)
+        flat = memoryview(dest.reshape(-1).view(np.uint8))
+        preadv, step, n = os.preadv, RAW_BLOCK_BYTES, flat.nbytes
+        parts = h.block_parts() if isinstance(h, BlockXxh3) and step == SUM_BLOCK_BYTES else None
+        if parts is not None:  # format 4: each whole block hashed in one call
+            add, digest = parts
+            whole = n - n % step
+            for a in range(0, whole, step):
+                piece = flat[a:a + step]
+                got = preadv(fd, [piece], offset + a)
+                if got != step:
+                    pread_into(fd, piece[got:], offset + a + got)
+                add(digest(piece))
+            if whole < n:
+                piece = flat[whole:]
+                pread_into(fd, piece, offset + whole)
+                h.update(piece)
+            return
         update = h.update
-        for a in range(0, flat.size, RAW_BLOCK_BYTES):
-            piece = flat[a:a + RAW_BLOCK_BYTES]
-            pread_into(fd, piece, offset + a)
+        for a in range(0, n, step):
+            piece = flat[a:a + step]
+            got = preadv(fd, [piece], offset + a)
+            if got != len(piece):
+                pread_into(fd, piece[got:], offset + a + got)
             update(piece)
 
     # -- the state ---------------------------------------------------------------------------
@@ -275,7 +390,8 @@ class _Reader:
                 if into:
                     _fill(self, path, tuple(offsets), local, meta)
                 return like
-            a = _as_like(self.region(path, tuple(offsets), tuple(local.shape)), meta["type"], local)
+            a = self.region(path, tuple(offsets), tuple(local.shape), defer=not is_cupy(local))
+            a = _as_like(a, meta["type"], local)  # (a view of it, or a copy to the GPU: read)
             return Shard(a, gshape, offsets) if isinstance(like, Shard) else a
         if t != "scalar":
             raise CheckpointError(f"load {fn}: {where} is a {what} in the checkpoint, a scalar in like")
@@ -312,7 +428,7 @@ class _Reader:
             elif n["t"] in ("array", "shard"):
                 meta = self.m["datasets"][n["path"]]
                 shape = tuple(meta["shape"])
-                a = self.region(n["path"], (0,) * len(shape), shape)
+                a = self.region(n["path"], (0,) * len(shape), shape, defer=True)
                 arrays[n["path"]] = _as_like(a, meta["type"], None)
             elif n["t"] == "dict":
                 stack.extend(it["v"] for it in n["items"])
@@ -328,7 +444,7 @@ def _fill(r: _Reader, path: str, offsets: tuple, dest: Any, meta: dict) -> None:
     storage = np.dtype(meta["dtype"])
     if (type(dest) is np.ndarray and dest.flags.c_contiguous and dest.flags.writeable
             and dest.dtype.itemsize == storage.itemsize):
-        r.region(path, offsets, tuple(dest.shape), dest.view(storage))
+        r.region(path, offsets, tuple(dest.shape), dest.view(storage), defer=True)
         return
     a = _as_like(r.region(path, offsets, tuple(dest.shape)), meta["type"], dest)
     dest[...] = a
@@ -365,17 +481,32 @@ def _as_like(a: np.ndarray, note: str, like: Any) -> Any:
 
 
 def _read(fn: str, like: Any, into: bool = False) -> Any:
-    with _open(fn) as f:
+    """The load's reading part, in spans (``HPCDP_TRACE``) that say where its time goes: open,
+    manifest, survey (metadata only), walk (the state built, small arrays read), close (HDF5's
+    file), bulk (the large slabs left to ``read_deferred``: read and verified)."""
+    with trace.span("checkpoint.open", "checkpoint"):
+        f = _open(fn)
+    r = None
+    try:
         r = _Reader(f, fn)
-        try:
+        with trace.span("checkpoint.walk", "checkpoint"):
             if like is None:
-                return r.whole(r.m["tree"])
-            if into:  # every shape and dtype checked before the first byte lands in ``out``
-                r.from_like(like, r.m["tree"], "state", "check")
-            return r.from_like(like, r.m["tree"], "state", "into" if into else "new")
-        finally:
+                out = r.whole(r.m["tree"])
+            else:
+                if into:  # every shape and dtype checked before the first byte lands in ``out``
+                    r.from_like(like, r.m["tree"], "state", "check")
+                out = r.from_like(like, r.m["tree"], "state", "into" if into else "new")
+        with trace.span("checkpoint.close", "checkpoint"):
             r.close()
-
+            f.close()
+        with trace.span("checkpoint.bulk", "checkpoint"):
+            r.read_deferred()
+        return out
+    finally:
+        if r is not None:
+            r.close()
+            r.close_fd()
+        f.close()  # (again where it was: an id already closed is skipped)
 
 
 def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: Any = None) -> Any:
@@ -417,6 +548,14 @@ def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: A
         raise raised_from("load", path, group, exc)  # noqa: B904 - exc is its __context__
 
 
+def _agree(group: Any, err: str | None) -> list[str | None]:
+    """Every rank's error (None: none), in rank order: one small reduction when all went well,
+    as a load usually does; the messages themselves only when some rank has one."""
+    if not group.allreduce(np.array([err is not None], np.int32), "max")[0]:
+        return [None] * group.size
+    return group.all_gather_object(err)
+
+
 def _load(path: str | os.PathLike, like: Any, group: Any, into: bool = False) -> Any:
     from ._save import wait_pending
 
@@ -438,7 +577,10 @@ def _load(path: str | os.PathLike, like: Any, group: Any, into: bool = False) ->
         err = str(exc)
     except Exception as exc:  # noqa: BLE001 - any failure becomes the same error on every rank
         err = f"load {fn}: {type(exc).__name__}: {exc}"
-    errs = group.all_gather_object(err) if group.size > 1 else [err]
+    errs = [err]
+    if group.size > 1:
+        with trace.span("checkpoint.agree", "checkpoint"):
+            errs = _agree(group, err)
     bad = [(r, e) for r, e in enumerate(errs) if e is not None]
     if bad:
         if len({e for _, e in bad}) == 1:

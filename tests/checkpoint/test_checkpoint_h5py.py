@@ -266,9 +266,9 @@ def _body_load_v1(rank: int, path: str) -> list[str]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [1, 3])
-@pytest.mark.parametrize("name", ["v1-vds-2", "v1-mpio-2", "v2-vds-2", "v2-mpio-2"])
+@pytest.mark.parametrize("name", ["v1-vds-2", "v1-mpio-2", "v2-vds-2", "v2-mpio-2", "v3-mpio-2"])
 def test_older_format_checkpoints_still_load(name: str, n: int, tmp_path) -> None:
-    """Files of formats 1 and 2 (data/README.md) load with the current code."""
+    """Files of formats 1, 2 and 3 (data/README.md) load with the current code."""
     path = str(tmp_path / "ck" / name)
     shutil.copytree(os.path.join(DATA_DIR, name), path)
     with h5py.File(os.path.join(path, "data.h5"), "r") as f:    # it really is the old layout
@@ -276,10 +276,15 @@ def test_older_format_checkpoints_still_load(name: str, n: int, tmp_path) -> Non
             assert f["_hpcdp_manifest"].dtype == np.uint8 and f.attrs["best"] == "None"
             assert isinstance(f["loss"], h5py.Group)
             assert json.loads(f["_hpcdp_manifest"][...].tobytes())["format_version"] == 1
-        else:   # format 2: CRC32C slab checksums under "crc32"
+        elif name.startswith("v2"):   # format 2: CRC32C slab checksums under "crc32"
             m = json.loads(f["_hpcdp_manifest"].asstr()[()])
             assert m["format_version"] == 2 and m["checksum"] == "crc32c"
             assert all("crc32" in s and "checksum" not in s
+                       for d in m["datasets"].values() for s in d["slabs"])
+        else:   # format 3: plain XXH3-64 of each slab under "checksum"
+            m = json.loads(f["_hpcdp_manifest"].asstr()[()])
+            assert m["format_version"] == 3 and m["checksum"] == "xxh3_64"
+            assert all("checksum" in s and "crc32" not in s
                        for d in m["datasets"].values() for s in d["slabs"])
     out = run_ranks("sim", n, _body_load_v1, path)
     assert out == [[]] * n, out

@@ -4,6 +4,7 @@ path's: exact bytes, any corruption refused on every rank, a failed fsync fails 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 from typing import Any
@@ -147,9 +148,10 @@ def test_large_row_slabs_take_the_pread_path(tmp_path, monkeypatch) -> None:
     path = str(tmp_path / "step-1")
     run_ranks("sim", 2, _body_save_big, path)
     seen: list[int] = []
-    orig = _reader.pread_into
-    monkeypatch.setattr(_reader, "pread_into", lambda fd, buf, off: (seen.append(buf.nbytes),
-                                                                     orig(fd, buf, off))[1])
+    orig = os.preadv  # (the reader's one read call; ``pread_into`` only finishes a short read)
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: (seen.append(sum(memoryview(b).nbytes
+                                                                             for b in bufs)),
+                                                             orig(fd, bufs, off))[1])
     got = load(path)
     assert got["big"]["float32"].tobytes() == _global("float32").tobytes()
     assert got["big"]["cols"].tobytes() == _cols_global().tobytes()
@@ -162,18 +164,78 @@ def test_a_file_cut_short_while_loading_is_refused(tmp_path, monkeypatch) -> Non
     data is read: an error naming the dataset, never zeros or a part of it."""
     path = str(tmp_path / "step-1")
     run_ranks("sim", 1, _body_save_big, path)
-    orig = _reader.raw_place
+    orig = _reader._Reader._place
 
-    def place_then_cut(d: Any, at: tuple, shape: tuple) -> Any:
-        out = orig(d, at, shape)
+    def place_then_cut(self: Any, *args: Any) -> Any:
+        out = orig(self, *args)
         if out is not None:
             fd, off = out
             os.truncate(os.readlink(f"/proc/self/fd/{fd}"), off + (1 << 20))
         return out
 
-    monkeypatch.setattr(_reader, "raw_place", place_then_cut)
+    monkeypatch.setattr(_reader._Reader, "_place", place_then_cut)
     with pytest.raises(hpcdp.CheckpointError, match=r"'big/float32' cannot be read \(truncated\?\)"):
         load(path, like=_state(0, 1))
+
+
+def _open_under(path: str) -> list[str]:
+    """The files under ``path`` this process holds open (Linux: /proc/self/fd)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the descriptor listdir itself used)
+            continue
+        if target.startswith(path):
+            out.append(target)
+    return sorted(out)
+
+
+def _body_save_plain(rank: int, path: str) -> None:
+    """Every array whole and replicated: rank 0 writes it into data.h5 itself (as MPI-IO
+    checkpoints hold every array)."""
+    save(path, {"big": {dt.replace(">", "be_"): _global(dt) for dt in DTYPES}, "step": 3})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+@pytest.mark.parametrize("where", ["data.h5", "rank files"])
+def test_a_load_leaves_no_file_open(tmp_path, where: str) -> None:
+    """The large slabs of data.h5 are read after HDF5's file is closed, through a duplicate of
+    its descriptor; those of rank files as they come. No file stays open after a load, whole or
+    into ``out=``, nor after one that fails its checksum."""
+    path = str(tmp_path / "step-1")
+    run_ranks("sim", 1, _body_save_plain if where == "data.h5" else _body_save_big, path)
+    assert (sorted(os.listdir(path)) == ["data.h5"]) == (where == "data.h5"), os.listdir(path)
+    like = load(path)  # every array whole
+    out = {"big": {k: np.zeros_like(v) for k, v in like["big"].items()}, "step": 0}
+    load(path, out=out)
+    for dt in DTYPES:
+        assert out["big"][dt.replace(">", "be_")].tobytes() == _global(dt).tobytes(), dt
+    assert _open_under(str(tmp_path)) == []
+    _flip(path, "big/float32", ROWS // 2)
+    for kw in ({"like": like}, {"out": out}, {}):
+        with pytest.raises(hpcdp.CheckpointError, match="big/float32.*checksum"):
+            load(path, **kw)
+        assert _open_under(str(tmp_path)) == [], kw
+
+
+@pytest.mark.parametrize("algo", ["xxh3_64", "crc32c"])
+def test_large_slabs_with_a_streamed_checksum(tmp_path, monkeypatch, algo: str) -> None:
+    """Slab checksums fed piece by piece (format 3's plain XXH3-64, CRC32C) on the pread path:
+    exact bytes, and a flipped byte refused."""
+    from hpcdp.checkpoint import _save
+
+    monkeypatch.setattr(_save, "usable_checksums", lambda: (algo,))
+    path = str(tmp_path / "step-1")
+    run_ranks("sim", 1, _body_save_plain, path)
+    with h5py.File(os.path.join(path, "data.h5"), "r") as f:
+        assert json.loads(f["_hpcdp_manifest"].asstr()[()])["checksum"] == algo
+    got = load(path)
+    for dt in DTYPES:
+        assert got["big"][dt.replace(">", "be_")].tobytes() == _global(dt).tobytes(), dt
+    _flip(path, "big/float32", ROWS // 2)
+    with pytest.raises(hpcdp.CheckpointError, match=f"big/float32.*{algo.upper()} checksum"):
+        load(path)
 
 
 # -- a failed early fsync fails the save ----------------------------------------------------------

@@ -145,6 +145,83 @@ def test_format_3_forgery_loads_with_each_checksum(tmp_path) -> None:
     assert _format3()["datasets"]["w"]["slabs"][0]["checksum"] >= 2**32
 
 
+# -- format 4: the slab checksum "xxh3_64_512k", XXH3-64 over 512 KiB blocks' XXH3-64s ----------
+def _blocks_recipe(data: bytes) -> int:
+    """The format-4 slab checksum as a collaborator computes it with ``xxhash`` alone."""
+    import xxhash
+
+    block = 512 << 10
+    return xxhash.xxh3_64_intdigest(b"".join(xxhash.xxh3_64_digest(data[i:i + block])
+                                             for i in range(0, len(data), block)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, (512 << 10) - 1, 512 << 10, (512 << 10) + 1, 3 << 20,
+                               (3 << 20) + 12345])
+def test_block_checksum_is_the_recipe_whatever_the_pieces(n: int) -> None:
+    """``BlockXxh3`` fed in pieces of any size (the reader's blocks, a partial slab's C-order
+    blocks, a whole array) is the recipe's digest; it differs from plain XXH3-64 of the bytes."""
+    import numpy as np
+    import xxhash
+
+    from hpcdp.checkpoint._format import BlockXxh3, checksum_of
+
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, n, dtype=np.uint8)
+    want = _blocks_recipe(data.tobytes())
+    assert checksum_of(data, "xxh3_64_512k") == want
+    for sizes in ([512 << 10], [1], [4096, 777, 100_000], [1 << 20]):
+        h, i, k = BlockXxh3(), 0, 0
+        while i < n:
+            step = sizes[k % len(sizes)]
+            h.update(data[i:i + step])
+            i, k = i + step, k + 1
+        assert h.intdigest() == want, sizes
+        assert h.intdigest() == want  # (reading the digest does not change the state)
+    if n > 1:
+        assert want != xxhash.xxh3_64_intdigest(data.tobytes())
+        flipped = data.copy()
+        flipped[n // 2] ^= 4
+        assert checksum_of(flipped, "xxh3_64_512k") != want
+
+
+def test_save_writes_format_4_block_checksums_a_collaborator_can_check(tmp_path) -> None:
+    """What ``save`` writes: format 4, "xxh3_64_512k", each slab's checksum the recipe's over the
+    bytes h5py reads (README "Reading a checkpoint without hpcdp")."""
+    import h5py
+    import numpy as np
+
+    from hpcdp.checkpoint import save
+    from hpcdp.checkpoint._format import FORMAT_VERSION
+
+    w = np.arange(3 * (1 << 18) + 5, dtype=np.float32).reshape(-1, 1)  # 3 MiB: several blocks
+    save(str(tmp_path / "step-1"), {"w": w, "step": 1})
+    with h5py.File(str(tmp_path / "step-1" / "data.h5"), "r") as f:
+        m = json.loads(f["_hpcdp_manifest"].asstr()[()])
+        got = f["w"][...]
+    assert FORMAT_VERSION == 4 and m["format_version"] == 4 and m["checksum"] == "xxh3_64_512k", m
+    (slab,) = m["datasets"]["w"]["slabs"]
+    assert slab["checksum"] == _blocks_recipe(got.tobytes())
+    assert load(str(tmp_path / "step-1"))["w"].tobytes() == w.tobytes()
+
+
+def test_format_4_forgery_loads_and_a_wrong_checksum_is_corruption(tmp_path) -> None:
+    m = _format3("xxh3_64_512k")
+    m["format_version"] = 4
+    assert load(forge(str(tmp_path / "good"), plain_w, m))["w"].tolist() == DATA.tolist()
+    m["datasets"]["w"]["slabs"][0]["checksum"] ^= 1 << 50
+    msg = load_error(forge(str(tmp_path / "bad"), plain_w, m))
+    assert "XXH3_64_512K checksum" in msg and "corrupt" in msg, msg
+
+
+def test_format_3_with_plain_xxh3_still_loads_after_format_4(tmp_path) -> None:
+    """A format-3 slab checksum (plain XXH3-64 of the bytes) is checked as such, not as blocks."""
+    m = _format3("xxh3_64")
+    assert load(forge(str(tmp_path / "good"), plain_w, m))["w"].tolist() == DATA.tolist()
+    m["checksum"] = "xxh3_64_512k"  # the same digest read as format 4's: refused
+    msg = load_error(forge(str(tmp_path / "bad"), plain_w, m))
+    assert "checksum" in msg and "corrupt" in msg, msg
+
+
 FORMAT3 = {
     "old-key": (lambda m: _set(("datasets", "w", "slabs"), [{"rank": 0, "offsets": [0], "shape": [16],
                                                               "crc32": 0}])(m), "lacks 'checksum'"),
@@ -176,7 +253,8 @@ def test_a_checksum_whose_package_is_missing_says_so(tmp_path, monkeypatch) -> N
         raise ImportError("No module named 'xxhash'", name="xxhash")
 
     ck = forge(str(tmp_path / "step-1"), plain_w, _format3())
-    monkeypatch.setitem(_format.CHECKSUMS, "xxh3_64", (missing, 64))
+    for name in ("xxh3_64", "xxh3_64_512k"):  # (both come from the xxhash package)
+        monkeypatch.setitem(_format.CHECKSUMS, name, (missing, 64))
     msg = load_error(ck)
     assert "xxhash package" in msg and msg.startswith("load "), msg
     # and save falls back to the next checksum instead of failing
