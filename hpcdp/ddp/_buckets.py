@@ -77,8 +77,14 @@ class Bucket:
     pending: int = 0
     #: per parameter: hook calls seen this pass
     seen: list[int] = field(default_factory=list)
+    #: per parameter: hook calls a pass makes (learnt on the first synced pass; None before)
+    expected: list[int] | None = None
     work: Any = None
     launched: bool = False
+    #: torch parameters: their tensors, and each one's gradient tensor as last pointed at its
+    #: view (one identity test per tensor tells that the gradients are still the views)
+    tensors: list[Any] | None = None
+    pointed: list[Any] | None = None
 
     @property
     def dtype(self) -> Any:

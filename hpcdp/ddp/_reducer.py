@@ -23,6 +23,7 @@ from ..trace.hooks import state as trace_state
 from .._config import setting
 from ..errors import HpcdpError
 from ..comm.world import get_default_group, is_initialized, local_world_size
+from ..nn.torch_module import TorchParameter
 from ._buckets import Bucket, build_buckets
 from .comm_hooks import GradBucket, HookFuture, _average
 
@@ -150,14 +151,27 @@ class Reducer:
         self.buckets: list[Bucket] = (build_buckets(named, bucket_cap_bytes,
                                                     bucket_cap_bytes if self.one_cap else None)
                                       if named else [])
-        self._where: dict[int, tuple[Bucket, int]] = {}
+        index = {id(p): k for k, (_, p) in enumerate(named)}
+        #: per parameter (by id): its bucket, its slot there, its registration index
+        self._where: dict[int, tuple[Bucket, int, int]] = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-        self._param_index = {id(p): k for k, (_, p) in enumerate(named)}
+                self._where[id(p)] = (b, i, index[id(p)])
+            if all(isinstance(p, TorchParameter) for p in b.params):
+                b.tensors = [p.tensor for p in b.params]
         self._expected: list[list[int]] | None = None  # per bucket, per slot: hooks per pass
         self._pending: list[int] | None = None  # per bucket: slots that expect hooks
-        self._used = np.zeros(len(named), dtype=np.int32)
+        #: per parameter (registration order): a gradient arrived since the last synced pass
+        #: (a bytearray: set once per gradient hook, cheaper than a numpy element)
+        self._used = bytearray(len(named))
+        self._unused = bytes(len(named))
+        #: gradient hooks do nothing (DDP's torch pass on a group of one, which has nothing to reduce)
+        self.muted = False
+        #: called once the last bucket of a synced pass has been launched from a gradient hook,
+        #: where ``notify_done`` is set for that pass (DDP's torch backward with a static graph:
+        #: every gradient is in, so the backward's reductions can be finished there)
+        self.pass_done: Callable[[], None] | None = None
+        self.notify_done = False
         self.in_backward = False
         self._pass_sync = False
         self._next_launch = 0
@@ -193,23 +207,19 @@ class Reducer:
         if progress is not None:
             progress.stop()
 
+    @property
+    def learned(self) -> bool:
+        """Whether the hook counts of a synced pass are known (after the first one)."""
+        return self._expected is not None
+
     def point_grads_at_buckets(self) -> None:
+        """Make every ``.grad`` its bucket view (a gradient already there is copied in, a
+        missing one is zeros), so backward accumulates straight into the buckets."""
         for b in self.buckets:
-            ps = b.params
-            if all(p.grad is None for p in ps):
-                b.flat.fill(0)
-                for p, v in zip(ps, b.views):
-                    p.grad = v
-                continue
-            for p, v in zip(ps, b.views):
-                if p.grad is None:
-                    v.fill(0)
-                    p.grad = v
-                elif p.grad is not v:
-                    v[...] = p.grad
-                    p.grad = v
+            _own_views(b, zero_all_missing=True)
 
     def begin_pass(self, sync: bool) -> None:
+        self.notify_done = False
         if self.in_backward:
             raise HpcdpError(f"DDP.backward (rank {self.group.rank}): called again before the "
                              "previous backward finished")
@@ -227,11 +237,13 @@ class Reducer:
             b.pending = len(b.params) if pending is None else pending[bi]
 
     def on_grad(self, p: Any) -> None:
-        b, i = self._where[id(p)]
-        if self.gradient_as_bucket_view and p.grad is not b.views[i]:
-            b.views[i][...] = p.grad
-            p.grad = b.views[i]
-        self._used[self._param_index[id(p)]] = 1
+        """A gradient hook: ``p``'s gradient has accumulated (its bucket may be ready)."""
+        # (Per-gradient work is kept to counting: that the gradients are still the bucket's
+        # views is checked once per bucket, when it is launched.)
+        if self.muted:
+            return
+        b, i, k = self._where[id(p)]
+        self._used[k] = 1
         if not (self.in_backward and self._pass_sync):
             return
         if b.launched:
@@ -240,15 +252,35 @@ class Reducer:
                 f"bucket {b.index} was already being reduced: it fired more gradient hooks in this "
                 f"backward than in the first one (a shared parameter used a varying number of times?)"
             )
-        b.seen[i] += 1
-        if self._expected is None:
+        seen = b.seen
+        seen[i] += 1
+        expected = b.expected
+        if expected is None:
             return  # first synced pass: counting hooks, buckets launch at the end
-        if b.seen[i] == self._expected[b.index][i]:
+        if seen[i] == expected[i]:
             b.pending -= 1
             if b.pending == 0:
                 self._launch_ready()
+                if self.notify_done and self._next_launch == len(self.buckets):
+                    self.notify_done = False
+                    self.pass_done()   # every bucket launched: the pass's end, at once
+                    return
         if self._inflight and self.progress is None:
             self._poll()
+
+    def abandon_pass(self) -> tuple[int, list[str]]:
+        """Forget a synced pass whose end never came (``notify_done`` still set): how many
+        parameters got their gradients in it, and the names of those that did not."""
+        self.notify_done = False
+        self.in_backward = False
+        arrived, missing = 0, []
+        for b in self.buckets:
+            for name, s in zip(b.names, b.seen):
+                if s:
+                    arrived += 1
+                else:
+                    missing.append(name)
+        return arrived, missing
 
     def _poll(self) -> None:
         # MPI progresses nonblocking collectives only inside MPI calls: test the oldest one.
@@ -263,8 +295,14 @@ class Reducer:
                 return
             self._launch(b)
 
-    def _launch(self, b: Bucket) -> None:
-        if not self.gradient_as_bucket_view:
+    def _launch(self, b: Bucket, own: bool = True) -> None:
+        """Start ``b``'s reduction. ``own``: its gradients are this pass's (not a joined rank's
+        shadow zeros); with ``gradient_as_bucket_view`` one replaced since forward (say, by a
+        ``zero_grad`` between forward and backward) is copied into the bucket first."""
+        if self.gradient_as_bucket_view:
+            if own:
+                _own_views(b)
+        else:
             for p, v in zip(b.params, b.views):
                 if p.grad is None:
                     v.fill(0)
@@ -298,6 +336,8 @@ class Reducer:
         if self._expected is None:
             self._expected = [[max(1, s) for s in b.seen] for b in self.buckets]
             self._pending = [sum(1 for e in exp if e > 0) for exp in self._expected]
+            for b, exp in zip(self.buckets, self._expected):
+                b.expected = exp
         missing: list[str] = []
         for b in self.buckets[self._next_launch:]:
             for i, p in enumerate(b.params):
@@ -306,13 +346,14 @@ class Reducer:
                     b.views[i].fill(0)
                     if self.gradient_as_bucket_view:
                         p.grad = b.views[i]
-                elif b.seen[i] == 0 and not self._used[self._param_index[id(p)]]:
+                elif b.seen[i] == 0 and not self._used[self._where[id(p)][2]]:
                     missing.append(b.names[i])  # e.g. zeros set up by forward, never written
             self._launch(b)
         used = None
         if self.find_unused_parameters:
             with self.comm_lock():
-                used = self.group.allreduce(self._used, "sum", async_op=True)
+                used = self.group.allreduce(np.frombuffer(self._used, np.uint8).astype(np.int32),
+                                            "sum", async_op=True)
         self._wait_all()
         if used is not None:
             with self.comm_lock():
@@ -327,7 +368,7 @@ class Reducer:
                 "they were averaged as zeros so every rank stays in step. Pass "
                 "find_unused_parameters=True to detect unused parameters across ranks and leave "
                 "their .grad as None.", stacklevel=4)
-        self._used[...] = 0
+        self._used[:] = self._unused
         if self.join is not None:
             self.join.after_sync_pass()
         # one synced backward: the straggler report's step (collective every N); its mark is
@@ -373,11 +414,11 @@ class Reducer:
             for _, p in self.named:
                 p.grad = None
         for b in self.buckets:
-            self._launch(b)
+            self._launch(b, own=False)
         used = None
         if self.find_unused_parameters:
             with self.comm_lock():
-                used = self.group.allreduce(np.zeros_like(self._used), "sum", async_op=True)
+                used = self.group.allreduce(np.zeros(len(self._used), np.int32), "sum", async_op=True)
         self._wait_all()
         if used is not None:
             with self.comm_lock():
@@ -386,3 +427,34 @@ class Reducer:
             for (_, p), g in zip(self.named, saved):
                 p.grad = g
         trace.step()  # mirrors the active ranks' steps, so a straggler report stays collective
+
+
+def _own_views(b: Bucket, zero_all_missing: bool = False) -> None:
+    """Make each ``.grad`` of bucket ``b`` its view: a gradient that is another array is copied
+    in, a missing one is zeros (the whole buffer at once when every one is missing and
+    ``zero_all_missing``). Torch parameters whose gradient tensors are those last pointed here
+    are the views still: one identity test each, no property read."""
+    tensors, pointed = b.tensors, b.pointed
+    if pointed is not None:
+        for t, g in zip(tensors, pointed):
+            if t.grad is not g:
+                break
+        else:
+            return
+    ps, vs = b.params, b.views
+    grads = [p.grad for p in ps]
+    if zero_all_missing and all(g is None for g in grads):
+        b.flat.fill(0)
+        for p, v in zip(ps, vs):
+            p.grad = v
+    else:
+        for p, v, g in zip(ps, vs, grads):
+            if g is v:
+                continue
+            if g is None:
+                v.fill(0)
+            else:
+                v[...] = g
+            p.grad = v
+    if tensors is not None:
+        b.pointed = [t.grad for t in tensors]

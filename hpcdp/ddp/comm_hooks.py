@@ -146,7 +146,11 @@ def _scales_exactly(dtype: Any, d: int) -> bool:
     """Whether multiplying a float32/float64 sum by ``1/d`` gives the very bits dividing by ``d``
     does (``d`` a power of two: ``1/d`` is exact and both round the same real number once). The
     product is the cheaper pass over a bucket (a division costs about twice a multiplication)."""
-    return np.dtype(dtype) in (np.float32, np.float64) and d > 0 and d & (d - 1) == 0
+    return np.dtype(dtype) in _EXACT_DTYPES and d > 0 and d & (d - 1) == 0
+
+
+#: (a set of dtypes: asked at every bucket's launch, a hashed test, not a dtype comparison chain)
+_EXACT_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
 def _scaler(d: int) -> Callable[[Any], Any]:

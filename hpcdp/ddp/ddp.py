@@ -36,8 +36,12 @@ Design choices (see also ``hpcdp/ddp/__init__.py``):
   would see scaled gradients. The pass is small next to a step (measured as fast either way:
   README, D4).
 * Frozen parameters (``requires_grad=False``) are broadcast with the others but get no bucket.
-* Hooks reach DDP through a weak reference and ``close()`` removes them, so a DDP that is
-  dropped or closed stops touching the model's gradients.
+* The gradient hooks are the reducer's (the model's parameters keep it, never the DDP, alive)
+  and ``close()`` removes them, so a DDP that is dropped or closed stops touching the model's
+  gradients.
+* A torch model's ``loss.backward()`` ends, once its graph is known to be static (every
+  parameter used, hook counts learnt), in the hook that launches the last bucket: the buckets
+  count every gradient, so no per-parameter tracking of the adapter's runs alongside them.
 """
 from __future__ import annotations
 
@@ -133,24 +137,35 @@ class DDP:
                                 find_unused_parameters=self.find_unused_parameters,
                                 gradient_as_bucket_view=self.gradient_as_bucket_view)
         self._require_sync = True
+        self._size = self.group.size
+        self._is_torch = isinstance(module, TorchModule)
+        # An hpcdp.nn module's __call__ fires its forward hooks; a foreign object may offer only forward.
+        self._call_module = isinstance(module, Module) or getattr(module, "forward", None) is None
         self._torch_pass: bool | None = None   # a torch backward is awaited (loss.backward())
+        #: that backward's end is told by the buckets (``_expect_torch_backward``), not by
+        #: ``TorchModule.expect_backward``
+        self._torch_fast = False
         self._solo_pass = False   # the last forward was a torch one on a group of one
         #: every trainable parameter, once a step's graph walk found them all used (see
         #: _expect_torch_backward); None: walk every step
         self._torch_every: dict[int, Any] | None = None
         self._chunks = (None if deterministic_chunk is None else
                         ChunkedGradients(deterministic_chunk, self.group, self._reducer.buckets))
-        # A weak reference: the model's parameters must not keep a dropped DDP alive (and
-        # reducing), so that ``DDP(model)`` twice leaves only the new one attached.
+        # The gradient hooks are the reducer's own (one call per gradient, nothing between): the
+        # model's parameters keep the reducer, never this DDP, alive, and close() (run when the
+        # DDP is dropped) removes them, so ``DDP(model)`` twice leaves only the new one attached.
+        # Its end-of-pass callback reaches the DDP through a weak reference for the same reason.
+        # Chunked gradients are reduced after backward: no hooks.
         ref = weakref.ref(self)
 
-        def on_grad(p: Any) -> None:
+        def pass_done() -> None:
             ddp = ref()
-            # chunked: reduced after backward; solo: a torch backward on a group of one
-            if ddp is not None and ddp._chunks is None and not ddp._solo_pass:
-                ddp._reducer.on_grad(p)
+            if ddp is not None:
+                ddp._torch_backward_done(True, end=True)
 
-        self._handles = [p.register_hook(on_grad) for _, p in named]
+        self._reducer.pass_done = pass_done
+        if self._chunks is None:
+            self._handles = [p.register_hook(self._reducer.on_grad) for _, p in named]
         # An optimizer built on ddp.parameters() keys its state_dict by these names (held weakly
         # through the module, which outlives this wrapper), so it loads under FSDP or a pipeline.
         try:
@@ -227,26 +242,26 @@ class DDP:
                 off += a.size
 
     # -- the module's interface ------------------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's forward (in training mode: prepare buckets, join handshake, buffers)."""
-        self._check_open("forward")
-        self._check_torch_pass()
+        if self._closed:
+            self._check_open("forward")
+        if self._torch_pass is not None:
+            self._check_torch_pass()
         training = bool(getattr(self.module, "training", True))
-        if training and self._solo_torch():
+        if training and self._size == 1 and self._solo_torch():
             out = self.module(*args, **kwargs)
             if output_tensors(out):
                 # A group of one has nothing to reduce: torch's own gradients are the average, so
-                # loss.backward() runs with no DDP work at all (not even the gradient hooks).
-                self._solo_pass = True
+                # loss.backward() runs with no DDP work at all (not even the gradient hooks').
+                self._solo_pass = self._reducer.muted = True
                 return out
-            self._solo_pass = False   # arrays out: hpcdp's protocol (ddp.backward) below
+            self._solo_pass = self._reducer.muted = False   # arrays out: ddp.backward below
             if self.gradient_as_bucket_view:
                 self._reducer.point_grads_at_buckets()
             return out
-        self._solo_pass = False
+        if self._solo_pass:
+            self._solo_pass = self._reducer.muted = False
         if training and self._chunks is not None:
             self._chunks.begin_forward(args, kwargs)
             self._sync_buffers()
@@ -256,15 +271,14 @@ class DDP:
             join = self._reducer.join
             if join is not None:  # every training forward, so joined ranks stay in step
                 join.notify_active(self._require_sync)
-            self._sync_buffers()
-        # An hpcdp.nn module's __call__ fires its forward hooks; a foreign object may offer only forward.
-        if isinstance(self.module, Module) or getattr(self.module, "forward", None) is None:
-            out = self.module(*args, **kwargs)
-        else:
-            out = self.module.forward(*args, **kwargs)
-        if training and self._torch_pass is None and isinstance(self.module, TorchModule):
+            if self._has_buffers:
+                self._sync_buffers()
+        out = self.module(*args, **kwargs) if self._call_module else self.module.forward(*args, **kwargs)
+        if training and self._is_torch and self._torch_pass is None:
             self._expect_torch_backward(out)
         return out
+
+    __call__ = forward   # (one call less per training step than a method calling forward)
 
     # -- the torch user's loss.backward() ---------------------------------------------------------
     def _solo_torch(self) -> bool:
@@ -275,26 +289,29 @@ class DDP:
 
     def _expect_torch_backward(self, out: Any) -> None:
         """Tensors out of a torch model: the user runs ``loss.backward()``; when its last parameter
-        gradient has accumulated (``TorchModule.expect_backward``), the buckets still pending are
-        reduced and every gradient is averaged before ``loss.backward()`` returns."""
+        gradient has accumulated, the buckets still pending are reduced and every gradient is
+        averaged before ``loss.backward()`` returns.
+
+        The graph walk that tells which parameters this backward reaches costs tens of
+        microseconds a step; once a walk found every trainable parameter used, later steps
+        expect them all without walking (torch's DDP assumes as much unless told
+        find_unused_parameters=True, which walks every step here too). A synced pass of such a
+        static graph, hook counts learnt, needs no tracking of its own: the buckets count every
+        gradient, and the hook that launches the last bucket finishes the pass
+        (``Reducer.pass_done``). Otherwise ``TorchModule.expect_backward`` tells the end."""
         reducer, sync = self._reducer, self._require_sync
         reducer.begin_pass(sync)
-
-        def done() -> None:
-            self._torch_pass = None
-            try:
-                if sync:
-                    reducer.finish_sync_pass()
-            finally:
-                reducer.in_backward = False
-
         self._torch_pass = True
-        # The graph walk that tells which parameters this backward reaches costs tens of
-        # microseconds a step; once a walk found every trainable parameter used, later steps
-        # expect them all without walking (torch's DDP assumes as much unless told
-        # find_unused_parameters=True, which walks every step here too).
         every = self._torch_every
         static = every is not None and not self.find_unused_parameters
+        if static and sync and reducer.learned and reducer.buckets:
+            self._torch_fast = reducer.notify_done = True
+            return
+        self._torch_fast = False
+
+        def done() -> None:
+            self._torch_backward_done(sync)
+
         reached = self.module.expect_backward(out, done, every if static else None)
         if not reached:
             self._torch_pass = None
@@ -304,6 +321,20 @@ class DDP:
             if len(reached) == len(trainable) and all(id(p) in trainable for p in reached):
                 self._torch_every = trainable
 
+    def _torch_backward_done(self, sync: bool, end: bool = False) -> None:
+        """The awaited torch backward has given every parameter its gradient: the buckets are
+        reduced and waited (averaged gradients), the pass closes. ``end``: the adapter's
+        mirrors still waiting end first (``expect_backward`` does that itself)."""
+        self._torch_pass = None
+        reducer = self._reducer
+        try:
+            if end:
+                self.module.end_backward()
+            if sync:
+                reducer.finish_sync_pass()
+        finally:
+            reducer.in_backward = False
+
     def _check_torch_pass(self) -> None:
         """A new forward while the previous forward's backward is awaited: a forward without
         backward is forgotten; a backward that reached only some parameters is an error (as
@@ -312,6 +343,9 @@ class DDP:
             return
         self._torch_pass = None
         arrived, missing = self.module.cancel_expected()
+        if self._torch_fast:   # the buckets were counting (never the adapter)
+            self._torch_fast = False
+            arrived, missing = self._reducer.abandon_pass()
         self._reducer.in_backward = False
         if arrived:
             raise unfinished_backward(f"DDP forward (rank {self.group.rank})", missing,

@@ -121,6 +121,9 @@ class TorchParameter(Parameter):
         self._grad_view: Any = None
         self._grad_other: Any = None
         self._arrival: Callable[[TorchParameter], None] | None = None
+        #: the adapter's list of mirrors awaiting gradients (``_arrival`` is called only while
+        #: it is not empty: most backward passes have nothing waiting on single parameters)
+        self._watchers: list[Any] = []
         super().__init__(self.data, name, requires_grad=bool(tensor.requires_grad))
         self._ready = True
         self._torch_hook = tensor.register_post_accumulate_grad_hook(self._on_accumulated) \
@@ -169,7 +172,11 @@ class TorchParameter(Parameter):
         elif is_tensor(value):
             t.grad = value
         elif isinstance(value, np.ndarray) or is_cupy(value):   # no hasattr: FSDP's FreedGrad raises
-            if value is self._grad_view and t.grad is self._grad_key:
+            if value is self._grad_view and self._grad_key is not None:
+                # the array this parameter's gradient was before (DDP re-pointing a cleared
+                # .grad at its bucket view every step): its tensor again, none made anew
+                if t.grad is not self._grad_key:
+                    t.grad = self._grad_key
                 return
             g = to_tensor(value)
             t.grad = g
@@ -196,9 +203,8 @@ class TorchParameter(Parameter):
         if hooks:
             for hook in list(hooks.values()):
                 hook(self)
-        arrival = self._arrival
-        if arrival is not None:
-            arrival(self)
+        if self._watchers:
+            self._arrival(self)
 
     def accumulate_grad(self, g: Any) -> None:
         """Add ``g`` into the torch gradient and fire the hooks (torch autograd does this itself)."""
@@ -250,6 +256,16 @@ def _map(value: Any, fn: Callable[[Any], Any], kind: Callable[[Any], bool]) -> A
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or is_cupy(x)
+
+
+def _any_array(values: Any) -> bool:
+    """Whether any of ``values`` is a numpy or cupy array (asked at every forward: one pass, cupy
+    looked up once)."""
+    cp = sys.modules.get("cupy")   # (cupy_or_none, inlined)
+    for a in values:
+        if isinstance(a, np.ndarray) or (cp is not None and isinstance(a, cp.ndarray)):
+            return True
+    return False
 
 
 def reachable_parameters(outputs: list[Any]) -> list[Any]:
@@ -336,6 +352,7 @@ class TorchModule(Module):
                     t._hpcdp_param = weakref.ref(w)
                 params[id(t)] = w
                 w._arrival = self._root_arrival
+                w._watchers = self._root._watching
             self._parameters[name] = w
         for name, child in module.named_children():
             self._modules[name] = TorchModule(child, split_backward=split_backward,
@@ -397,7 +414,7 @@ class TorchModule(Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the torch module. Tensors in: tensors out (torch autograd for backward). Arrays in:
         arrays out, with the graph kept for :meth:`backward` under the current microbatch."""
-        if not any(_is_array(a) for a in (*args, *kwargs.values())):
+        if not _any_array(args) and not (kwargs and _any_array(kwargs.values())):
             return self.torch(*args, **kwargs)
         torch = _torch()
         grad = self.training and torch.is_grad_enabled()
@@ -434,7 +451,7 @@ class TorchModule(Module):
         else:
             torch.autograd.backward(outs, grads)
             got = {id(x): x.grad for x in xs}
-            self._end_backward()
+            self.end_backward()
         grad_in = tuple(_map(a, lambda t: None if got.get(id(t)) is None else to_array(got[id(t)]),
                              is_tensor) if output_tensors(a) else None for a in targs)
         return (grad_in[0] if len(grad_in) == 1 else grad_in), None
@@ -457,7 +474,7 @@ class TorchModule(Module):
         params = [p.tensor for p in self.parameters() if p.requires_grad]
         if params:
             torch.autograd.backward(outs, grads, inputs=params)
-        self._end_backward()
+        self.end_backward()
 
     def run_backward(self, grad_output: Any) -> Any:
         return self.backward(grad_output)   # module hooks fire from torch's hooks
@@ -537,7 +554,7 @@ class TorchModule(Module):
     def _arrived(self, p: Any) -> None:
         for bw in list(self._passes):
             if bw not in self._passes:
-                continue   # ended by an earlier pass's callback (its _end_backward) in this loop
+                continue   # ended by an earlier pass's callback (its end_backward) in this loop
             if bw.waiting.pop(id(p), None) is not None:
                 bw.arrived += 1
                 if not bw.waiting:
@@ -546,9 +563,10 @@ class TorchModule(Module):
                         self._root._watching.remove(self)
                     bw.done()
 
-    def _end_backward(self) -> None:
-        """A backward over this adapter's graph returned: mirrors whose parameters got no gradient
-        run their backward hooks now, so none is left half way."""
+    def end_backward(self) -> None:
+        """A backward over this adapter's graph returned (or a caller that tracks the gradients
+        itself, DDP's buckets, knows it is over): mirrors whose parameters got no gradient run
+        their backward hooks now, so none is left half way."""
         root = self._root
         for m in list(root._pending_posts):
             m._passes.clear()
@@ -582,7 +600,7 @@ class TorchModule(Module):
             return []
 
         def finish() -> None:
-            self._end_backward()
+            self.end_backward()
             done()
         self._watch(_Backward(waiting, finish))
         return list(waiting.values())
