@@ -17,7 +17,7 @@ between them. Errors are gathered so every rank raises the same ``CheckpointErro
 file and dataset (one small reduction when there is none); nothing is loaded in part: ``load``
 returns a new state and never modifies ``like``. ``load(out=)`` reads into the caller's arrays
 instead (no second copy of the state; pages already touched), after checking every shape and
-dtype; only a checksum failure found mid-read can leave it filled in part.
+dtype; only a failure found mid-read (a checksum, a truncated file) can leave it filled in part.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import contextlib
 import itertools
 import os
 from collections import OrderedDict
+from dataclasses import replace
 from math import prod
 from typing import Any, Iterator
 
@@ -76,6 +77,17 @@ def _open(fn: str) -> Any:
         raise CheckpointError(f"load {fn}: cannot open as HDF5 (truncated or not a checkpoint): {exc}") from None
 
 
+def _close_file(f: Any) -> None:
+    """Close ``f`` and every object still open through it, as ``h5py.File.close`` does: after a
+    failed load the error's traceback holds some (a survey's datasets, the groups walked), and
+    they would keep the file open as long as the error lives."""
+    if f.valid:
+        close_objects = getattr(f, "_close_open_objects", None)  # (h5py's own, as File.close)
+        if close_objects is not None:
+            close_objects(h5py.h5f.OBJ_LOCAL | ~h5py.h5f.OBJ_FILE)
+        f.close()
+
+
 def verify_structure(directory: str) -> None:
     """Check before commit: manifest intact, every dataset present, stored and mapped as it must be."""
     fn = os.path.join(directory, DATA)
@@ -84,7 +96,7 @@ def verify_structure(directory: str) -> None:
         names = Names(f, f"load {fn}")
         survey(f, fn, read_manifest(f, f"load {fn}", names), names)
     finally:
-        f.close()
+        _close_file(f)
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, budget: int
@@ -259,7 +271,8 @@ class _Reader:
             rel = tuple(a - b for a, b in zip(so, offsets))
             if raw is not None and (view := out[_box(rel, ss)]).flags.c_contiguous:
                 if defer and p.dset is not None:
-                    self._deferred.append((raw[0], raw[1], view, h, p, p.name))
+                    # (without its DatasetID: nothing of HDF5's stays open for the bulk reads)
+                    self._deferred.append((raw[0], raw[1], view, h, replace(p, dset=None), p.name))
                     return True
                 self._read_checked(raw[0], raw[1], view, h)
                 return False
@@ -498,7 +511,7 @@ def _read(fn: str, like: Any, into: bool = False) -> Any:
                 out = r.from_like(like, r.m["tree"], "state", "into" if into else "new")
         with trace.span("checkpoint.close", "checkpoint"):
             r.close()
-            f.close()
+            _close_file(f)
         with trace.span("checkpoint.bulk", "checkpoint"):
             r.read_deferred()
         return out
@@ -506,7 +519,7 @@ def _read(fn: str, like: Any, into: bool = False) -> Any:
         if r is not None:
             r.close()
             r.close_fd()
-        f.close()  # (again where it was: an id already closed is skipped)
+        _close_file(f)  # (again where it was: a file already closed is skipped)
 
 
 def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: Any = None) -> Any:

@@ -39,8 +39,8 @@ Op = ReduceOp | str
 def allreduce(x: Any, op: Op = "sum", *, out: Any = None, group: Group = None,
               async_op: bool = False, timeout: float | None = None) -> Any:
     """Reduce ``x`` elementwise across ranks; every rank gets the result (``x`` is unchanged)."""
-    g = group or _default()
     try:  # free on success: the latency lane is called from here, one frame fewer (A2, A5)
+        g = group or _default()
         if g._fast and not async_op and (done := allreduce_now(g, x, op, out, timeout)) is not None:
             return done
         return g.allreduce(x, op, out=out, async_op=async_op, timeout=timeout)

@@ -219,6 +219,38 @@ def test_a_load_leaves_no_file_open(tmp_path, where: str) -> None:
         assert _open_under(str(tmp_path)) == [], kw
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_bulk_reads_run_with_hdf5_closed_and_a_kept_error_holds_no_file(tmp_path, monkeypatch) -> None:
+    """While the deferred slabs are read, HDF5 has no file or dataset open (only the duplicate
+    descriptor is); and a failed check or load whose error the caller keeps (a log, a retry)
+    holds no file open through the objects in its traceback."""
+    from hpcdp.checkpoint import _reader
+
+    path = str(tmp_path / "step-1")
+    run_ranks("sim", 1, _body_save_plain, path)
+    seen: list[tuple[int, int, int]] = []
+    orig = _reader._Reader.read_deferred
+
+    def spy(self: Any) -> None:
+        seen.append((len(self._deferred), h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE
+                                                                 | h5py.h5f.OBJ_DATASET),
+                     len(_open_under(str(tmp_path)))))
+        orig(self)
+
+    monkeypatch.setattr(_reader._Reader, "read_deferred", spy)
+    got = load(path)
+    assert got["big"]["float32"].tobytes() == _global("float32").tobytes()
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1:] == (0, 1), seen
+    with h5py.File(os.path.join(path, "data.h5"), "r+") as f:
+        del f["big/float32"]
+    kept = []
+    for check in (lambda: _reader.verify_structure(path), lambda: load(path)):
+        with pytest.raises(hpcdp.CheckpointError, match="float32") as info:
+            check()
+        kept.append(info)
+        assert _open_under(str(tmp_path)) == [], kept
+
+
 @pytest.mark.parametrize("algo", ["xxh3_64", "crc32c"])
 def test_large_slabs_with_a_streamed_checksum(tmp_path, monkeypatch, algo: str) -> None:
     """Slab checksums fed piece by piece (format 3's plain XXH3-64, CRC32C) on the pread path:

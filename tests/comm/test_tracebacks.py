@@ -99,6 +99,17 @@ def test_full_traceback_keeps_internal_frames(monkeypatch: pytest.MonkeyPatch) -
         assert got is not None and len(got["frames"]) > 3, got
 
 
+def test_not_initialised_is_raised_from_the_public_call() -> None:
+    """Before ``init``, every collective's error is the trimmed public one (``allreduce``
+    finds its group inside the lane's try, the others in their ``public`` wrapper)."""
+    assert not hpcdp.is_initialized()
+    for fn in (hpcdp.allreduce, hpcdp.broadcast, hpcdp.all_gather, hpcdp.reduce_scatter):
+        with pytest.raises(hpcdp.HpcdpError, match="not initialised") as info:
+            fn(np.ones(2))
+        assert getattr(info.value, "_hpcdp_public", False), fn.__name__
+        assert len(_hpcdp_frames(info.value)) <= 3, (fn.__name__, _hpcdp_frames(info.value))
+
+
 def test_success_path_has_no_wrapper() -> None:
     """The allreduce latency path pays no wrapper call: the trimming is a try/except in place."""
     assert not hasattr(hpcdp.allreduce, "__wrapped__")

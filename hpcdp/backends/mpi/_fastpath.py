@@ -487,7 +487,7 @@ class FastPath:
         """Collective ``index`` on a persistent request when it is small (every small
         allreduce, blocking or not: the choice must be the same on all ranks), else None."""
         n = recv.size
-        if self.slots is None or not 0 < n <= self.limit[0] or recv.nbytes >= _tuning.RING_MIN_BYTES:
+        if self.slots is None or not 0 < n <= self.limit[0] or recv.nbytes >= _RING_MIN_BYTES:
             return None
         slot = self.table[recv.dtype][1][op][1].get(n)
         if slot is None:  # the shape's first call: checked
