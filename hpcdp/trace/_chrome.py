@@ -336,22 +336,20 @@ class Timeline:
                     continue
                 name, cat = row[1], "collective" if row[3] else "p2p"
                 w = row[9]
-                # the line by its code's id (hashing a code object costs more than the rest);
-                # the code is kept in the entry, so an id is never matched to another code
-                key = (name, cat, row[2], row[4], row[5], row[6], st, tid,
-                       None if w is None else id(w[0]), None if w is None else w[1])
+                # the dtype and the line by their ids (hashing a numpy dtype or a code object
+                # costs more than the rest); the entry keeps both, so an id is never matched to
+                # another object. ``w`` is the one ``(code, line)`` tuple of its call site.
+                key = (name, cat, row[2], row[4], id(row[5]), row[6], st, tid, id(w))
                 try:
                     hit = fixed_ops.get(key)
-                except TypeError:  # an unhashable shape or dtype: made every time
+                except TypeError:  # an unhashable shape: made every time
                     hit, key = None, None
-                if hit is None or (w is not None and hit[2] is not w[0]):
-                    hit = (self._op_head(name, cat, row, st), f'}},"tid":{tid},"ts":',
-                           None if w is None else w[0])
+                if hit is None or hit[2] is not w or hit[3] is not row[5]:
+                    hit = (self._op_head(name, cat, row, st), f'}},"tid":{tid},"ts":', w, row[5])
                     if key is not None and len(fixed_ops) < 100_000:
                         fixed_ops[key] = hit
-                tq, tr = divmod(t, 1000)
-                dq, dr = divmod(dur, 1000)
-                add(f'{hit[0]}{int(row[3])}{hit[1]}{tq}.{ms[tr]},"dur":{dq}.{ms[dr]}}}')
+                add(f'{hit[0]}{int(row[3])}{hit[1]}{t // 1000}.{ms[t % 1000]},'
+                    f'"dur":{dur // 1000}.{ms[dur % 1000]}}}')
                 continue
             if len(ev) == 10:  # a ``Phase``'s entry: its span, inner span and marks
                 add(ev[0]._text(self, ev))

@@ -13,18 +13,24 @@ the operations started inside it), whenever source lines are recorded, tracing o
 """
 from __future__ import annotations
 
+import marshal
 import threading
+import weakref
+from itertools import chain
 from typing import Any
 
-from ._chrome import _MS, _PLAIN, _here_entry, instant, now_ns, state
+from . import _chrome
+from ._chrome import _MS, _PLAIN, _refresh_here, instant, now_ns, state
 from ._dump import on_dump
-from ._recorder import _tls, pin_line
+from ._recorder import _process_rank, _tls, pin_line
 from ._steps import observe
 
 __all__ = ["Phase"]
 
 _ident = threading.get_ident
 _NO_MARKS: tuple[Any, ...] = ()
+_flat = chain.from_iterable
+_dumps = marshal.dumps
 
 
 class _Inner:
@@ -69,7 +75,7 @@ class Phase:
 
     __slots__ = ("name", "cat", "args", "inner_name", "mark_name", "mark_args", "inner",
                  "_vals", "_h", "_t0", "_ti0", "_ti1", "_ierr", "_marks", "_dumped", "_pinned", "_prev",
-                 "_texts")
+                 "_texts", "__weakref__")
 
     def __init__(self, name: str, cat: str = "user", *, args: tuple[str, ...] = (),
                  inner: str | None = None, mark: str | None = None,
@@ -81,12 +87,15 @@ class Phase:
         self._h: tuple[Any, ...] | None = None  # ``_tls.here`` while timed
         self._t0 = self._ti0 = self._ti1 = 0
         self._ierr: str | None = None
-        self._marks: list[tuple[int, tuple[Any, ...]]] = []
-        self._dumped = 0  # marks a flight-record dump already wrote (``_drain``)
+        #: the marks so far, flat: ``[time, values, time, values, ...]`` (values None: a step
+        #: mark), so that the values alone are one slice (``_text``'s key)
+        self._marks: list[Any] = []
+        self._dumped = 0  # items of ``_marks`` a flight-record dump already wrote (``_drain``)
         self._pinned = False
         self._prev: Any = None
         #: texts of the span, the inner span and the marks by what they depend on (``_text``)
         self._texts: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        _phases.add(self)
 
     def __call__(self, *values: Any) -> "Phase":
         self._vals = values
@@ -95,11 +104,16 @@ class Phase:
     def __enter__(self) -> "Phase":
         # ``pinned_line``: the user's call around the phase names what starts inside
         self._pinned, self._prev = pin_line()
-        if state.on and (h := _here_entry()) is not None:  # the thread's timeline and tid
+        if state.on:  # the thread's timeline and tid (``_chrome._here_entry`` inlined)
+            h = _tls.here
+            if h is None or h[3] is not _chrome._epoch or (h[4] is not None
+                                                          and h[4] != _process_rank[0]):
+                h = _refresh_here()
+                if h is None:
+                    return self
             self._ti0 = self._ti1 = 0
             self._ierr = None
-            self._h = h
-            _open.add(self)
+            self._h = h  # (a phase being timed: what ``_drain`` looks for)
             self._t0 = now_ns()
         return self
 
@@ -115,7 +129,6 @@ class Phase:
             ti0, ti1, ierr = self._ti0, self._ti1, self._ierr
             if ti0 and not ti1:  # the inner span cut short by the exception leaving both
                 ti1, ierr = t1, err
-            _open.discard(self)
             marks = self._marks
             if marks:
                 self._marks = []
@@ -133,7 +146,9 @@ class Phase:
         """A mark (args: ``mark_args`` matched to ``values``) at this moment."""
         h = self._h
         if h is not None and h[2] == _ident():
-            self._marks.append((now_ns(), values))
+            m = self._marks
+            m.append(now_ns())
+            m.append(values)
         elif state.on and self.mark_name is not None:
             instant(self.mark_name, self.cat, **dict(zip(self.mark_args, values)))
 
@@ -142,7 +157,9 @@ class Phase:
         with the phase's entry: for a layer whose phase ends a training step (DDP's backward)."""
         h = self._h
         if h is not None and h[2] == _ident():
-            self._marks.append((now_ns(), None))
+            m = self._marks
+            m.append(now_ns())
+            m.append(None)
         elif state.on:
             instant("step", "step")
         return observe()
@@ -163,80 +180,72 @@ class Phase:
         return out
 
     def _mark_events(self, marks: Any, tid: int) -> list[tuple[Any, ...]]:
-        """``marks`` as the ``instant`` events they stand for."""
+        """``marks`` (flat: time, values, ...) as the ``instant`` events they stand for."""
         names, cat = self.mark_args, self.cat
         return [("i", "step", "step", t, 0, tid, None) if values is None else
                 ("i", self.mark_name, cat, t, 0, tid, dict(zip(names, values)) or None)
-                for t, values in marks]
+                for t, values in zip(marks[0::2], marks[1::2])]
 
     def _text(self, tl: Any, ev: tuple[Any, ...]) -> str:
         """The entry's events as ``tl`` writes them (``Timeline._render``'s text for ``_events``):
-        the repeating part of each kept by value, the times formatted around it."""
+        the repeating part of the whole entry (every event's text but its times) kept by value,
+        under one key, and the times formatted around it."""
         _, t0, t1, vals, ti0, ti1, marks, tid, err, ierr = ev
         epoch = tl.epoch_ns
         t, dur = t0 - epoch, t1 - t0
-        if t < 0 or dur < 0 or ti1 < ti0:  # before the epoch: the general path's signed floats
+        # (marks are taken after the phase began, in order, on the same monotonic clock)
+        if t < 0 or dur < 0 or ti1 < ti0 or (marks and marks[0] < t0):
+            return tl._render(self._events(ev))  # the general path's signed floats
+        mv = marks[1::2]
+        try:  # by value and type (True == 1, and their texts differ), in one call: marshal's
+            # bytes tell every type it takes apart and refuse any other (a step mark: None)
+            key = _dumps((tl.rank, tid, err, ierr, ti0 > 0, vals, mv), 2)
+        except ValueError:  # a value marshal does not take
             return tl._render(self._events(ev))
-        try:  # (types too: True == 1, and their texts differ)
-            key = (tl.rank, tid, err, ierr, ti0 > 0, vals, *map(type, vals))
-            hit = self._texts.get(key)
-        except TypeError:  # an unhashable value
-            return tl._render(self._events(ev))
+        hit = self._texts.get(key)
         if hit is None:
-            if not _PLAIN.issuperset(map(type, vals)):
+            if not (_PLAIN.issuperset(map(type, vals))
+                    and _PLAIN.issuperset(map(type, _flat(filter(None, mv))))):
                 return tl._render(self._events(ev))
-            hit = self._plan(tl, tid, vals, err, ierr, ti0 > 0)
+            hit = self._plan(tl, tid, vals, mv, err, ierr, ti0 > 0)
             if len(self._texts) >= 10_000:
                 self._texts.clear()
             self._texts[key] = hit
         ms = _MS
-        tq, tr = divmod(t, 1000)
-        dq, dr = divmod(dur, 1000)
-        text = f'{hit[0]}{tq}.{ms[tr]},"dur":{dq}.{ms[dr]}{hit[1]}}}'
+        text = f'{hit[0]}{t // 1000}.{ms[t % 1000]},"dur":{dur // 1000}.{ms[dur % 1000]}{hit[1]}'
         if ti0:
-            tq, tr = divmod(ti0 - epoch, 1000)
-            dq, dr = divmod(ti1 - ti0, 1000)
-            text = f'{hit[2]}{tq}.{ms[tr]},"dur":{dq}.{ms[dr]}{hit[3]}}},\n{text}'
+            t = ti0 - epoch
+            dur = ti1 - ti0
+            text = f'{hit[2]}{t // 1000}.{ms[t % 1000]},"dur":{dur // 1000}.{ms[dur % 1000]}{hit[3]}{text}'
         if not marks:
             return text
-        mtexts = hit[4]  # this rank's and thread's marks: by their values (and types)
         out = []
-        for tm, values in marks:
-            tm -= epoch
-            if tm < 0:  # (not after the phase began: a clock that went back)
-                return tl._render(self._events(ev))
-            try:
-                mk = None if values is None else (values, *map(type, values))
-                mhit = mtexts.get(mk)
-            except TypeError:
-                mhit, mk = None, ()
-            if mhit is None:
-                mhit = tl._span_plan("i", self.mark_name, self.cat, tid, dict(zip(self.mark_args, values)) or None)
-                if mk != () and _PLAIN.issuperset(map(type, values)):
-                    if len(mtexts) >= 1000:
-                        mtexts.clear()
-                        mtexts[None] = tl._span_plan("i", "step", "step", tid, None)
-                    mtexts[mk] = mhit
-            tq, tr = divmod(tm, 1000)
-            out.append(f'{mhit[0]}{tq}.{ms[tr]}{mhit[1]}}},\n')
+        for (head, tail), t in zip(hit[4], marks[0::2]):
+            t -= epoch
+            out.append(f'{head}{t // 1000}.{ms[t % 1000]}{tail}')
         out.append(text)
         return "".join(out)
 
-    def _plan(self, tl: Any, tid: int, vals: tuple[Any, ...], err: str | None, ierr: str | None,
-              inner: bool) -> tuple[Any, ...]:
-        """(span head, its args text, inner span head, its args text, the marks' texts by their
-        values, the step mark's under None) for ``_text``."""
+    def _plan(self, tl: Any, tid: int, vals: tuple[Any, ...], mv: tuple[Any, ...], err: str | None,
+              ierr: str | None, inner: bool) -> tuple[Any, ...]:
+        """(span head, its tail, inner span head, its tail up to the span's head, the marks'
+        (head, tail) in order) for ``_text``: each event's text but its times."""
         args = dict(zip(self.args, vals))
         if err is not None:
             args["error"] = err
         head, tail = tl._span_plan("X", self.name, self.cat, tid, args or None)
         ihead, itail = tl._span_plan("X", self.inner_name, self.cat, tid,
                                      None if ierr is None else {"error": ierr}) if inner else ("", "")
-        return head, tail, ihead, itail, {None: tl._span_plan("i", "step", "step", tid, None)}
+        marks = tuple((h, t + "},\n") for h, t in (
+            tl._span_plan("i", "step", "step", tid, None) if values is None else
+            tl._span_plan("i", self.mark_name, self.cat, tid, dict(zip(self.mark_args, values)) or None)
+            for values in mv))
+        return head, tail + "}", ihead, itail + "},\n" if inner else "", marks
 
 
-#: the phases being timed now, whose marks a flight-record dump writes (``_drain``)
-_open: set[Phase] = set()
+#: every phase: those being timed (``_h`` set) are the ones whose marks a flight-record dump
+#: writes (``_drain``); registered once, not at every entry
+_phases: "weakref.WeakSet[Phase]" = weakref.WeakSet()
 
 
 def _drain() -> None:
@@ -245,12 +254,12 @@ def _drain() -> None:
     (DDP's backward, a bucket allreduce that never completes) shows which buckets it launched;
     the phase's entry leaves those marks out when it ends. (A dump from another thread at the
     very moment the phase ends may write a mark twice or leave it out.)"""
-    for p in list(_open):
+    for p in list(_phases):
         h = p._h
         if h is None:
             continue
         marks = p._marks
-        n = len(marks)
+        n = len(marks) & ~1  # whole marks (a dump at a signal may fall between time and values)
         if n > p._dumped:
             new, p._dumped = marks[p._dumped:n], n
             h[5].extend(p._mark_events(new, h[1]))

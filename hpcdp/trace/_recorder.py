@@ -159,13 +159,25 @@ def pin_line() -> tuple[bool, Any]:
     if not on:
         return False, None
     prev = _tls.line
-    if prev is None:  # ``_caller`` inlined (this runs once per traced backward)
+    if prev is None:  # ``_caller``, ``user_frame`` and ``_site`` inlined (once per traced backward)
         try:
-            f = user_frame(sys._getframe(2))
+            f = sys._getframe(2)
         except ValueError:
-            f = None
+            return True, prev
+        inside, hidden = _inside, _hidden
+        while f is not None:
+            code = f.f_code
+            hit = inside.get(code.co_filename)
+            if hit is None:
+                f = user_frame(f)  # a file not seen yet: the general walk
+                break
+            if not hit and (not hidden or id(code) not in hidden):
+                break
+            f = f.f_back
         if f is not None:
-            _tls.line = _site(f)
+            code = f.f_code
+            site = _sites.get((id(code), f.f_lasti))
+            _tls.line = site if site is not None and site[0] is code else _site(f)
     return True, prev
 
 

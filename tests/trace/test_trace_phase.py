@@ -218,3 +218,22 @@ def test_a_dump_inside_a_phase_writes_its_marks_so_far(tmp_path) -> None:
     assert marks == [0, 1, 2], marks                          # each once, in order
     assert [e["name"] for e in evs].count("backward") == 1
     assert [e["name"] for e in evs].count("step") == 1
+
+
+def test_a_dump_between_a_marks_time_and_values_writes_whole_marks_only(tmp_path) -> None:
+    """A dump at a signal may land while a mark is half recorded (its time kept, its values not
+    yet): it writes the whole marks before it, and the half one is written once, with the entry."""
+    trace.enable(tmp_path / "tl")
+    ph = _phase()
+    with ph(True):
+        ph.mark(0, 100, 1)
+        ph._marks.append(ph._marks[0] + 1)  # a time without its values yet
+        trace.dump("signal", directory=tmp_path / "fr")
+        ph._marks.append((1, 200, 2))                              # ... and its values
+        with ph.inner:
+            ph.step()
+    trace.disable()
+    evs = _events(tmp_path / "tl" / "trace-rank0.json")
+    marks = [e["args"]["bucket"] for e in evs if e["name"] == "bucket ready"]
+    assert marks == [0, 1], marks
+    assert [e["name"] for e in evs].count("step") == 1
