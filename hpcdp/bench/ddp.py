@@ -148,8 +148,8 @@ def _d4_limits(g: Any, step: Callable[[], None], model: nn.Module, t1: Callable[
     once ("bound": the cost of sharing memory and caches), and against that step plus a raw
     mpi4py ``Allreduce`` of a buffer of its gradients' size after it ("ceiling": DDP with no
     overhead and no overlap; its copies left out, so an upper bound). Interleaved like D4."""
-    comm = getattr(g.backend, "comm", None)
-    if g.backend.name != "mpi" or comm is None:
+    comm = g.backend.native_comm()
+    if comm is None:  # not MPI: no raw Allreduce to compare with
         return {}
     from mpi4py import MPI
 
