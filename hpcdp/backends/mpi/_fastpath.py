@@ -3,11 +3,10 @@
 Two tricks, for the latency of small allreduces, which a training loop's scalars (losses,
 counters, norms) and DDP's small buckets are:
 
-1. Persistent requests. A small allreduce (under ``PERSISTENT_MAX_BYTES``) starts a persistent MPI
+1. Persistent requests. A small allreduce (under ``RING_MIN_BYTES``) starts a persistent MPI
    request made once per dtype and count (``MPI_Allreduce_init``; ``MPIX_Allreduce_init`` in
    Open MPI 4, called through ctypes) instead of posting an ``Iallreduce``, whose schedule
-   libnbc builds afresh on every call, on the algorithm ``_tuning`` chooses for its size
-   (``persistent_algorithm``). It is still nonblocking, so every wait keeps its
+   libnbc builds afresh on every call. It is still nonblocking, so every wait keeps its
    deadline and a late rank still gets an exception, not an abort. A persistent request is bound
    to its buffers, so a call copies in and out.
 2. The quick lane (``FastPath.allreduce``, the backend's ``quick_allreduce``): a blocking call
@@ -67,10 +66,8 @@ if TYPE_CHECKING:
 __all__ = ["FastPath", "fast_path", "Slot", "Slots", "SmallRequest", "FirstCall", "MAX_SLOTS"]
 
 #: shapes (dtype, count) a group keeps persistent requests for: one request per op (four; two
-#: for bool), each holding two buffers of under ``PERSISTENT_MAX_BYTES``; and at most
-#: ``SLOT_BYTES`` of those buffers a group (the oldest shapes retire first, as for the count)
+#: for bool), each holding two buffers of under ``RING_MIN_BYTES`` (at most 2 MiB a group)
 MAX_SLOTS = 32
-SLOT_BYTES = 4 << 20
 #: ops in the order a family's requests are made (the same on every rank), and their codes
 _OP_LIST = tuple(ReduceOp)
 #: ops MPI does not define on a dtype kind (no order on complex numbers): no request for them
@@ -164,7 +161,6 @@ class Slots:
         self.order: list[list[tuple[dict[int, Slot], int]]] = []
         self.retired: list[Slot] = []  # retired while a call still ran on them
         self.waiting: set[Slot] = set()  # slots with a call queued behind a running one
-        self.nbytes = 0  # of the buffers of the families in ``order``
 
     def advance(self) -> None:
         """Under ``_LOCK``: test each running call that has one queued behind it, so queued
@@ -196,9 +192,7 @@ class Slots:
              t: Any) -> list[Slot]:
         """The family of ``n`` elements of ``dtype``: a slot per op in ``ops`` (op -> (MPI op,
         its table)), ops that share an MPI op (bool) sharing it; in ``ops``' order."""
-        size = n * dtype.itemsize
-        need = 2 * size * sum(1 for op in ops if op not in _UNDEFINED.get(dtype.kind, ()))
-        while self.order and (len(self.order) >= MAX_SLOTS or self.nbytes + need > SLOT_BYTES):
+        if len(self.order) >= MAX_SLOTS:
             self.retire(self.order.pop(0))
         made: dict[int, Slot] = {}
         entries: list[tuple[dict[int, Slot], int]] = []
@@ -207,14 +201,15 @@ class Slots:
         if nb is not None:  # libnbc reads the algorithm variable while it builds a schedule
             nb.lock.acquire()
         try:
+            if nb is not None and nb.current:
+                nb.set(0)
             for op, (mop, table) in ops.items():
                 if op in undefined:
                     continue
                 slot = made.get(id(mop))
                 if slot is None:
                     sbuf, rbuf = np.zeros(n, dtype), np.zeros(n, dtype)
-                    req = _tuning.made(nb, functools.partial(self.init, fp.comm, sbuf, rbuf, t, mop),
-                                       size)
+                    req = self.init(fp.comm, sbuf, rbuf, t, mop)
                     slot = made[id(mop)] = Slot(req, sbuf, rbuf)
                 table[n] = slot
                 entries.append((table, n))
@@ -225,7 +220,6 @@ class Slots:
             if nb is not None:
                 nb.lock.release()
         self.order.append(entries)
-        self.nbytes += 2 * size * len(made)
         return list(made.values())
 
     def retire(self, family: list[tuple[dict[int, Slot], int]]) -> None:
@@ -234,7 +228,6 @@ class Slots:
             slot = table.pop(n, None)
             if slot is not None and slot not in self.retired:
                 self.retired.append(slot)
-                self.nbytes -= slot.sbuf.nbytes + slot.rbuf.nbytes
         self.free_idle()
 
     def free_idle(self) -> None:
@@ -448,7 +441,7 @@ class FirstCall(_rq.MPIRequest):
 #: the slower deadline-checked wait (with 64 Tests and no second spin the early rank of a
 #: barrier fell into the slower wait every few calls).
 _SPIN_S = SPIN_SECONDS
-_PERSISTENT_MAX_BYTES = _tuning.PERSISTENT_MAX_BYTES
+_RING_MIN_BYTES = _tuning.RING_MIN_BYTES
 #: a larger collective's lane spins as long as its bytes take at this rate (a registered wait
 #: polls as busily for its first milliseconds, at the cost of the request bookkeeping), capped
 _SPIN_BPS, _SPIN_MAX_S = 2e9, 2e-3
@@ -494,7 +487,7 @@ class FastPath:
         """Collective ``index`` on a persistent request when it is small (every small
         allreduce, blocking or not: the choice must be the same on all ranks), else None."""
         n = recv.size
-        if self.slots is None or not 0 < n <= self.limit[0] or recv.nbytes >= _PERSISTENT_MAX_BYTES:
+        if self.slots is None or not 0 < n <= self.limit[0] or recv.nbytes >= _RING_MIN_BYTES:
             return None
         slot = self.table[recv.dtype][1][op][1].get(n)
         if slot is None:  # the shape's first call: checked
@@ -516,7 +509,7 @@ class FastPath:
                   timeout: float) -> Request | None:
         """The quick lane (the backend's ``quick_allreduce``): a blocking allreduce of host
         arrays, None once complete, else the request still pending at the deadline. Under
-        ``PERSISTENT_MAX_BYTES`` a persistent request started, else one ``Iallreduce``; then a
+        ``RING_MIN_BYTES`` a persistent request started, else one ``Iallreduce``; then a
         short ``Test`` spin. What it does not handle (float16, messages over the element
         limit) goes to the backend's ``allreduce`` and waits there."""
         fast = self.table.get(recv.dtype)
@@ -532,7 +525,7 @@ class FastPath:
         small, nbytes, view = self.slots, recv.nbytes, self._view
         out = None  # the persistent request's result buffer, once started
         try:
-            if small is not None and n and nbytes < _PERSISTENT_MAX_BYTES:
+            if small is not None and n and nbytes < _RING_MIN_BYTES:
                 slot = table.get(n)
                 if slot is None:  # the shape's first call: checked
                     first = small.first(send, recv, op, index)

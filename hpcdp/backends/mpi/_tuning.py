@@ -1,19 +1,10 @@
-"""libnbc's allreduce algorithm, chosen per call by message size through MPI_T.
+"""libnbc's Iallreduce algorithm, chosen per call by message size through MPI_T.
 
-hpcdp's allreduce is an ``Iallreduce`` polled against a deadline (see ``_backend``), or a
-persistent request made once per shape (``_fastpath``). Open MPI 4's libnbc picks binomial for
-2-3 ranks whatever the size (a reduce to one rank, then a broadcast), which is slower than the
-blocking ``MPI_Allreduce`` from a few KiB up (about 1.3-1.5x its time at 1-4 MiB on 2 ranks),
-where its ring beats ``MPI_Allreduce``; below a few KiB ring costs microseconds more than
-binomial. So an ``Iallreduce`` is ring from ``RING_MIN_BYTES`` up, libnbc's own choice below
-(``post``). A persistent request gets its algorithm when it is made (``made``), by the same
-rule of size (``persistent_algorithm``): binomial below ``SPLIT_MIN_BYTES``; ring up to
-``RD_MIN_BYTES``, where a whole message would be past shared memory's eager limit (4 KiB in
-Open MPI's vader: one rendezvous more) and ring's pieces are not; recursive doubling above (one
-exchange of the whole message on 2 ranks, where ring takes two rounds), up to
-``PERSISTENT_MAX_BYTES``. Measured on 2 ranks against the blocking ``MPI_Allreduce``: 4-7 KiB
-1.2-1.3x its time (binomial: 3.7-4.0x), 8-48 KiB 0.8-1.1x (an ``Iallreduce`` on ring: 1.2-1.9x);
-``python -m hpcdp.bench collectives --min-size 4096`` shows it. The choice is a process-wide MPI_T
+hpcdp's allreduce is an ``Iallreduce`` polled against a deadline (see ``_backend``). Open MPI 4's
+libnbc picks binomial for 2-3 ranks whatever the size, which is slower than the blocking
+``MPI_Allreduce`` from a few KiB up (about 1.3-1.5x its time at 1-4 MiB on 2 ranks), where its
+ring beats ``MPI_Allreduce``; below a few KiB ring costs microseconds more than binomial. So
+ring from ``RING_MIN_BYTES`` up, libnbc's own choice below (``post``). The choice is a process-wide MPI_T
 control variable (``coll_libnbc_iallreduce_algorithm``) that libnbc reads when a call is posted:
 set-and-post runs under one lock, so two threads posting at once cannot give one call the other's
 algorithm, and every rank decides from the size alone, so all ranks of a call agree (libnbc
@@ -36,17 +27,10 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["Tuner", "tuner", "release", "post", "made", "persistent_algorithm", "RING_MIN_BYTES",
-           "SPLIT_MIN_BYTES", "RD_MIN_BYTES", "PERSISTENT_MAX_BYTES"]
+__all__ = ["Tuner", "tuner", "release", "post", "RING_MIN_BYTES"]
 
-#: an ``Iallreduce`` of this many bytes or more runs on ring
 RING_MIN_BYTES = 8 << 10
-#: persistent requests (``_fastpath``): binomial below this, ring from it, recursive doubling
-#: from ``RD_MIN_BYTES``, and none from ``PERSISTENT_MAX_BYTES`` (an ``Iallreduce`` on ring)
-SPLIT_MIN_BYTES = 4 << 10
-RD_MIN_BYTES = 8 << 10
-PERSISTENT_MAX_BYTES = 64 << 10
-_DEFAULT, _RING, _RD = 0, 1, 4
+_DEFAULT, _RING = 0, 1
 _CVAR = b"coll_libnbc_iallreduce_algorithm"
 _THREAD_MULTIPLE = 3  # MPI_THREAD_MULTIPLE in Open MPI's mpi.h
 
@@ -72,7 +56,7 @@ class Tuner:
         self._write = lib.MPI_T_cvar_write
         self._write.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._write.restype = ctypes.c_int
-        self._values = {v: ctypes.c_int(v) for v in (_DEFAULT, _RING, _RD)}
+        self._values = {v: ctypes.c_int(v) for v in (_DEFAULT, _RING)}
 
     def set(self, value: int) -> None:
         """Call with ``lock`` held."""
@@ -105,26 +89,6 @@ def post(nb: Tuner | None, comm: Any, s: Any, r: Any, mop: Any, nbytes: int) -> 
         if ring:
             nb.set(_DEFAULT)
         nb.lock.release()
-
-
-def persistent_algorithm(nbytes: int) -> int:
-    """libnbc's algorithm for a persistent allreduce of ``nbytes`` (the module docstring)."""
-    return _DEFAULT if nbytes < SPLIT_MIN_BYTES else _RING if nbytes < RD_MIN_BYTES else _RD
-
-
-def made(nb: Tuner | None, init: Any, nbytes: int) -> Any:
-    """``init()`` (a persistent allreduce's maker) with the algorithm for ``nbytes``; call with
-    ``nb.lock`` held (libnbc reads the variable while it builds the schedule)."""
-    if nb is None:
-        return init()
-    algo = persistent_algorithm(nbytes)
-    if nb.current != algo:
-        nb.set(algo)
-    try:
-        return init()
-    finally:
-        if nb.current != _DEFAULT:
-            nb.set(_DEFAULT)
 
 
 def tuner() -> Tuner | None:
