@@ -278,7 +278,10 @@ class DDP:
             self._expect_torch_backward(out)
         return out
 
-    __call__ = forward   # (one call less per training step than a method calling forward)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # ``forward`` looked up on the instance: a subclass's override (or one set on the
+        # object) runs, as torch's ``Module.__call__`` runs it
+        return self.forward(*args, **kwargs)
 
     # -- the torch user's loss.backward() ---------------------------------------------------------
     def _solo_torch(self) -> bool:

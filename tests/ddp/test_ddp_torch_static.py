@@ -215,3 +215,24 @@ def test_forward_without_backward_after_steps(world: World) -> None:
 @pytest.mark.parametrize("world", worlds("sim-2", "mpi"), indirect=True)
 def test_closed_or_dropped_ddp_stops_reducing(world: World) -> None:
     check(world.run(body_closed_stops_reducing))
+
+
+def _body_subclass_forward(rank: int) -> list[str]:
+    from ddp_torch_bodies import data, make
+
+    class Counted(hpcdp.DDP):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(*args, **kwargs)
+
+    d = Counted(make("mlp"))
+    x, _ = data("mlp")
+    d(x[:2])
+    return [] if getattr(d, "calls", 0) == 1 else [f"a subclass's forward ran {getattr(d, 'calls', 0)} times"]
+
+
+def test_a_subclass_forward_runs_on_call() -> None:
+    """``ddp(x)`` runs ``forward`` as the object has it (a subclass's override), as torch does."""
+    from conftest import run_ranks
+
+    assert run_ranks("sim", 2, _body_subclass_forward, timeout=60) == [[], []]
