@@ -698,7 +698,11 @@ class PointToPoint:
         try:
             look = g.backend.probe_meta
             hit = look(src, ANY_TAG)
-            if hit is None:  # (``probe`` spins too, after checks this call made already)
+            if hit is None:  # a short spin here: ``probe`` would first redo this call's checks
+                until = time.monotonic() + QUICK_SPIN_S
+                while (hit := look(src, ANY_TAG)) is None and time.monotonic() < until:
+                    pass
+            if hit is None:
                 hit = self.probe(src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic()))
             left = max(1e-3, deadline - time.monotonic())
             if hit.source == g.rank:  # to oneself (any source): the blocking path refuses it
