@@ -39,6 +39,18 @@ def _none() -> None:
 _name = p2p_name
 
 
+
+def _probe_spin(look: Any, src: int, tag: int, seconds: float) -> Probed | None:
+    """``look(src, tag)`` (a backend's ``probe_meta``) until it finds a message or ``seconds``
+    pass: the probe before a waited one, for a message that arrives within a moment."""
+    hit = look(src, tag)
+    if hit is None:
+        until = time.monotonic() + seconds
+        while (hit := look(src, tag)) is None and time.monotonic() < until:
+            pass
+    return hit
+
+
 def _sr_name(dst: int, stag: int, ks: int, src: int, rtag: int, kr: int) -> str:
     """A ``sendrecv``'s name in errors: both halves, each as the call it pairs with."""
     return f"sendrecv: {_name('send', 'dst', dst, stag, ks)} and {_name('recv', 'src', src, rtag, kr)}"
@@ -372,12 +384,9 @@ class PointToPoint:
         if src == PROC_NULL:
             return Status(PROC_NULL, ANY_TAG, 0)
         t = g.timeout if timeout is None else g._timeout_of("probe", timeout)
-        look = g.backend.probe_meta
-        hit = look(src, tag)  # a message already there, or there within a short spin: no
-        if hit is None:       # waiting, so nothing to record (as in the quick lanes)
-            until = time.monotonic() + (t if t < QUICK_SPIN_S else QUICK_SPIN_S)
-            while (hit := look(src, tag)) is None and time.monotonic() < until:
-                pass
+        # a message already there, or there within a short spin: no waiting, so nothing to
+        # record (as in the quick lanes)
+        hit = _probe_spin(g.backend.probe_meta, src, tag, t if t < QUICK_SPIN_S else QUICK_SPIN_S)
         if hit is not None:
             return self._status(hit)
         box: list[Any] = []
@@ -696,12 +705,8 @@ class PointToPoint:
         deadline = time.monotonic() + t
         sent = self.isend(sbuf, dst, stag)
         try:
-            look = g.backend.probe_meta
-            hit = look(src, ANY_TAG)
-            if hit is None:  # a short spin here: ``probe`` would first redo this call's checks
-                until = time.monotonic() + QUICK_SPIN_S
-                while (hit := look(src, ANY_TAG)) is None and time.monotonic() < until:
-                    pass
+            # its own short spin: ``probe`` would first redo this call's checks
+            hit = _probe_spin(g.backend.probe_meta, src, ANY_TAG, QUICK_SPIN_S)
             if hit is None:
                 hit = self.probe(src, ANY_TAG, timeout=max(1e-3, deadline - time.monotonic()))
             left = max(1e-3, deadline - time.monotonic())
