@@ -108,7 +108,8 @@ def all_gather_now(g: Any, x: Any, out: Any, timeout: float | None) -> Any:
     if (quick is None or type(x) is not _ndarray or (xd := x.dtype) not in _FAST_DTYPES
             or not (xf := x.flags).c_contiguous):
         return None
-    shape = (g.size, *x.shape)
+    n = len(g._members)  # (``g.size``, without the property's call)
+    shape = (n, *x.shape)
     if out is None:
         out = np.empty(shape, xd)
     elif not (type(out) is _ndarray and (f := out.flags).c_contiguous and f.writeable and f.owndata
@@ -117,7 +118,7 @@ def all_gather_now(g: Any, x: Any, out: Any, timeout: float | None) -> Any:
                                   and b.flags.owndata))):
         return None
     _quick(g, "all_gather", timeout, x, -1, quick,
-           (x if x.ndim == 1 else x.reshape(-1), out.reshape(g.size, -1)), {})
+           (x if x.ndim == 1 else x.reshape(-1), out if out.ndim == 2 else out.reshape(n, -1)), {})
     return out
 
 

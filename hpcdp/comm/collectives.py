@@ -19,7 +19,7 @@ from typing import Any
 
 from .world import get_default_group as _default
 from ..errors import HpcdpError, public, public_error
-from ._lane import allreduce_now
+from ._lane import all_gather_now, allreduce_now, broadcast_now
 from .group import ProcessGroup
 from ..ops import ReduceOp
 from .work import Work
@@ -58,15 +58,20 @@ def all_reduce(tensor: Any, op: Op = "sum", *, group: Group = None, async_op: bo
     return (group or _default()).all_reduce(tensor, op, async_op=async_op, timeout=timeout)
 
 
-@public
 def broadcast(x: Any, root: int = 0, *, out: Any = None, group: Group = None,
               async_op: bool = False, timeout: float | None = None, src: int | None = None) -> Any:
     """Every rank gets root's ``x``; fills ``x`` (or ``out=``) in place when it can.
 
     ``broadcast(x, src=0)`` is torch's call: in place, returns None (or a Work).
     """
-    return (group or _default()).broadcast(x, root, out=out, async_op=async_op, timeout=timeout,
-                                           src=src)
+    try:  # the latency lane from here, as ``allreduce``'s (A3: a frame is a visible share)
+        g = group or _default()
+        if (g._fast and not async_op and out is None and src is None
+                and (done := broadcast_now(g, x, root, timeout)) is not None):
+            return done
+        return g.broadcast(x, root, out=out, async_op=async_op, timeout=timeout, src=src)
+    except HpcdpError as exc:
+        raise public_error(exc)  # noqa: B904 - exc is its __context__
 
 
 @public
@@ -81,15 +86,20 @@ def reduce(x: Any, op: Op = "sum", root: int = 0, *, out: Any = None, group: Gro
                                         dst=dst)
 
 
-@public
 def all_gather(x: Any, tensor: Any = None, *, out: Any = None, group: Group = None,
                async_op: bool = False, timeout: float | None = None) -> Any:
     """Stack every rank's ``x``: shape ``(world_size, *x.shape)``.
 
     torch's ``all_gather(tensor_list, tensor)`` fills ``tensor_list``; returns None (or a Work).
     """
-    return (group or _default()).all_gather(x, tensor, out=out, async_op=async_op,
-                                            timeout=timeout)
+    try:  # the latency lane from here, as ``allreduce``'s
+        g = group or _default()
+        if (g._fast and not async_op and tensor is None
+                and (done := all_gather_now(g, x, out, timeout)) is not None):
+            return done
+        return g.all_gather(x, tensor, out=out, async_op=async_op, timeout=timeout)
+    except HpcdpError as exc:
+        raise public_error(exc)  # noqa: B904 - exc is its __context__
 
 
 @public
