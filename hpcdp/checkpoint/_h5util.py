@@ -9,7 +9,7 @@ import numpy as np
 
 __all__ = ["dcpl", "create_dataset", "write_slab", "write_nothing", "read_slab", "read_into",
            "file_space", "SlabWriteError", "text_dtype", "create_text", "write_text", "posix_fd",
-           "raw_offset", "run_offset", "pread_into", "flat_index"]
+           "raw_offset", "same_type", "run_offset", "pread_into", "flat_index"]
 
 
 class SlabWriteError(Exception):
@@ -127,12 +127,28 @@ def raw_offset(dset: Any, dcpl: Any = None) -> int | None:
         dcpl = did.get_create_plist() if dcpl is None else dcpl
         if dcpl.get_layout() != h5py.h5d.CONTIGUOUS:
             return None
-        if not did.get_type().equal(h5py.h5t.py_create(did.dtype)):
+        if not same_type(did, did.dtype):
             return None
         base = did.get_offset()
     except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
         return None
     return base if isinstance(base, int) else None
+
+
+#: numpy dtype -> the HDF5 type h5py maps it to (``same_type``; made once per dtype)
+_H5TYPES: dict[np.dtype, Any] = {}
+
+
+def same_type(did: Any, dtype: np.dtype) -> bool:
+    """Whether the file type of ``did`` (a DatasetID) is the very type numpy's ``dtype`` maps to:
+    HDF5 would then copy its bytes unconverted (and h5py reads its dtype as ``dtype``)."""
+    try:
+        t = _H5TYPES.get(dtype)
+        if t is None:
+            t = _H5TYPES[dtype] = h5py.h5t.py_create(dtype)
+        return bool(did.get_type().equal(t))
+    except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
+        return False
 
 
 def run_offset(offsets: Sequence[int], shape: Sequence[int], dshape: Sequence[int],

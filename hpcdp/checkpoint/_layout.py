@@ -17,6 +17,7 @@ HDF5 side:
 """
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ._format import FORMAT, MANIFEST, MANIFEST_CRC_ATTR, rank_file, vds_name
-from ._h5util import read_slab
+from ._h5util import read_slab, same_type
 from ._manifest import decode_manifest
 
 __all__ = ["Piece", "Names", "read_manifest", "survey", "open_rank_file", "file_id"]
@@ -46,6 +47,9 @@ class Piece:
     name: str
     at: tuple[int, ...]     # offsets of the slab within that dataset
     dset: Any = field(default=None, compare=False)  # its open DatasetID, for data.h5's own
+    #: data.h5's own: the dataset's byte offset in data.h5 when ``pread`` there reads exactly
+    #: what HDF5 would (``raw_offset``), else None; found by ``survey`` with the other facts
+    raw: int | None = None
 
 
 def file_id(f: Any) -> Any:
@@ -57,12 +61,14 @@ class Names:
     """The objects of one open HDF5 file by path, reached through hard links only.
 
     Low-level h5py (link info, ``H5Oopen``): an order of magnitude cheaper per dataset than
-    ``Group.__getitem__``, which matters for checkpoints of thousands of arrays. Groups are cached.
+    ``Group.__getitem__``, which matters for checkpoints of thousands of arrays. Groups and the
+    objects found are cached (a load asks for some twice: the manifest, a slab read in blocks).
     """
 
     def __init__(self, f: Any, where: str) -> None:
         self.where = where
         self._groups: dict[str, Any] = {"": h5py.h5g.open(file_id(f), b"/")}
+        self._found: dict[str, Any] = {}
 
     def exists(self, name: str) -> bool:
         """Whether the root holds a link ``name`` (never followed: ``name in f`` would open the
@@ -71,6 +77,12 @@ class Names:
 
     def get(self, path: str, what: str = "dataset") -> Any:
         """The ObjectID at ``path`` (a DatasetID for datasets)."""
+        obj = self._found.get(path)
+        if obj is None:
+            obj = self._found[path] = self._get(path, what)
+        return obj
+
+    def _get(self, path: str, what: str) -> Any:
         parts = path.split("/")
         prefix = ""
         for i, part in enumerate(parts):
@@ -96,23 +108,37 @@ class Names:
         raise CheckpointError(f"{self.where}: {what} {path!r} is missing")  # empty path
 
 
-def _check_type(d: Any, where: str, path: str, shape: tuple, dtype: np.dtype) -> None:
+def _check_type(d: Any, where: str, path: str, shape: tuple, dtype: np.dtype) -> bool:
+    """Refuse ``d`` unless it is a dataset of ``shape`` and ``dtype`` (a number type); True when
+    its file type is the very type numpy's ``dtype`` maps to (``same_type``: HDF5 would copy
+    its bytes unconverted), as it is when hpcdp wrote it."""
     if not isinstance(d, h5py.h5d.DatasetID):
         ok, have = False, "not a dataset"
     else:
         try:
-            have_shape, have_dtype = d.shape, d.dtype
+            have_shape = d.shape
+            if have_shape == shape and same_type(d, dtype):  # (then d.dtype is dtype)
+                return True
+            have_dtype = d.dtype
             ok = have_shape == shape and have_dtype == dtype and have_dtype.kind in "biufc"
             have = f"{have_shape} {have_dtype}"
         except (TypeError, ValueError):  # an HDF5 type numpy has no equivalent for
             ok, have = False, "of a type numpy cannot hold"
     if not ok:
         raise CheckpointError(f"{where}: dataset {path!r} is {have}, the manifest says {shape} {dtype}")
+    return False
 
 
 def _stored(d: Any, where: str, path: str, file_size: int, dcpl: Any = None) -> int:
     """The bytes dataset ``d`` (a DatasetID; ``dcpl`` its creation properties) occupies in its
     file, once they are known to back its whole shape."""
+    return _stored_at(d, where, path, file_size, dcpl)[0]
+
+
+def _stored_at(d: Any, where: str, path: str, file_size: int, dcpl: Any = None,
+               shape: tuple | None = None, dtype: np.dtype | None = None) -> tuple[int, int | None]:
+    """``_stored``, and the byte offset of contiguous storage (None: chunked or empty).
+    ``shape`` and ``dtype``: ``d``'s, where the caller has checked them (``_check_type``)."""
     dcpl = d.get_create_plist() if dcpl is None else dcpl
     if dcpl.get_external_count():
         name = dcpl.get_external(0)[0]
@@ -127,25 +153,27 @@ def _stored(d: Any, where: str, path: str, file_size: int, dcpl: Any = None) -> 
         raise CheckpointError(f"{where}: dataset {path!r} passes its data through HDF5 filters "
                               "(compression): hpcdp reads raw data only, so that the stored size "
                               "bounds what loading allocates")
-    nbytes = prod(d.shape) * d.dtype.itemsize
+    if shape is None or dtype is None:
+        shape, dtype = d.shape, d.dtype
+    nbytes = prod(shape) * dtype.itemsize
     stored = d.get_storage_size()
     if layout == h5py.h5d.CONTIGUOUS:
         if stored != nbytes:
             raise CheckpointError(f"{where}: dataset {path!r} stores {stored} bytes, its shape "
-                                  f"{d.shape} and dtype {d.dtype} need {nbytes}")
+                                  f"{shape} and dtype {dtype} need {nbytes}")
         offset = d.get_offset() if nbytes else 0
         if offset is None or offset + nbytes > file_size:
             raise CheckpointError(f"{where}: dataset {path!r} lies beyond the end of its file "
                                   f"({file_size} bytes): truncated")
-        return stored
+        return stored, offset if nbytes else None
     chunk = dcpl.get_chunk()
-    want = prod(-(-s // c) for s, c in zip(d.shape, chunk))
+    want = prod(-(-s // c) for s, c in zip(shape, chunk))
     have = d.get_num_chunks() if want else 0
-    if have != want or stored != have * prod(chunk) * d.dtype.itemsize:
+    if have != want or stored != have * prod(chunk) * dtype.itemsize:
         raise CheckpointError(f"{where}: dataset {path!r} has {have} of its {want} chunks stored "
                               f"({stored} bytes for the {nbytes} its shape declares): every chunk "
                               "must be written")
-    return stored
+    return stored, None
 
 
 def _scalar_attr(obj: Any, name: bytes) -> Any:
@@ -159,16 +187,33 @@ def _scalar_attr(obj: Any, name: bytes) -> Any:
         a = h5py.h5a.open(obj, name)
         if a.shape != ():
             return None
-        buf = np.empty((), a.dtype)
-        a.read(buf)
+        t = a.get_type()
+        if isinstance(t, h5py.h5t.TypeStringID) and t.is_variable_str() \
+                and t.get_cset() == h5py.h5t.CSET_UTF8:  # (the format marker, as h5py writes it)
+            buf = np.empty((), _VSTR)
+            a.read(buf, mtype=_vstr_type())
+        else:
+            buf = np.empty((), a.dtype)
+            a.read(buf)
         return buf[()]
     except Exception:  # noqa: BLE001 - an attribute h5py cannot read is as good as none
         return None
 
 
-def read_manifest(f: Any, where: str, names: Names | None = None) -> dict:
+#: a variable-length UTF-8 string, as h5py reads one (``str``)
+_VSTR = h5py.string_dtype()
+
+
+@functools.lru_cache(maxsize=None)
+def _vstr_type() -> Any:
+    """The HDF5 memory type of ``_VSTR``, made once (h5py would make it anew at every read)."""
+    return h5py.h5t.py_create(_VSTR)
+
+
+def read_manifest(f: Any, where: str, names: Names | None = None, size: int | None = None) -> dict:
     """The validated manifest of the open ``data.h5`` ``f`` (an ``h5py.File`` or its FileID;
-    ``names`` its ``Names``, if the caller has them), format marker first."""
+    ``names`` its ``Names`` and ``size`` its size in bytes, if the caller has them), format
+    marker first."""
     fid = file_id(f)
     marker = _scalar_attr(fid, b"hpcdp_format")
     if isinstance(marker, bytes):
@@ -188,7 +233,9 @@ def read_manifest(f: Any, where: str, names: Names | None = None) -> dict:
     if not ok:
         raise CheckpointError(f"{where}: the manifest {MANIFEST!r} is neither a fixed-length string "
                               "dataset nor (format 1) a 1-D uint8 array")
-    _stored(d, where, MANIFEST, os.path.getsize(os.fsdecode(h5py.h5f.get_name(fid))))
+    if size is None:
+        size = os.path.getsize(os.fsdecode(h5py.h5f.get_name(fid)))
+    _stored(d, where, MANIFEST, size)
     try:
         if text:  # read as the file's own UTF-8 type: numpy's "S" alone is ASCII to HDF5
             raw = read_slab(d, np.empty((), dt), ()).item()
@@ -259,23 +306,26 @@ def _mapping(dcpl: Any, where: str, path: str, meta: dict, files: list[str]) -> 
     return out
 
 
-def survey(f: Any, fn: str, m: dict, names: Names | None = None) -> dict[str, list[Piece]]:
+def survey(f: Any, fn: str, m: dict, names: Names | None = None, fsize: int | None = None,
+           raw_min: int | None = None) -> dict[str, list[Piece]]:
     """Check every dataset of the manifest ``m`` of the open ``data.h5`` ``fn`` (``names``: its
-    ``Names``, if the caller has them); where each slab is.
+    ``Names``, ``fsize``: its size in bytes, if the caller has them); where each slab is, and,
+    for data.h5's own datasets of at least ``raw_min`` bytes, where ``pread`` may read them
+    (``Piece.raw``; asked here, where their creation properties are at hand).
 
     Metadata only: nothing is allocated for the data. Opens each rank file once, in turn.
     """
     where = f"load {fn}"
     directory = os.path.dirname(os.path.abspath(fn))
     names = Names(f, where) if names is None else names
-    size = {fn: os.path.getsize(fn)}
+    size = {fn: os.path.getsize(fn) if fsize is None else fsize}
     used = {fn: names.get(MANIFEST, "the manifest").get_storage_size()}
     pieces: dict[str, list[Piece]] = {}
     remote: dict[str, list[tuple[str, dict]]] = {}
     for path, meta in m["datasets"].items():
         shape, dtype = tuple(meta["shape"]), np.dtype(meta["dtype"])
         d = names.get(path)
-        _check_type(d, where, path, shape, dtype)
+        exact = _check_type(d, where, path, shape, dtype)
         dcpl = d.get_create_plist()
         if dcpl.get_layout() == h5py.h5d.VIRTUAL:
             for s, fname in _mapping(dcpl, where, path, meta, m["files"]):
@@ -283,8 +333,11 @@ def survey(f: Any, fn: str, m: dict, names: Names | None = None) -> dict[str, li
                 pieces.setdefault(path, []).append(
                     Piece(s, os.path.join(directory, fname), path, (0,) * len(shape)))
         else:
-            used[fn] += _stored(d, where, path, size[fn], dcpl)
-            pieces[path] = [Piece(s, fn, path, tuple(s["offsets"]), d) for s in meta["slabs"]]
+            stored, at = _stored_at(d, where, path, size[fn], dcpl, shape, dtype)
+            used[fn] += stored
+            # (contiguous, inside the file: ``_stored_at`` checked it)
+            raw = at if exact and at is not None and raw_min is not None and stored >= raw_min else None
+            pieces[path] = [Piece(s, fn, path, tuple(s["offsets"]), d, raw) for s in meta["slabs"]]
     for fname in m["files"]:
         full, here = os.path.join(directory, fname), f"{where}: slab file {fname}"
         with open_rank_file(directory, fname, where) as g:

@@ -297,8 +297,10 @@ def decode_manifest(raw: bytes | np.ndarray, crc: Any, where: str) -> dict:
     """Check the manifest bytes (UTF-8 JSON text, or format 1's uint8 array of it) against their
     CRC32, parse and validate them."""
     data = raw if isinstance(raw, bytes) else np.asarray(raw, np.uint8).tobytes()
-    if crc is None or np.ndim(crc) != 0 or not np.issubdtype(np.asarray(crc).dtype, np.integer) \
-            or zlib.crc32(data) != int(crc):
+    # (an integer scalar: a numpy one, as h5py reads it, or a Python int; never bool)
+    ok = isinstance(crc, np.integer) or (isinstance(crc, int) and not isinstance(crc, bool)) \
+        or (isinstance(crc, np.ndarray) and crc.ndim == 0 and crc.dtype.kind in "iu")
+    if not ok or zlib.crc32(data) != int(crc):
         raise CheckpointError(f"{where}: the manifest fails its CRC32 check (corrupt file)")
     try:
         m = json.loads(data)

@@ -1,6 +1,6 @@
 """``load``: read a checkpoint on any number of ranks, verify it, and reshard.
 
-Each rank opens ``data.h5`` read-only with the default driver and, before it allocates anything,
+Each rank opens ``data.h5`` read-only with HDF5's POSIX driver and, before it allocates anything,
 validates the manifest (``_manifest``) and where every dataset's bytes are (``_layout``: nothing
 from outside the checkpoint, stored bytes behind every declared shape). It then reads only what it
 needs: whole datasets for replicated arrays, and for a ``Shard`` of ``like`` the slabs that meet
@@ -13,7 +13,9 @@ cache: one pass over memory instead of a read pass and then a checksum pass (for
 checksum is made of such blocks, each hashed in one call). The whole slabs of data.h5 itself are
 read last, after HDF5's file is closed (through a duplicate of its descriptor): the metadata
 work of the load, HDF5's included, then runs before the bulk reads flush the CPU's caches, not
-between them. Errors are gathered so every rank raises the same ``CheckpointError`` naming the
+between them. That work runs on cold caches all the same (whatever ran before the load flushed
+them), so each fact is asked of HDF5 once: the survey finds where data.h5's large datasets lie
+and that HDF5 would convert nothing, as it checks their type and storage. Errors are gathered so every rank raises the same ``CheckpointError`` naming the
 file and dataset (one small reduction when there is none); nothing is loaded in part: ``load``
 returns a new state and never modifies ``like``. ``load(out=)`` reads into the caller's arrays
 instead (no second copy of the state; pages already touched), after checking every shape and
@@ -22,10 +24,10 @@ dtype; only a failure found mid-read (a checksum, a truncated file) can leave it
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 from collections import OrderedDict
-from dataclasses import replace
 from math import prod
 from typing import Any, Iterator
 
@@ -68,13 +70,31 @@ def _open(fn: str) -> Any:
     """``fn`` opened read-only, as its low-level FileID: ``h5py.File``'s bookkeeping at open and
     at close is a share of a load from the page cache. HDF5 closes the file once the FileID and
     the last object opened in it are closed (``_Reader.close`` drops them; the file's close
-    degree stays the default: another ``h5py.File`` of the same file may be open)."""
-    if not os.path.exists(fn):
-        raise CheckpointError(f"load {fn}: no such checkpoint")
+    degree stays the default: another ``h5py.File`` of the same file may be open). The driver
+    is named (``_sec2``): the file's descriptor then reads what HDF5 reads, without asking."""
     try:
-        return h5py.h5f.open(os.fsencode(fn), h5py.h5f.ACC_RDONLY)
+        return h5py.h5f.open(os.fsencode(fn), h5py.h5f.ACC_RDONLY, _sec2())
     except OSError as exc:
+        if not os.path.exists(fn):
+            raise CheckpointError(f"load {fn}: no such checkpoint") from None
         raise CheckpointError(f"load {fn}: cannot open as HDF5 (truncated or not a checkpoint): {exc}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _sec2() -> Any:
+    """File access properties naming HDF5's POSIX driver (sec2), made once."""
+    p = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    p.set_fapl_sec2()
+    return p
+
+
+def _sec2_fd(f: Any) -> int | None:
+    """The descriptor of ``f``, a file ``_open`` opened (with the sec2 driver), else None."""
+    try:
+        fd = f.get_vfd_handle()
+    except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
+        return None
+    return fd if isinstance(fd, int) else None
 
 
 def _close_file(f: Any) -> None:
@@ -129,27 +149,32 @@ class _Reader:
 
     def __init__(self, f: Any, fn: str) -> None:
         self.f, self.fn, self.where = f, fn, f"load {fn}"
-        with trace.span("checkpoint.manifest", "checkpoint"):
-            names = Names(f, self.where)  # (one walk of data.h5's groups: manifest and survey)
-            self.m = read_manifest(f, self.where, names)
-        self.algo = self.m["checksum"]
-        self.sum_key = slab_sum_key(self.m["format_version"])
-        try:  # a package the checksum needs is missing: said before anything is read
-            new_checksum(self.algo)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{self.where}: {exc}") from None
-        with trace.span("checkpoint.survey", "checkpoint"):
-            self.pieces = survey(f, fn, self.m, names)
-        self._rank_files: OrderedDict[str, Any] = OrderedDict()
-        #: by file: the descriptor ``pread`` may read (``posix_fd``), asked once per file;
-        #: data.h5's is a duplicate of HDF5's (``_own_fd``), so it outlives HDF5's file
+        #: by rank file: the descriptor ``pread`` may read (``posix_fd``), asked once per file
         self._fds: dict[str, int | None] = {}
-        self._own_fd: int | None = None
-        #: by data.h5 dataset: its byte offset for ``pread`` (``raw_offset``), asked once
-        self._raw: dict[str, int | None] = {}
+        self._rank_files: OrderedDict[str, Any] = OrderedDict()
         #: whole data.h5 slabs whose ``pread`` waits for ``read_deferred``:
-        #: (fd, offset, destination, hasher, piece, dataset path)
-        self._deferred: list[tuple[int, int, np.ndarray, Any, Piece, str]] = []
+        #: (fd, offset, destination, hasher, slab, dataset path)
+        self._deferred: list[tuple[int, int, np.ndarray, Any, dict, str]] = []
+        #: data.h5's: a duplicate of HDF5's descriptor, so that it outlives HDF5's file
+        fd = _sec2_fd(f)
+        self._own_fd: int | None = None if fd is None else os.dup(fd)
+        try:
+            # the size of the file HDF5 has open (not of whatever the path names by now)
+            size = None if self._own_fd is None else os.fstat(self._own_fd).st_size
+            with trace.span("checkpoint.manifest", "checkpoint"):
+                names = Names(f, self.where)  # (one walk of data.h5's groups: manifest and survey)
+                self.m = read_manifest(f, self.where, names, size)
+            self.algo = self.m["checksum"]
+            self.sum_key = slab_sum_key(self.m["format_version"])
+            try:  # a package the checksum needs is missing: said before anything is read
+                new_checksum(self.algo)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{self.where}: {exc}") from None
+            with trace.span("checkpoint.survey", "checkpoint"):
+                self.pieces = survey(f, fn, self.m, names, size, RAW_MIN_BYTES)
+        except BaseException:
+            self.close_fd()
+            raise
 
     def close(self) -> None:
         """Close every HDF5 object of this load (data.h5's ``pread`` descriptor stays open for
@@ -184,25 +209,18 @@ class _Reader:
     def _place(self, d: Any, p: Piece, shape: tuple, item: int) -> tuple[int, int] | None:
         """(file descriptor, byte offset) of slab ``p`` (of ``shape``) in dataset ``d`` when
         ``pread`` there reads exactly what HDF5's read would (``raw_offset``; the slab is one run
-        of bytes in C order), else None. data.h5's facts are asked once per load."""
+        of bytes in C order), else None. data.h5's facts are ``survey``'s (``Piece.raw``)."""
         if p.dset is not None:  # data.h5's own: its shape is the manifest's (survey checked)
-            base = self._raw.get(p.name, -1)
-            if base == -1:
-                base = self._raw[p.name] = raw_offset(d)
-            dshape = self.m["datasets"][p.name]["shape"]
-            fid = self.f
+            base, dshape = p.raw, self.m["datasets"][p.name]["shape"]
+            fd = self._own_fd
         else:  # a rank file's dataset (survey saw it; read as this open finds it)
             base, dshape = raw_offset(d), d.shape
-            fid = self._rank_files[p.file][0]
-        if base is None:
+            fd = self._fds.get(p.file, -1)
+            if fd == -1:
+                fd = self._fds[p.file] = posix_fd(file_id(self._rank_files[p.file][0]))
+        if base is None or fd is None:
             return None
-        fd = self._fds.get(p.file, -1)
-        if fd == -1:
-            fd = posix_fd(file_id(fid))
-            if fd is not None and p.dset is not None:
-                fd = self._own_fd = os.dup(fd)
-            self._fds[p.file] = fd
-        rel = run_offset(p.at, shape, dshape, item) if fd is not None else None
+        rel = run_offset(p.at, shape, dshape, item)
         return None if rel is None else (fd, base + rel)
 
     # -- one region of one dataset, verified --------------------------------------------------
@@ -229,16 +247,16 @@ class _Reader:
             with self._reading(path):
                 if self._slab(self._dataset(p), p, out, offsets, lo, hi, h, defer):
                     continue  # read and verified by ``read_deferred``
-            self._verify(h, p, path)
+            self._verify(h, p.slab, path)
         return out
 
     def read_deferred(self) -> None:
         """Read and verify the slabs ``region(defer=True)`` left for now, in their order."""
         jobs, self._deferred = self._deferred, []
-        for fd, offset, view, h, p, path in jobs:
+        for fd, offset, view, h, slab, path in jobs:
             with self._reading(path):
                 self._read_checked(fd, offset, view, h)
-            self._verify(h, p, path)
+            self._verify(h, slab, path)
 
     @contextlib.contextmanager
     def _reading(self, path: str) -> Iterator[None]:
@@ -251,10 +269,10 @@ class _Reader:
             raise CheckpointError(f"{self.where}: dataset {path!r} cannot be read (truncated?): "
                                   f"{exc}") from None
 
-    def _verify(self, h: Any, p: Piece, path: str) -> None:
-        if h.intdigest() != p.slab[self.sum_key]:
-            raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {tuple(p.slab['shape'])} "
-                                  f"at {tuple(p.slab['offsets'])} fails its {self.algo.upper()} "
+    def _verify(self, h: Any, slab: dict, path: str) -> None:
+        if h.intdigest() != slab[self.sum_key]:
+            raise CheckpointError(f"{self.where}: dataset {path!r}: the slab {tuple(slab['shape'])} "
+                                  f"at {tuple(slab['offsets'])} fails its {self.algo.upper()} "
                                   "checksum (corrupt data)")
 
     def _slab(self, d: Any, p: Piece, out: np.ndarray, offsets: tuple, lo: tuple, hi: tuple,
@@ -271,8 +289,8 @@ class _Reader:
             rel = tuple(a - b for a, b in zip(so, offsets))
             if raw is not None and (view := out[_box(rel, ss)]).flags.c_contiguous:
                 if defer and p.dset is not None:
-                    # (without its DatasetID: nothing of HDF5's stays open for the bulk reads)
-                    self._deferred.append((raw[0], raw[1], view, h, replace(p, dset=None), p.name))
+                    # (its slab, not the Piece: no DatasetID stays open for the bulk reads)
+                    self._deferred.append((raw[0], raw[1], view, h, p.slab, p.name))
                     return True
                 self._read_checked(raw[0], raw[1], view, h)
                 return False
@@ -499,7 +517,7 @@ def _read(fn: str, like: Any, into: bool = False) -> Any:
     file), bulk (the large slabs left to ``read_deferred``: read and verified)."""
     with trace.span("checkpoint.open", "checkpoint"):
         f = _open(fn)
-    r = None
+    r, closed = None, False
     try:
         r = _Reader(f, fn)
         with trace.span("checkpoint.walk", "checkpoint"):
@@ -512,14 +530,18 @@ def _read(fn: str, like: Any, into: bool = False) -> Any:
         with trace.span("checkpoint.close", "checkpoint"):
             r.close()
             _close_file(f)
+            closed = True
         with trace.span("checkpoint.bulk", "checkpoint"):
             r.read_deferred()
         return out
     finally:
+        # (after the bulk reads, as little as can be: what they left in the caches is cold)
+        if not closed:
+            if r is not None:
+                r.close()
+            _close_file(f)
         if r is not None:
-            r.close()
             r.close_fd()
-        _close_file(f)  # (again where it was: a file already closed is skipped)
 
 
 def load(path: str | os.PathLike, like: Any = None, *, out: Any = None, group: Any = None) -> Any:
