@@ -394,7 +394,16 @@ class Timeline:
     def _literal(self, ev: tuple[Any, ...]) -> str:
         """One event's text, formatted on its own (the uncommon events)."""
         ph, name, cat, t, dur, tid, args = ev
-        if ph == "M" or (args is not None and type(args) not in (tuple, dict)):
+        if ph == "M":
+            # a thread's name (one per thread and timeline, so one per traced stretch of a job):
+            # its text as the encoder writes it, without the encoder (whose code, cold at a
+            # flush, cost more than the chunk's other events together)
+            v = args.get("name") if type(args) is dict and len(args) == 1 else None
+            if type(v) is str and type(name) is str and type(tid) is int:
+                return (f'{{"name":{_quote(name)},"ph":"M","pid":{self.rank},"tid":{tid},'
+                        f'"args":{{"name":{_quote(v)}}}}}')
+            return self._text(ev)
+        if args is not None and type(args) not in (tuple, dict):
             return self._text(ev)
         # a time before the epoch (an operation begun before tracing was): floats keep the sign
         ts = f'"ts":{(t - self.epoch_ns) / 1e3:.3f}' + (f',"dur":{dur / 1e3:.3f}' if ph == "X" else "")

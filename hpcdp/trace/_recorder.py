@@ -149,6 +149,11 @@ def _caller(depth: int) -> tuple[Any, int] | None:
     return None if f is None else _site(f)
 
 
+#: ``pin_line``'s last walk: (the code objects of the frames it went up past, the user's code,
+#: its call offset, the site, ``len(_hidden)``, ``len(_hidden_dirs)``); None before the first
+_last_walk: list[Any] = [None]
+
+
 def pin_line() -> tuple[bool, Any]:
     """Pin the source line of the user's call around the caller's caller (a ``with`` block's
     ``__enter__`` calls this) for the operations this thread starts until it is restored:
@@ -164,20 +169,45 @@ def pin_line() -> tuple[bool, Any]:
             f = sys._getframe(2)
         except ValueError:
             return True, prev
-        inside, hidden = _inside, _hidden
+        hidden = _hidden
+        last = _last_walk[0]
+        if last is not None and last[4] == len(hidden) and last[5] == len(_hidden_dirs):
+            # the stack the last walk went up (each training step repeats it): the same code
+            # objects, frame by frame, and the same call offset in the user's frame name the
+            # same site, while no code or package was hidden since
+            g = f
+            for c in last[0]:
+                if g.f_code is not c:
+                    break
+                g = g.f_back
+                if g is None:
+                    break
+            else:
+                if g.f_code is last[1] and g.f_lasti == last[2]:
+                    _tls.line = last[3]
+                    return True, prev
+        inside = _inside
+        walked: list[Any] | None = []
         while f is not None:
             code = f.f_code
             hit = inside.get(code.co_filename)
             if hit is None:
                 f = user_frame(f)  # a file not seen yet: the general walk
+                walked = None
                 break
             if not hit and (not hidden or id(code) not in hidden):
                 break
+            walked.append(code)
             f = f.f_back
         if f is not None:
             code = f.f_code
-            site = _sites.get((id(code), f.f_lasti))
-            _tls.line = site if site is not None and site[0] is code else _site(f)
+            lasti = f.f_lasti
+            site = _sites.get((id(code), lasti))
+            if site is None or site[0] is not code:
+                site = _site(f)
+            _tls.line = site
+            if walked is not None:
+                _last_walk[0] = (tuple(walked), code, lasti, site, len(hidden), len(_hidden_dirs))
     return True, prev
 
 

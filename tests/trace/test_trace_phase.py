@@ -154,6 +154,44 @@ def test_phase_pins_the_line_like_pinned_line() -> None:
     assert lines[2].startswith(f"{HERE}:{inner} (deep)") and lines[3].startswith(f"{HERE}:{inner} "), lines
 
 
+def test_phase_pins_each_steps_own_call_site() -> None:
+    # pin_line remembers the stack it walked last (each training step repeats it): a call from
+    # another line, from another function, or from a frame hidden since must each still pin
+    # the user's own line, and the same site the same entry.
+    rec = Recorder(0, 32, lines=True)
+    ph = _phase()
+    ns = {"ph": ph, "rec": rec}
+    # a layer's method running the phase, as DDP.backward does: code of a file inside hpcdp
+    exec(compile("def run():\n    with ph(True):\n        rec.end(rec.begin('allreduce', 'world', 1))\n",
+                 os.path.join(os.path.dirname(os.path.abspath(trace.__file__)), "_layer.py"), "exec"), ns)
+    run = ns["run"]
+
+    def helper() -> int:
+        run(); return sys._getframe().f_lineno  # noqa: E702
+
+    def caller() -> int:
+        return helper()
+
+    trace.configure(lines=True)
+    want: list[tuple[str, int]] = []
+    for _ in range(2):
+        run(); want.append(("test_phase_pins_each_steps_own_call_site", sys._getframe().f_lineno))  # noqa: E702
+        run(); want.append(("test_phase_pins_each_steps_own_call_site", sys._getframe().f_lineno))  # noqa: E702
+        want.append(("helper", helper()))
+        want.append(("helper", caller()))
+    hooks.hide_frames(helper)  # hidden since the last walk: the pin moves to helper's caller
+    helper(); want.append(("test_phase_pins_each_steps_own_call_site", sys._getframe().f_lineno))  # noqa: E702
+    caller()
+    want.append(("caller", caller.__code__.co_firstlineno + 1))
+    run(); want.append(("test_phase_pins_each_steps_own_call_site", sys._getframe().f_lineno))  # noqa: E702
+    trace.configure(lines=False)
+    ops = rec.snapshot()
+    got = [(o.where[0].co_name, o.where[1]) for o in ops]
+    assert got == want
+    assert all(o.line.startswith(f"{HERE}:") for o in ops)
+    assert ops[0].where is ops[4].where and ops[2].where is ops[6].where  # one site, one entry
+
+
 def test_phase_does_nothing_when_tracing_is_off(tmp_path) -> None:
     ph = _phase()
     with ph(True):

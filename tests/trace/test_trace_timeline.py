@@ -440,6 +440,35 @@ def test_timeline_text_matches_the_events_whatever_repeats(tmp_path) -> None:
     assert '"ts":-2500.001' in text and '"dur":1000.009' in text and "a%db" in text
 
 
+def test_thread_name_metadata_reads_as_the_encoder_writes_it(tmp_path) -> None:
+    # A thread's name is written without the JSON encoder: quotes, backslashes, control and
+    # non-ASCII characters must come out as the encoder writes them, and metadata of any other
+    # shape still goes through the encoder.
+    tl = _chrome.Timeline(3, str(tmp_path))
+    names = ["MainThread", 'a"b\\c', "tab\tnl\n", "\u00e9\u7ebf\U0001f600", ""]
+    events = [("M", "thread_name", "", 0, 0, tid, {"name": n}) for tid, n in enumerate(names)]
+    events += [("M", "thread_name", "", 0, 0, 7, {"name": 5}),
+               ("M", "thread_name", "", 0, 0, 8, {"name": "x", "extra": 1}),
+               ("M", "other", "", 0, 0, 9, {"name": "y"}), ("M", "bare", "", 0, 0, 2, None)]
+    for ev in events:
+        ph, name, _, _, _, tid, args = ev
+        want = {"name": name, "ph": ph, "pid": 3, "tid": tid}
+        if args:
+            want["args"] = args
+        assert tl._render([ev]) == _chrome._encode(want), ev
+    with trace.span("s", "t"):  # a traced thread's name event, written and read back
+        pass
+    tl.close()
+    trace.enable(tmp_path / "real")
+    t = threading.Thread(target=lambda: trace.instant("m", "t"), name='w\u00f6rker "1"')
+    t.start()
+    t.join(30)
+    trace.disable()
+    evs = _load(tmp_path / "real" / "trace-rank0.json")["traceEvents"]
+    assert {"name": "thread_name", "ph": "M", "pid": 0, "tid": 0,
+            "args": {"name": 'w\u00f6rker "1"'}} in evs
+
+
 def test_timeline_replaces_an_earlier_jobs_file(tmp_path) -> None:
     old = tmp_path / "trace-rank0.json"
     old.write_text('{"traceEvents":[' + '{"name":"old"},' * 1000 + "{}]}")
