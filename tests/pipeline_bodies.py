@@ -211,10 +211,13 @@ def body_stage_hang(rank: int, timeout: float) -> dict[str, Any]:
     every rank raises, the stalled one as soon as its forward returns."""
     model, boom = _boom_model()
     stage = pp.PipelineStage(model, split_points=[1, 2, 3])
+    # the first step under a long timeout: it is not about stalls, and on a loaded machine a
+    # healthy wait can take longer than ``timeout``; the stalled step under ``timeout``
     pipe = pp.Pipeline(stage, schedule="1f1b", n_microbatches=4, loss_fn=make_loss("ce"),
-                       timeout=timeout)
+                       timeout=60.0)
     x, y = make_data("ce", 0, 8)
     pipe.step(x, y)
+    pipe.timeout = pipe._channel.timeout = timeout
     boom.armed, boom.hang_s = ("hang", 1), 4 * timeout
     try:
         pipe.step(x, y)

@@ -41,9 +41,12 @@ def body_stalled_stage(rank: int, release_dir: str, timeout: float, stand_in: bo
     waiting = [r for r in range(n) if r not in stalled]
     stage = pp.PipelineStage(make_model())
     pipe = pp.Pipeline(stage, schedule="1f1b", n_microbatches=4, loss_fn=make_loss("ce"),
-                       timeout=timeout)
+                       timeout=60.0)
     x, y = make_data("ce", 0, 8)
     pipe.step(x, y)   # the first step exchanges shapes: the second waits on data only
+    # the first step is not about stalls: under a long timeout, as a healthy wait can outlast
+    # ``timeout`` on a loaded machine (4 ranks on 2 cores); the stalled step under ``timeout``
+    pipe.timeout = pipe._channel.timeout = timeout
     out: dict[str, Any] = {"rank": g.rank, "stalled": g.rank in stalled, "released": None}
     names = [os.path.join(release_dir, f"raised-{r}") for r in waiting]
     if g.rank in stalled:   # stops before the step (posting nothing) until the others raised

@@ -48,6 +48,16 @@ def closed_by_server(sock: socket.socket, within: float = 5.0) -> bool:
         return False
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state T in /proc/<pid>/stat): a test waits
+    for this rather than assuming a peer stopped itself within a fixed sleep."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def start_job(fn: Callable[..., Any], n: int, args: tuple, env: dict[str, str]
               ) -> tuple[threading.Thread, dict[str, Any]]:
     """Run ``fn`` on ``n`` TCP ranks in a background thread; ``out`` gets "res" or "err"."""

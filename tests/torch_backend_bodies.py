@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 from typing import Any, Iterator
@@ -46,9 +47,11 @@ def _rank_data(r: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return ((np.arange(n) * 3 + 7 * r) % 11 + 1 + r).reshape(shape).astype(dtype)
 
 
-def body_collectives(rank: int) -> list[str]:
+def body_collectives(rank: int, gave_up: str) -> list[str]:
     """Every collective torch's DDP and FSDP2 use, against a numpy reference, through torch's
-    own API: in-place results, every op, async Work, strides, lists and the op refusals."""
+    own API: in-place results, every op, async Work, strides, lists and the op refusals.
+    ``gave_up``: a file (in a directory every rank sees) rank 0 writes once its short wait gave
+    up, so that the other ranks join after it did."""
     bad: list[str] = []
 
     def expect(what: str, got: Any, want: Any) -> None:
@@ -89,9 +92,13 @@ def body_collectives(rank: int) -> list[str]:
         expect("async all_reduce float32", a,
                np.stack([_rank_data(r, (4,), np.float32) for r in range(n)]).sum(0))
         # wait(timeout=) gives up on waiting, not on the call: rank 0 waits too briefly for
-        # ranks that join late, then waits again and gets the sum
+        # ranks that join late, then waits again and gets the sum. "Late" is ordered by the
+        # file rank 0 writes after its short wait, not by a fixed sleep: on a loaded machine
+        # rank 0 reached its call more than a 0.5 s sleep after the others
         if rank != 0:
-            time.sleep(0.5)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gave_up) and time.monotonic() < deadline:
+                time.sleep(0.01)
         c = torch.full((2,), float(rank), dtype=torch.float64)
         work = dist.all_reduce(c, async_op=True)
         if rank == 0:
@@ -101,6 +108,8 @@ def body_collectives(rank: int) -> list[str]:
             except CommTimeoutError as exc:
                 if "all_reduce" not in str(exc) and "allreduce" not in str(exc):
                     bad.append(f"rank 0: the short wait's error does not name the call: {exc}")
+            finally:
+                open(gave_up, "w").close()
         work.wait()
         expect("all_reduce after a short wait", c, np.full(2, n * (n - 1) / 2))
         fut = dist.all_reduce(torch.ones(3, dtype=torch.float64), async_op=True).get_future()

@@ -50,7 +50,7 @@ def _no_crash(code: int, out: str) -> None:
 # Rank 0 starts a 32 MiB allreduce and leaves while it is in flight; rank 1 joins it later. Before
 # the fix, rank 0's buffer was freed during interpreter shutdown and MPI_Finalize wrote into it.
 _LEAVE = """
-    import sys, time
+    import os, sys, time
     import numpy as np
     import hpcdp
 
@@ -61,7 +61,7 @@ _LEAVE = """
         pending_recv = hpcdp.irecv(np.empty(1 << 16), 1, tag=5)   # never sent: withdrawn at exit
         {leave}
     else:
-        time.sleep({delay})
+        {late}
         try:
             text = f"rank 1 result {{hpcdp.allreduce(np.ones({count}))[0]}}"
         except hpcdp.PeerFailureError as exc:
@@ -70,6 +70,10 @@ _LEAVE = """
             fh.write(text)
 """
 
+
+# Rank 0 writes ``gave-up`` once its exit (or finalize) stopped waiting for what is in flight
+_GAVE_UP_FILE = ("from hpcdp.backends.mpi import _requests; _drain = _requests.drain; "
+                 "_requests.drain = lambda *a: (_drain(*a), open('gave-up', 'w').close())[0]")
 
 # 32 MiB: an Iallreduce; 3 elements: a persistent request (``mpi._fastpath``)
 _COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persistent"])
@@ -84,8 +88,15 @@ _COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persi
 @_COUNTS
 def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str, code: int,
                                                            count: str) -> None:
-    """Rank 1 joins within the exit grace period: the operation completes, both exit cleanly."""
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=0.5, count=count, grace="pass"))
+    """Rank 1 joins within the exit grace period: the operation completes, both exit cleanly.
+    Where rank 0 exits cleanly the grace is long (30 s, not the default 2 s) so that a loaded
+    machine cannot make rank 1 late; rank 0 waits only until the operation completes, so the
+    test takes no longer. (A rank 0 that raised waits out its whole grace, and only the exit
+    code and message are checked there: its grace stays the default.)"""
+    grace = ("from hpcdp.backends.mpi import _requests; _requests.EXIT_GRACE = 30.0"
+             if code == 0 else "pass")
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, late="time.sleep(0.5)", count=count,
+                                           grace=grace))
     _no_crash(rc, out)
     assert rc == code, out
     if code == 0:
@@ -100,9 +111,14 @@ def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str
 def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str, count: str) -> None:
     """Rank 1 joins only after rank 0 stopped waiting: rank 0 kept the buffer alive through
     MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout.
-    The grace period is shortened to 1 s here; rank 1 still joins 2 s after it ended."""
-    grace = "from hpcdp.backends.mpi import _requests; _requests.EXIT_GRACE = 1.0"
-    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, delay=3.0, count=count, grace=grace))
+    The grace period is shortened to 1 s here. Rank 1 joins once rank 0's wait has ended (a
+    file written when it returns), not after a fixed sleep: on a loaded machine rank 0 could
+    still be in its grace period when a 3 s sleep ended, and the operation completed."""
+    grace = _GAVE_UP_FILE + "; _requests.EXIT_GRACE = 1.0"
+    late = ("t0 = time.monotonic()\n"
+            "        while not os.path.exists('gave-up') and time.monotonic() - t0 < 60:\n"
+            "            time.sleep(0.01)")
+    rc, out = _job(tmp_path, _LEAVE.format(leave=leave, late=late, count=count, grace=grace))
     _no_crash(rc, out)
     assert rc == 0, out
     [told] = _results(tmp_path)

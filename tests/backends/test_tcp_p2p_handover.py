@@ -131,20 +131,50 @@ def test_a_ping_pong_keeps_the_socket_through_its_sends() -> None:
         reader.join(10.0)
         assert peer.linger_until == 0.0  # nobody was reading directly: nothing to extend
 
-        # The background receiver must not take the next message before the receive is
-        # posted (under load it did, and nothing was read on this thread): keep it parked, as
-        # a recent direct read would, until a moment after; the direct read then sets its own.
-        parked = peer.linger_until = time.monotonic() + 1.0
-        _send(raw, 1, b"x" * 16)
-        head = np.zeros(16, np.uint8)
-        assert t.irecv(head, 1, P2P, CH, 1, "head").wait(10.0)  # read on this thread
-        assert 0.0 < peer.linger_until < parked  # (set by the direct read: now + LINGER)
-        reader = threading.Thread(target=slow_reader)
-        reader.start()
-        t0 = time.monotonic()
-        assert t.isend(big, 1, P2P, CH, 9, "big send").wait(10.0)
-        took = time.monotonic() - t0
-        reader.join(10.0)
+        # The ping-pong: a direct read, then the send. The send extends the linger only if it
+        # starts within LINGER (2 ms) of the read, which a loaded machine can miss (this thread
+        # off the CPU between two lines): ``_write`` notes whether the read's linger was still
+        # on when the send began, and an attempt where it was not is tried again; where it was,
+        # the extension is checked.
+        whole, on_at_send = t._write, []
+
+        def noting_write(p, hdr, view) -> None:
+            on_at_send.append(p.linger_until > time.monotonic())
+            whole(p, hdr, view)
+
+        t._write = noting_write
+        go = threading.Event()
+
+        def reader_after_go() -> None:
+            go.wait(30)
+            slow_reader()
+
+        for _attempt in range(10):
+            # The background receiver must not take the next message before the receive is
+            # posted (under load it did, and nothing was read on this thread): keep it parked,
+            # as a recent direct read would, until a moment after; the direct read then sets
+            # its own. (The moment is long: the receive must be posted within it, and on a
+            # loaded machine this thread can be off the CPU for a second between two lines.)
+            go.clear()
+            del on_at_send[:]
+            reader = threading.Thread(target=reader_after_go)
+            reader.start()  # before the read: starting a thread waits for it to be scheduled
+            parked = peer.linger_until = time.monotonic() + 30.0
+            _send(raw, 1, b"x" * 16)
+            head = np.zeros(16, np.uint8)
+            assert t.irecv(head, 1, P2P, CH, 1, "head").wait(10.0)  # read on this thread
+            read_until = peer.linger_until
+            go.set()
+            t0 = time.monotonic()
+            assert t.isend(big, 1, P2P, CH, 9, "big send").wait(10.0)
+            took = time.monotonic() - t0
+            reader.join(10.0)
+            assert 0.0 < read_until < parked  # (set by the direct read: now + LINGER)
+            assert on_at_send, "the send wrote nothing"
+            if on_at_send[0]:
+                break
+        else:
+            pytest.fail("no send began within LINGER of its direct read in 10 attempts")
         assert took > LINGER, took  # (else this test would show nothing)
         # extended from the send's end, not left at the direct read's end + LINGER
         assert peer.linger_until > t0 + LINGER, (peer.linger_until - t0, took)

@@ -11,6 +11,7 @@ The transport is driven over a real socket whose other end is read (or not) by h
 """
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -57,7 +58,15 @@ def test_send_to_a_peer_that_stops_reading_fails_it_at_the_bound(pair) -> None:
 
     first = threading.Thread(target=send, args=("big", big, CH), daemon=True)
     first.start()
-    time.sleep(0.2)  # the big write is blocked: a second send queues behind it
+    # the big write has begun (its thread holds the socket, and rank 1 has bytes of it): the
+    # second send queues behind it. Waited for, not slept on: under load the first thread
+    # started later than a fixed 0.2 s, the small send went first and succeeded
+    poller = select.poll()
+    poller.register(raw, select.POLLIN)
+    deadline = time.monotonic() + 10
+    while (not (t.peers[1].send_lock.locked() and poller.poll(0)) and first.is_alive()
+           and time.monotonic() < deadline):
+        time.sleep(1e-3)
     second = threading.Thread(target=send, args=("small", np.ones(16, np.uint8), OTHER),
                               daemon=True)
     second.start()

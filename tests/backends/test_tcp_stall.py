@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 import hpcdp
 from hpcdp.testing.fixtures import World, worlds
 from hpcdp.errors import HpcdpError
+from tcp_helpers import stopped
 
 MID = 16 << 20  # several times what the socket buffers hold
 
@@ -38,6 +38,23 @@ def _stop_half_way() -> None:
     tr._write = half_then_stop
 
 
+def _stop_after(nbytes: int) -> None:
+    """Make this rank stop itself (SIGSTOP) once ``nbytes`` more have gone out on its sockets:
+    in the middle of the collective called next, at a point no timer races (a timer of 0.02 s
+    can fire, on a loaded machine, after the whole transfer)."""
+    tr = hpcdp.get_default_group().backend.transport
+    whole, left = tr._put, [nbytes]
+
+    def put_then_stop(peer, data, channel) -> None:
+        whole(peer, data, channel)
+        if left[0] > 0:
+            left[0] -= len(data)
+            if left[0] <= 0:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    tr._put = put_then_stop
+
+
 def stalled_sender(rank: int, out: str, what: str) -> str:
     data = np.full(MID, 3, np.uint8) if what == "recv" else np.ones(8 * MID // 8)
     pids = hpcdp.all_gather_object(os.getpid())
@@ -47,7 +64,7 @@ def stalled_sender(rank: int, out: str, what: str) -> str:
             _stop_half_way()
             hpcdp.send(data, 0)
         else:
-            threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+            _stop_after(MID // 2)
             hpcdp.allreduce(data, timeout=60)
         return "not stopped"
     t0 = time.monotonic()
@@ -104,6 +121,11 @@ def resumed_sender(rank: int, mode: str) -> dict:
     buf = np.zeros(MID, np.uint8)
     work = hpcdp.irecv(buf, 1, tag=7)  # posted before the message comes: it lands in buf
     hpcdp.barrier()
+    # rank 1 has stopped half-way (it stops once this rank took half the message): waited for,
+    # so the give-up below is mid-message however late rank 1 is scheduled
+    deadline = time.monotonic() + 30
+    while not stopped(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.005)
     try:
         if mode == "timeout":
             work.wait(1.0)

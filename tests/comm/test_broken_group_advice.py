@@ -16,6 +16,7 @@ What works where (found by trying it):
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -33,14 +34,24 @@ NEW_GROUP_ADVICE = "make new groups from a group that still works (hpcdp.new_gro
 MPI_RESTART = "restart the job (MPI cannot be initialised again within a process)"
 
 
-def _give_up_on_one_collective(rank: int, g) -> list[str]:  # noqa: ANN001
-    """Rank 0 gives up on an allreduce of ``g``; the others make the call after it did."""
+def _give_up_on_one_collective(rank: int, g, gave_up: str) -> list[str]:  # noqa: ANN001
+    """Rank 0 gives up on an allreduce of ``g``; the others make the call after it did.
+
+    "After" is ordered by a file rank 0 writes once its call gave up, not by a fixed sleep: on
+    a loaded machine rank 0 reached the call more than a sleep's 1.5 s after the others, and
+    the allreduce it was to give up on completed. (Not ``tell_late_rank``'s message: on TCP the
+    timeout leaves the default group failed, so no message could go over it.)"""
     fails: list[str] = []
     try:
         if rank == 0:
-            g.allreduce(np.ones(2), timeout=0.5)
+            try:
+                g.allreduce(np.ones(2), timeout=0.5)
+            finally:
+                open(gave_up, "w").close()  # whatever happened: the others must not wait in vain
         else:
-            time.sleep(1.5)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gave_up) and time.monotonic() < deadline:
+                time.sleep(0.01)
             g.allreduce(np.ones(2), timeout=10)
         fails.append(f"rank {rank}: the allreduce rank 0 gave up on completed")
     except CommTimeoutError:
@@ -63,9 +74,9 @@ def _again(g, fails: list[str]) -> str | None:  # noqa: ANN001
     return None
 
 
-def body_default_group_given_up_on(rank: int, breaks: bool) -> list[str]:
+def body_default_group_given_up_on(rank: int, breaks: bool, gave_up: str) -> list[str]:
     g = hpcdp.get_default_group()
-    fails = _give_up_on_one_collective(rank, g)
+    fails = _give_up_on_one_collective(rank, g, gave_up)
     err = _again(g, fails)
     if not breaks:
         if err is not None:
@@ -84,13 +95,14 @@ def body_default_group_given_up_on(rank: int, breaks: bool) -> list[str]:
 
 
 @pytest.mark.parametrize("world", worlds("sim-2", "sim-4", "tcp-3"), indirect=True)
-def test_after_a_collective_was_given_up_on_the_advice_works(world: World) -> None:
-    check(world.run(body_default_group_given_up_on, world.backend == "tcp", timeout=20))
+def test_after_a_collective_was_given_up_on_the_advice_works(world: World, tmp_path) -> None:
+    check(world.run(body_default_group_given_up_on, world.backend == "tcp",
+                    str(tmp_path / "gave-up"), timeout=20))
 
 
-def body_sub_group_given_up_on(rank: int, breaks: bool) -> list[str]:
+def body_sub_group_given_up_on(rank: int, breaks: bool, gave_up: str) -> list[str]:
     sub = hpcdp.new_group(list(range(hpcdp.world_size())))
-    fails = _give_up_on_one_collective(rank, sub)
+    fails = _give_up_on_one_collective(rank, sub, gave_up)
     err = _again(sub, fails)
     if breaks and (err is None or NEW_GROUP_ADVICE not in err):
         fails.append(f"no advice, or not the one that works: {err}")
@@ -103,8 +115,10 @@ def body_sub_group_given_up_on(rank: int, breaks: bool) -> list[str]:
 
 
 @pytest.mark.parametrize("world", worlds("sim-2", "tcp-3"), indirect=True)
-def test_after_a_sub_group_failed_a_group_from_the_default_group_works(world: World) -> None:
-    check(world.run(body_sub_group_given_up_on, world.backend == "tcp", timeout=20))
+def test_after_a_sub_group_failed_a_group_from_the_default_group_works(world: World,
+                                                                   tmp_path) -> None:
+    check(world.run(body_sub_group_given_up_on, world.backend == "tcp",
+                    str(tmp_path / "gave-up"), timeout=20))
 
 
 def body_mpi_wording(rank: int) -> list[str]:

@@ -160,19 +160,30 @@ def body_stuck_recv_record(rank: int) -> dict:
         d = tempfile.mkdtemp(prefix="hpcdp-a7-")
         path = os.path.join(d, f"flight-rank{me}.json")
         during: dict = {}
+        returned = threading.Event()
+
+        def waiting() -> bool:
+            return any(o.op == "recv" and list(o.shape or ()) == [13] and o.id > start
+                       and o.state == "started" for o in trace.recorder(me).snapshot())
 
         def look() -> None:
+            # dump once the receive is recorded as waiting, or at once if it already returned
+            # (then the check below fails): a timer's fixed 0.4 s fired, on a loaded machine,
+            # before this thread's receive had begun
+            while not waiting() and not returned.is_set():
+                time.sleep(0.005)
             trace.dump("while stuck", directory=d, rank=me)
             with open(path) as fh:
                 during.update(json.load(fh))
 
-        t = threading.Timer(0.4, look)
+        t = threading.Thread(target=look)
         t.start()
         try:
             g.recv(np.zeros(13), 1, tag=9, timeout=1.2)  # LINE-STUCK
             out["error"] = "no timeout"
         except hpcdp.CommTimeoutError as exc:
             out["error"] = str(exc)
+        returned.set()
         t.join()
         trace.dump("after", directory=d, rank=me)
         with open(path) as fh:

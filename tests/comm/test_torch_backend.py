@@ -29,8 +29,8 @@ BODIES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.mark.parametrize("world", worlds("tcp-3", "mpi"), indirect=True)
-def test_collectives_match_numpy(world: World) -> None:
-    check(world.run(body_collectives, timeout=60))
+def test_collectives_match_numpy(world: World, shared_tmp_path) -> None:
+    check(world.run(body_collectives, os.path.join(str(shared_tmp_path), "gave-up"), timeout=60))
 
 
 @pytest.mark.parametrize("world", worlds("tcp-2", "tcp-3", "mpi"), indirect=True)

@@ -87,7 +87,16 @@ ALWAYS_FAILS = """
         child = subprocess.Popen(["sleep", "600"])
         open(os.path.join(out, f"pids{n}"), "w").write(f"{os.getpid()} {child.pid}")
         time.sleep(600)
-    time.sleep(0.3)
+    # fails once rank 0 has recorded its pids (a fixed 0.3 s was not enough on a loaded
+    # machine: rank 0 was stopped before it wrote its files)
+    stop = time.monotonic() + 60
+    while time.monotonic() < stop:
+        try:
+            if os.path.getsize(os.path.join(out, f"pids{n}")):
+                break
+        except OSError:
+            pass
+        time.sleep(0.01)
     sys.exit(3)
 """
 

@@ -48,7 +48,9 @@ def test_raising_rank_aborts_job(tmp_path) -> None:
 def test_timeout_aborts_job(tmp_path) -> None:
     code, out, elapsed = _mpirun(tmp_path, """
         import time, numpy as np, hpcdp
-        hpcdp.init(timeout=1)
+        # init's own agreement check runs under a long timeout (a loaded machine can start
+        # the ranks seconds apart); the allreduce under 1 s
+        hpcdp.init(timeout=60).timeout = 1
         if hpcdp.rank() == 1:
             time.sleep(120)           # a stuck rank
         hpcdp.allreduce(np.ones(3))

@@ -151,7 +151,11 @@ _MEMORY_SCRIPT = textwrap.dedent("""
             big = np.zeros(8 << 20, np.uint8)
             futs = [rpc.rpc_async("worker1", Q.nbytes_of, args=(big,)) for _ in range(150)]
             refs = [rpc.remote("worker1", Q.nbytes_of, args=(big,)) for _ in range(20)]
-            time.sleep(0.5)
+            # the refusals come while the callee is busy: waited for, not slept on (a loaded
+            # machine had refused too few in a fixed 0.5 s for the callee to stay overloaded)
+            deadline = time.monotonic() + 60
+            while sum(f.done() for f in futs) < 100 and time.monotonic() < deadline:
+                time.sleep(0.02)
             open(flag, "w").close()
             [b.wait() for b in blockers]
             res = [Q._outcome(f.wait, big.nbytes) for f in futs] + \

@@ -36,6 +36,7 @@ from hpcdp.rpc._codec import Limits
 from hpcdp.rpc._wire import pack_envelope
 from hpcdp.testing import check
 from hpcdp.testing.fixtures import worlds
+from tcp_helpers import stopped
 
 
 class _Req:
@@ -229,7 +230,10 @@ def body_stopped_callee(rank: int, out: str) -> str:
         return "resumed"
     res: dict[str, Any] = {}
     if rank == 0:
-        time.sleep(0.3)  # rank 2 has stopped
+        # rank 2 has stopped: waited for (its state in /proc), not assumed after a fixed 0.3 s
+        deadline = time.monotonic() + 30
+        while not stopped(pids[2]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         big = np.ones(64 << 20, np.uint8)
 
         def stuck() -> None:
