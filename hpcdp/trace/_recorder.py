@@ -170,8 +170,10 @@ def pin_line() -> tuple[bool, Any]:
         except ValueError:
             return True, prev
         hidden = _hidden
+        # (read before the walk: a hide on another thread during it makes the memo stale)
+        nh, nd = len(hidden), len(_hidden_dirs)
         last = _last_walk[0]
-        if last is not None and last[4] == len(hidden) and last[5] == len(_hidden_dirs):
+        if last is not None and last[4] == nh and last[5] == nd:
             # the stack the last walk went up (each training step repeats it): the same code
             # objects, frame by frame, and the same call offset in the user's frame name the
             # same site, while no code or package was hidden since
@@ -207,7 +209,7 @@ def pin_line() -> tuple[bool, Any]:
                 site = _site(f)
             _tls.line = site
             if walked is not None:
-                _last_walk[0] = (tuple(walked), code, lasti, site, len(hidden), len(_hidden_dirs))
+                _last_walk[0] = (tuple(walked), code, lasti, site, nh, nd)
     return True, prev
 
 

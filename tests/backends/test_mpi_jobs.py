@@ -71,9 +71,11 @@ _LEAVE = """
 """
 
 
-# Rank 0 writes ``gave-up`` once its exit (or finalize) stopped waiting for what is in flight
-_GAVE_UP_FILE = ("from hpcdp.backends.mpi import _requests; _drain = _requests.drain; "
-                 "_requests.drain = lambda *a: (_drain(*a), open('gave-up', 'w').close())[0]")
+# Rank 0 writes ``gave-up`` at the end of its exit handler (``_requests._at_exit``, whose last
+# step is ``_tuning.release``): after it stopped waiting for what is in flight and told the
+# others so (a file written when the wait ended, before the notice, let rank 1 join in between)
+_GAVE_UP_FILE = ("from hpcdp.backends.mpi import _requests, _tuning; _rel = _tuning.release; "
+                 "_tuning.release = lambda: (_rel(), open('gave-up', 'w').close())[0]")
 
 # 32 MiB: an Iallreduce; 3 elements: a persistent request (``mpi._fastpath``)
 _COUNTS = pytest.mark.parametrize("count", ["4 << 20", "3"], ids=["ring", "persistent"])
@@ -111,8 +113,8 @@ def test_leaving_with_an_operation_in_flight_does_not_crash(tmp_path, leave: str
 def test_peer_joining_after_the_grace_period_is_told(tmp_path, leave: str, count: str) -> None:
     """Rank 1 joins only after rank 0 stopped waiting: rank 0 kept the buffer alive through
     MPI_Finalize and told rank 1, whose call fails at once instead of after its 60 s timeout.
-    The grace period is shortened to 1 s here. Rank 1 joins once rank 0's wait has ended (a
-    file written when it returns), not after a fixed sleep: on a loaded machine rank 0 could
+    The grace period is shortened to 1 s here. Rank 1 joins once rank 0's exit handler has
+    ended (a file written then), not after a fixed sleep: on a loaded machine rank 0 could
     still be in its grace period when a 3 s sleep ended, and the operation completed."""
     grace = _GAVE_UP_FILE + "; _requests.EXIT_GRACE = 1.0"
     late = ("t0 = time.monotonic()\n"

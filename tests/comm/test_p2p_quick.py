@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -170,24 +171,27 @@ def body_stuck_recv_record(rank: int) -> dict:
             # dump once the receive is recorded as waiting, or at once if it already returned
             # (then the check below fails): a timer's fixed 0.4 s fired, on a loaded machine,
             # before this thread's receive had begun
-            while not waiting() and not returned.is_set():
+            deadline = time.monotonic() + 30  # bounded: a recv that failed otherwise ends it
+            while not waiting() and not returned.is_set() and time.monotonic() < deadline:
                 time.sleep(0.005)
             trace.dump("while stuck", directory=d, rank=me)
             with open(path) as fh:
                 during.update(json.load(fh))
 
-        t = threading.Thread(target=look)
+        t = threading.Thread(target=look, daemon=True)
         t.start()
         try:
             g.recv(np.zeros(13), 1, tag=9, timeout=1.2)  # LINE-STUCK
             out["error"] = "no timeout"
         except hpcdp.CommTimeoutError as exc:
             out["error"] = str(exc)
-        returned.set()
-        t.join()
+        finally:
+            returned.set()  # (whatever the recv raised: ``look`` stops waiting for it)
+        t.join(60)
         trace.dump("after", directory=d, rank=me)
         with open(path) as fh:
             after = json.load(fh)
+        shutil.rmtree(d, ignore_errors=True)
         mine = lambda doc: [  # noqa: E731
             (e["op"], e["peer"], e["state"], e["line"]) for e in doc["entries"] if e["op"] == "recv"
             and e["shape"] == [13] and e["id"] > start]
