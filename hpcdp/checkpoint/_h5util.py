@@ -103,12 +103,13 @@ def read_into(dset: Any, out: np.ndarray, out_offsets: Sequence[int], offsets: S
     _did(dset).read(mem, file_space(dset, offsets, shape), out)
 
 
-def posix_fd(fid: Any) -> int | None:
+def posix_fd(fid: Any, sec2: bool = False) -> int | None:
     """The file descriptor under the open HDF5 file ``fid`` (a FileID) when HDF5 reads it with its
     POSIX driver, so that ``pread`` at a dataset's offset sees the bytes HDF5 would; else None.
-    Asked once per file: the driver and handle are the file's, not each dataset's."""
+    Asked once per file: the driver and handle are the file's, not each dataset's. ``sec2``: the
+    caller opened the file on that driver itself (HDF5 is not asked, a cost on cold caches)."""
     try:
-        if fid.get_access_plist().get_driver() != h5py.h5fd.SEC2:
+        if not sec2 and fid.get_access_plist().get_driver() != h5py.h5fd.SEC2:
             return None
         fd = fid.get_vfd_handle()
     except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path

@@ -88,15 +88,6 @@ def _sec2() -> Any:
     return p
 
 
-def _sec2_fd(f: Any) -> int | None:
-    """The descriptor of ``f``, a file ``_open`` opened (with the sec2 driver), else None."""
-    try:
-        fd = f.get_vfd_handle()
-    except Exception:  # noqa: BLE001 - anything unusual: HDF5's own read path
-        return None
-    return fd if isinstance(fd, int) else None
-
-
 def _close_file(f: Any) -> None:
     """Close ``f`` and every object still open through it, as ``h5py.File.close`` does: after a
     failed load the error's traceback holds some (a survey's datasets, the groups walked), and
@@ -156,7 +147,7 @@ class _Reader:
         #: (fd, offset, destination, hasher, slab, dataset path)
         self._deferred: list[tuple[int, int, np.ndarray, Any, dict, str]] = []
         #: data.h5's: a duplicate of HDF5's descriptor, so that it outlives HDF5's file
-        fd = _sec2_fd(f)
+        fd = posix_fd(f, sec2=True)  # (``_open`` named the driver)
         self._own_fd: int | None = None if fd is None else os.dup(fd)
         try:
             # the size of the file HDF5 has open (not of whatever the path names by now)

@@ -39,7 +39,6 @@ def _none() -> None:
 _name = p2p_name
 
 
-
 def _probe_spin(look: Any, src: int, tag: int, seconds: float) -> Probed | None:
     """``look(src, tag)`` (a backend's ``probe_meta``) until it finds a message or ``seconds``
     pass: the probe before a waited one, for a message that arrives within a moment."""

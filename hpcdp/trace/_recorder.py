@@ -93,8 +93,9 @@ def hide_package(directory: str) -> None:
         _inside.clear()
 
 
-def user_frame(f: Any) -> Any:
-    """The first frame at or above ``f`` whose code lies outside hpcdp (and ``hide_frames``)."""
+def user_frame(f: Any, passed: list[Any] | None = None) -> Any:
+    """The first frame at or above ``f`` whose code lies outside hpcdp (and ``hide_frames``);
+    ``passed`` gets the code of each frame it went up past (``pin_line``'s memo)."""
     inside, hidden = _inside, _hidden
     while f is not None:
         code = f.f_code
@@ -106,6 +107,8 @@ def user_frame(f: Any) -> Any:
                                 or any(path.startswith(d) for d in _hidden_dirs))
         if not hit and id(code) not in hidden:
             return f
+        if passed is not None:
+            passed.append(code)
         f = f.f_back
     return None
 
@@ -164,14 +167,13 @@ def pin_line() -> tuple[bool, Any]:
     if not on:
         return False, None
     prev = _tls.line
-    if prev is None:  # ``_caller``, ``user_frame`` and ``_site`` inlined (once per traced backward)
+    if prev is None:  # (once per traced backward)
         try:
             f = sys._getframe(2)
         except ValueError:
             return True, prev
-        hidden = _hidden
         # (read before the walk: a hide on another thread during it makes the memo stale)
-        nh, nd = len(hidden), len(_hidden_dirs)
+        nh, nd = len(_hidden), len(_hidden_dirs)
         last = _last_walk[0]
         if last is not None and last[4] == nh and last[5] == nd:
             # the stack the last walk went up (each training step repeats it): the same code
@@ -188,28 +190,11 @@ def pin_line() -> tuple[bool, Any]:
                 if g.f_code is last[1] and g.f_lasti == last[2]:
                     _tls.line = last[3]
                     return True, prev
-        inside = _inside
-        walked: list[Any] | None = []
-        while f is not None:
-            code = f.f_code
-            hit = inside.get(code.co_filename)
-            if hit is None:
-                f = user_frame(f)  # a file not seen yet: the general walk
-                walked = None
-                break
-            if not hit and (not hidden or id(code) not in hidden):
-                break
-            walked.append(code)
-            f = f.f_back
-        if f is not None:
-            code = f.f_code
-            lasti = f.f_lasti
-            site = _sites.get((id(code), lasti))
-            if site is None or site[0] is not code:
-                site = _site(f)
-            _tls.line = site
-            if walked is not None:
-                _last_walk[0] = (tuple(walked), code, lasti, site, nh, nd)
+        passed: list[Any] = []
+        u = user_frame(f, passed)
+        if u is not None:
+            site = _tls.line = _site(u)
+            _last_walk[0] = (tuple(passed), u.f_code, u.f_lasti, site, nh, nd)
     return True, prev
 
 

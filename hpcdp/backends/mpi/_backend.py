@@ -272,13 +272,10 @@ class MPIBackend(Backend):
             # 0.5-2 MiB on 2 ranks here. Posting every transfer at once and copying our own
             # block while they run matches Allgather; from 8 MiB on libnbc is as fast.
             t, c, others = self._types[sendbuf.dtype], self._internal, self._others
-            if not others:
-                recvbuf[0] = sendbuf
-                return [_MPI.REQUEST_NULL]
             reqs = [c.Irecv([recvbuf[j], t], j, _GATHER_TAG) for j in others]
             reqs += [c.Isend([sendbuf, t], j, _GATHER_TAG) for j in others]
             recvbuf[self.rank] = sendbuf
-            return reqs
+            return reqs or [_MPI.REQUEST_NULL]
         if sendbuf.size <= _MAX_COUNT[0]:
             return [self.comm.Iallgather(self._buf(sendbuf), self._buf(recvbuf))]
         # Too big for one count: every rank broadcasts its block, in chunks.
