@@ -34,8 +34,12 @@ export HEAT_CKPT="$MN_SHARED/heat2d-ckpt"
 export OMPI_MCA_mpi_yield_when_idle=1
 
 directive() { sed -n "s/^# ci: $2 //p" "$1"; }
+# Whether job output $1 has a line matching ERE $2, NULs dropped.  Not `tr | grep -q`: grep -q
+# exits at its first match, tr's next write gets SIGPIPE, and under pipefail a line that is there
+# reads as missing (seen in CI: "did not run on 2 nodes" above a first line that said it did).
+has_line() { local text; text="$(tr -d '\0' <"$1")"; grep -Eq -- "$2" <<<"$text"; }
 
-passed=0 failed=0 t_all=$SECONDS
+passed=0 failed=0 t_all=$SECONDS verdicts=()
 for job in "${JOBS[@]}"; do
     name="$(basename "$job" .sbatch)"
     out="$OUT/$name.out"
@@ -67,11 +71,19 @@ for job in "${JOBS[@]}"; do
             verdict="still running after ${timeout:-300} s: cancelled"
         elif ((rc != 0)); then
             verdict="sbatch --wait exited with $rc (the job's exit code)"
-        elif ! tr -d '\0' <"$out" | grep -Eq "^job [0-9]+.*: $MN_NODES nodes \\(${MN_PREFIX}"; then
+        elif ! has_line "$out" "^job [0-9]+.*: $MN_NODES nodes \\(${MN_PREFIX}"; then
             verdict="did not run on $MN_NODES nodes (its first line says: $(head -n 1 "$out"))"
         else
+            # As in ci/slurm/run-jobs.sh: a requeued job's earlier run may have its lines land
+            # in the file seconds after sbatch --wait returned, so a missing one is looked for
+            # again for a few seconds before the job fails.
             while read -r re; do
-                tr -d '\0' <"$out" | grep -Eq -- "$re" || { verdict="no output line matches /$re/"; break; }
+                tries=0
+                until has_line "$out" "$re"; do
+                    ((++tries <= 5)) || { verdict="no output line matches /$re/"; break; }
+                    sleep 1
+                done
+                [ -z "$verdict" ] || break
             done < <(directive "$job" expect)
         fi
     fi
@@ -82,7 +94,10 @@ for job in "${JOBS[@]}"; do
         failed=$((failed + 1))
         mn_say "FAIL $name: $verdict"
         { tail -n 40 "$out" 2>/dev/null | tr -d '\0'; cat "$OUT/$name.sbatch"; } | sed 's/^/    | /' >&2 || true
+        verdicts+=("$name: $verdict")
     fi
 done
+# the verdicts again, after the outputs: a log cut to its head and tail still shows why
+for v in "${verdicts[@]}"; do mn_say "FAILED $v"; done
 mn_say "slurm jobs: $passed passed, $failed failed, in $((SECONDS - t_all)) s (output in $OUT)"
 ((failed == 0))

@@ -23,7 +23,9 @@ ours_alive() {
     local pid
     pid="$(cat "$1" 2>/dev/null)" || return 1
     [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$STATE/" || return 1
+    local cmdline  # (not `tr | grep -q`: under pipefail, grep's early exit can fail tr)
+    cmdline="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+    [[ $cmdline == *"$STATE/"* ]] || return 1
     printf '%s' "$pid"
 }
 

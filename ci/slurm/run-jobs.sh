@@ -38,6 +38,11 @@ export HPCDP_TRACE_DIR="$STATE/trace"
 # The values of the `# ci: KEY ...` lines of job $1 (one per line).
 directive() { sed -n "s/^# ci: $2 //p" "$1"; }
 
+# Whether job output $1 has a line matching ERE $2, NULs dropped.  Not `tr | grep -q`: grep -q
+# exits at its first match, tr's next write gets SIGPIPE, and under pipefail a line that is there
+# reads as missing.
+has_line() { local text; text="$(tr -d '\0' <"$1")"; grep -Eq -- "$2" <<<"$text"; }
+
 # Run job $1; write "PASS ..." or "FAIL ..." (first line) and any detail to $OUT/<name>.result.
 run_one() {
     local job="$1" name t0 result sbatch_args args timeout out id rc=0 re
@@ -84,7 +89,7 @@ run_one() {
         # file (seen once: its lines landed seconds later, in a run of NULs left for them), so a
         # missing line is looked for again for a few seconds before the job fails
         local tries=0
-        until tr -d '\0' <"$out" | grep -Eq -- "$re"; do
+        until has_line "$out" "$re"; do
             if ((++tries > 5)); then
                 fail "exit code 0 but its output has no line matching /$re/" "$out"; return
             fi

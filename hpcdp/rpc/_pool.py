@@ -131,6 +131,7 @@ class Pool:
                         self._lead()
                     except BaseException:  # noqa: BLE001 - a bug must not leave nobody leading
                         LOG.exception("%s: progress failed", self.name)
+                        time.sleep(0.05)  # a bug that fails every poll logs 20 times a second
                     continue
                 try:
                     fn()

@@ -17,6 +17,7 @@ from hpcdp.backends import base
 from hpcdp.comm.group import ProcessGroup
 from hpcdp.rpc import _context
 from hpcdp.testing import check, run_ranks
+from conftest import parse_source  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(hpcdp.__file__))
 BACKEND_CLASSES = {"MPIBackend", "SimBackend", "TCPBackend", "SimP2PBackend", "P2PBackend"}
@@ -185,7 +186,7 @@ def test_no_backend_name_checks_outside_backends() -> None:
             if f.endswith(".py"):
                 path = os.path.join(root, f)
                 with open(path, encoding="utf-8") as fh:
-                    tree = ast.parse(fh.read(), path)
+                    tree = parse_source(fh.read(), path)
                 bad += [f"{os.path.relpath(path, PKG)} {m}" for m in _name_checks(tree)]
     assert not bad, "\n".join(bad)
 
@@ -195,4 +196,4 @@ def test_the_name_check_finds_what_it_looks_for() -> None:
             "sim = getattr(g.backend, 'name', None) == 'sim'\n"
             "ok = isinstance(be, MPIBackend)\n"
             "print(group.backend.name)\n")
-    assert len(_name_checks(ast.parse(code))) == 3
+    assert len(_name_checks(parse_source(code))) == 3

@@ -27,6 +27,7 @@ import os
 import textwrap
 
 import pytest
+from conftest import parse_source  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCANNED = ["hpcdp/rpc", "hpcdp/backends/tcp"]
@@ -79,7 +80,7 @@ def _uses_mpi(tree: ast.AST) -> bool:
 
 def scan(source: str, filename: str = "<planted>") -> list[str]:
     """Every road to a pickle in ``source``, as ``file:line: what``."""
-    tree = ast.parse(source, filename)
+    tree = parse_source(source, filename)
     mpi_module = _uses_mpi(tree)
     found: list[str] = []
 

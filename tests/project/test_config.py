@@ -25,6 +25,7 @@ from hpcdp import _config
 from hpcdp._config import INTERNAL, JOBS, LAUNCHER, SETTINGS, USER, ConfigError, setting
 from hpcdp.errors import ConfigError as ErrorsConfigError
 from test_env_documented import PLANTED, direct_reads, documented, plant
+from conftest import parse_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -291,7 +292,7 @@ def test_no_module_reads_an_hpcdp_variable_except_through_config() -> None:
 def test_every_variable_read_through_config_is_declared() -> None:
     undeclared = []
     for path in sorted((ROOT / "hpcdp").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_source(path.read_text(), str(path))):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("setting", "raw", "source") and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from hpcdp import _config
+from conftest import parse_source  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -111,7 +112,7 @@ def _scan(path: Path) -> _Scan:
     text = path.read_text()
     if text in _SCANS:
         return _SCANS[text]
-    tree = ast.parse(text, str(path))
+    tree = parse_source(text, str(path))
     reads: list[tuple[str | None, tuple[str, ...], int]] = []
     for node in ast.walk(tree):
         key = _read_key(node)

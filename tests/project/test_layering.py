@@ -15,6 +15,7 @@ from typing import Iterator
 import pytest
 
 import hpcdp
+from conftest import parse_source  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(hpcdp.__file__))
 
@@ -76,7 +77,7 @@ def _import_nodes(text: str, path: str) -> tuple[ast.Import | ast.ImportFrom, ..
     scans read the same files many times (a planted copy differs only in its planted file), and
     the same text always parses to the same imports."""
     if text not in _PARSED:
-        _PARSED[text] = tuple(n for n in ast.walk(ast.parse(text, path))
+        _PARSED[text] = tuple(n for n in ast.walk(parse_source(text, path))
                               if isinstance(n, (ast.Import, ast.ImportFrom)))
     return _PARSED[text]
 
