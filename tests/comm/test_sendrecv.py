@@ -146,6 +146,14 @@ def body_any_tag(rank: int) -> list[str]:
         got = g.sendrecv(np.full(2, rank + 0.25 * i), right, np.zeros(2))
         if not (got == left + 0.25 * i).all():
             fails.append(f"any source, step {i}: {got}")
+    # halves of different sizes: a large send still in flight once the small receive is done,
+    # and the other way round (the size a rank sends: by its parity)
+    def size(r: int) -> int:
+        return 3 if r % 2 == 0 else 1 << 17
+    for i in range(2):
+        got = g.sendrecv(np.full(size(rank), rank + 2.0 + i), right, np.zeros(size(left)), left)
+        if not (got == left + 2.0 + i).all():
+            fails.append(f"halves of {size(rank)} and {size(left)} elements, step {i}")
     for shape in ((2, 3), (6,), ()):  # n-D and 0-d messages, into buffers of their shape
         got = g.sendrecv(np.full(shape, rank + 0.5), right, np.zeros(shape), left)
         if got.shape != shape or not (got == left + 0.5).all():

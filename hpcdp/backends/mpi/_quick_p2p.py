@@ -42,6 +42,7 @@ __all__ = ["Lane"]
 _SPIN_S = SPIN_SECONDS
 _monotonic = time.monotonic
 _WHATS = 4096  # descriptions kept per group (tags are many; a program uses few)
+_LOW = (1 << SHIFT) - 1  # a wire tag's class and dtype code
 
 
 class Lane:
@@ -172,6 +173,34 @@ class Lane:
         except _rq._MPI.Exception as exc:
             raise self.notices.mpi_error(exc, "sendrecv", 0) from None
         return self._spin(_Pair.of(reqs), keep, timeout, "sendrecv", src, rtag, rw, j)
+
+    def peek(self, src: int, buf: np.ndarray, timeout: float) -> tuple[int, int] | None:
+        """(source, tag) of the next message from ``src`` (-1: any source) with any tag, if
+        within ``timeout`` of back-to-back probes it arrives as one ``recv(buf, source, tag)``
+        takes as it is (``buf``'s dtype, 0-d or 1-D, and size); else None: nothing came yet,
+        or another kind of message, which the caller's general probe names. (``sendrecv``
+        with mpi4py's default any receive tag: the message's own tag, then its receive by
+        that tag, as ``probe`` does, without a ``Probed``, the group's checks of a second
+        call or a frame per layer. ``buf.ndim`` <= 1: an n-D message's dims travel apart.)"""
+        if buf.size > self.limit[0] or self.notices.left is not None:
+            return None  # (a message split in pieces, or a peer gone: the general way)
+        MPI = _rq._MPI
+        st = MPI.Status()  # (one per call: threads share the lane)
+        iprobe, source, any_tag = self.comm.Iprobe, MPI.ANY_SOURCE if src < 0 else src, MPI.ANY_TAG
+        try:
+            if not (iprobe(source, any_tag, st)
+                    or spin(lambda: iprobe(source, any_tag, st), self._view, timeout)):
+                return None
+        except _rq._MPI.Exception as exc:
+            raise self.notices.mpi_error(exc, f"probe(src={src}, tag=-1)", 0) from None
+        w = st.Get_tag()
+        if st.Get_count(MPI.BYTE) != buf.nbytes:
+            return None
+        if self.meta is None:
+            return st.Get_source(), w
+        if w & _LOW != (16 if buf.ndim else 0) | self._tc[buf.dtype][1]:
+            return None
+        return st.Get_source(), w >> SHIFT
 
     def start(self, send: bool, buf: np.ndarray, peer: int, tag: int) -> Any:
         """``isend``/``irecv`` as a bare MPI request, not registered: the caller (a lean
