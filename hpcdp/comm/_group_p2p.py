@@ -759,9 +759,9 @@ class PointToPoint:
                 req = lane.recv(rbuf, peer, tag, QUICK_SPIN_S)
             except HpcdpError as exc:
                 raise self._failed("recv", rbuf, peer, tag, k, -1, exc) from exc
-            if req is not None:
+            if req is not None:  # (the time left is measured after the spin: none to take off)
                 self._waited("recv", rbuf, peer, tag, k, max(1e-3, deadline - time.monotonic()),
-                             QUICK_SPIN_S, req)
+                             0.0, req)
         except BaseException:
             # progress the send; the receive's error is what is raised
             QuickWork(g, lane, raw, sbuf, True, dst, stag, ks).is_completed()
@@ -776,6 +776,10 @@ class PointToPoint:
         except Exception as exc:  # noqa: BLE001 - MPI's error: the send's (never tested again)
             sent = QuickWork(g, lane, raw, sbuf, True, dst, stag, ks)
             sent._raise(sent._failed(exc))
+        except BaseException:  # KeyboardInterrupt: MPI may still read the buffer (registered)
+            if id(raw) in lane.live:
+                QuickWork(g, lane, raw, sbuf, True, dst, stag, ks)._adopt()
+            raise
         sent = QuickWork(g, lane, raw, sbuf, True, dst, stag, ks)
         sent._wait(max(1e-3, deadline - time.monotonic()))
         return None
