@@ -736,10 +736,7 @@ class PointToPoint:
         as the ``Work`` the general way goes on with (nothing came yet, another kind of
         message, or a send the lane declined)."""
         g = self._g
-        c = self._counts.get(("send", dst, stag))
-        if c is None:
-            c = self._counts.setdefault(("send", dst, stag), itertools.count(1))
-        ks = next(c)
+        ks = self._count("send", dst, stag)
         try:
             raw = lane.start(True, sbuf, dst, stag)
         except HpcdpError as exc:
@@ -751,10 +748,7 @@ class PointToPoint:
             if hit is None:
                 return QuickWork(g, lane, raw, sbuf, True, dst, stag, ks)
             peer, tag = hit  # (this rank too: its send is posted, the receive cannot wait for it)
-            c = self._counts.get(("recv", peer, tag))
-            if c is None:
-                c = self._counts.setdefault(("recv", peer, tag), itertools.count(1))
-            k = next(c)
+            k = self._count("recv", peer, tag)
             try:
                 req = lane.recv(rbuf, peer, tag, QUICK_SPIN_S)
             except HpcdpError as exc:

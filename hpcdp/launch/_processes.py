@@ -31,10 +31,37 @@ _GRACE = 3.0  # seconds peers get to report after the first failure
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now (``""``: on every interface); the launcher's and tests' one."""
+    """A port nobody listens on now (``""``: on every interface), for a server that another
+    process binds a moment later (the launcher's and tests' rendezvous port).
+
+    Drawn at random below the kernel's ephemeral range: the kernel's own pick (``bind(0)``) comes
+    from that range, where any outgoing connection of the machine may take it before the server
+    binds it (seen in CI: ``Address already in use`` at a rank's store, while parallel tests
+    opened connections). The kernel's pick only where the range leaves no room below it.
+    """
+    low = _ephemeral_low()
+    if low > 2048:
+        draw = secrets.SystemRandom()
+        for _ in range(64):
+            port = draw.randrange(max(1024, low // 3), low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue  # in use: another draw
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _context() -> Any:
