@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,6 +15,7 @@ import numpy as np
 from ..trace.hooks import count_p2p, on_error
 from .._arrays import SUPPORTED_SET, contiguous, xp_of
 from ._debug_p2p import p2p_receiver, p2p_sender, payload_nbytes
+from ._status import Status
 from .._tensors import tensor_call
 from ._buffers import finish_into, via_tensors
 from .validation import check_array, check_rank, check_tag
@@ -27,7 +27,7 @@ from .work import (QUICK_SPIN_S, WATCH_AFTER, CompletedWork, Polled, QuickWork, 
 if TYPE_CHECKING:
     from .group import ProcessGroup
 
-__all__ = ["PointToPoint", "Status"]
+__all__ = ["PointToPoint"]
 
 _ndarray = np.ndarray
 
@@ -81,30 +81,6 @@ class _Both(Request):
         done_r = self._r.abandon()
         done_s = self._s.abandon()
         return bool(done_r) and bool(done_s) or None
-
-
-@dataclass(frozen=True)
-class Status:
-    """What a probe or an any-source receive matched: group rank, tag and size in bytes, and the
-    dtype and shape the sender sent (None where they are not known: a transport that does not
-    carry them, or a probe under ``HPCDP_DEBUG=detail``, whose header is read only on receipt).
-    Equality compares source, tag and size only."""
-
-    source: int
-    tag: int
-    nbytes: int
-    dtype: np.dtype | None = field(default=None, compare=False)
-    shape: tuple[int, ...] | None = field(default=None, compare=False)
-
-    def count(self, dtype: Any = None) -> int:
-        """How many elements of ``dtype`` the message holds; by default of the dtype it was
-        sent with (bytes where that is not known). mpi4py's ``Get_count`` counts bytes by
-        default: ``count(np.uint8)`` does."""
-        if dtype is None:
-            dtype = self.dtype if self.dtype is not None else np.uint8
-        return self.nbytes // np.dtype(dtype).itemsize
-
-
 
 
 class PointToPoint:

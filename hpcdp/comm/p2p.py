@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from ._group_p2p import Status
+from ._status import Status
 from ._p2p_batch import post_batch
 from .validation import check_timeout
 from ..backends.base import ANY_SOURCE, ANY_TAG
