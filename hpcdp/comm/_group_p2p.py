@@ -671,13 +671,10 @@ class PointToPoint:
         """``sendrecv`` with any tag (mpi4py's default ``recvtag``), from one source or any,
         where the lane cannot post a wildcard receive itself (MPI carrying dtypes in its tags):
         the send posted first (so the peer's sendrecv can complete), then the next message
-        looked at in a short spin of probes and received by its source and tag through the
-        quick lane, which checks its dtype and size as for any receive (``_sendrecv_peeked``:
-        the lane's own probe and bare requests, the common case, at about 1.4x the time of a
-        sendrecv with both tags given, where this general form took 2.2x). A message not
-        there within the spin, or not one the buffer takes as it is, is waited for and
-        received by ``probe`` and ``recv`` (its deadline, the watchdog, the flight record,
-        the mismatch named)."""
+        found by a short spin of probes and received by its source and tag, on the quick lane
+        where there is one (``_sendrecv_peeked``, the common case). A message not there within
+        the spin, or not one the buffer takes as it is, is waited for and received by
+        ``probe`` and ``recv`` (its deadline, the watchdog, the flight record, the mismatch)."""
         g = self._g
         t = g._timeout if timeout is None else g._timeout_of("sendrecv", timeout)
         deadline = time.monotonic() + t
